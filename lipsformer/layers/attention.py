@@ -1,0 +1,129 @@
+"""Attention kernels: per-head ``(q, k, v) -> out`` maps, selected by name.
+
+Every kernel takes ``q, k, v`` of shape (B, heads, N, head_dim) and an optional additive
+logit ``bias`` broadcastable to (B, heads, N, N) (a relative position bias, a mask), and runs
+through :func:`torch.nn.functional.scaled_dot_product_attention` (``fused=True``) or an
+explicit softmax (``fused=False``; the reference the fused path is tested against, and a
+path ``torch.func`` transforms can differentiate twice).
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTIONS = ("scsa", "dot", "l2")
+
+
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    r"""Smoothed l2 row normalisation of LipsFormer eq. 6: :math:`x / \sqrt{\|x\|^2 + \epsilon}`."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _softmax_attention(q, k, v, scale, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
+    """softmax(scale * q k^T + bias) v, fused or explicit."""
+    if bias is not None:
+        bias = bias.to(q.dtype)
+    if fused:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    logits = (q * scale) @ k.transpose(-2, -1)
+    if bias is not None:
+        logits = logits + bias
+    return logits.softmax(-1) @ v
+
+
+def scsa(q, k, v, tau, bias=None, nu: Optional[float] = None, eps: float = 1e-12, fused: bool = True):
+    r"""Scaled cosine similarity attention, LipsFormer eq. 6.
+
+    .. math:: \mathrm{SCSA}(X) = \nu\, \mathrm{softmax}(\tau \hat Q \hat K^\top + B)\, \hat V
+
+    with rows :math:`\hat q_i = q_i / \sqrt{\|q_i\|^2 + \epsilon}` (same for k). ``nu=None``
+    keeps ``v`` unnormalised, as the released code does; a float (or tensor) ``nu`` normalises
+    ``v`` and scales by ``nu``, as the paper does. ``tau`` may be a float or a 0-d tensor.
+    """
+    q, k = l2_normalize(q, eps), l2_normalize(k, eps)
+    if nu is not None:
+        v = l2_normalize(v, eps) * nu
+    if isinstance(tau, torch.Tensor):  # learnable: fold into q, SDPA's scale must be a float
+        return _softmax_attention(q * tau.to(q.dtype), k, v, 1.0, bias, fused)
+    return _softmax_attention(q, k, v, float(tau), bias, fused)
+
+
+def dot_attention(q, k, v, bias=None, fused: bool = True):
+    r"""Standard scaled dot-product attention, :math:`\mathrm{softmax}(QK^\top/\sqrt{d} + B)V` (not Lipschitz)."""
+    return _softmax_attention(q, k, v, q.shape[-1] ** -0.5, bias, fused)
+
+
+def l2_attention(q, k, v, bias=None, fused: bool = True):
+    r"""L2 self-attention, Kim et al. eq. 8: :math:`P_{ij} \propto \exp(-\|q_i - k_j\|^2 / \sqrt{D/H})`.
+
+    Expanding :math:`-\|q_i - k_j\|^2 = 2 q_i\cdot k_j - \|k_j\|^2 - \|q_i\|^2` and dropping the
+    last term (constant along each softmax row) gives a dot-product kernel with scale
+    :math:`2/\sqrt{d}` and the additive bias :math:`-\|k_j\|^2/\sqrt{d}`, so it runs fused.
+    With tied projections pass ``k = q`` (Kim et al. Thm 3.2 needs :math:`W^Q = W^K`).
+    """
+    d = q.shape[-1]
+    key_bias = (k.pow(2).sum(-1) * (-1.0 / math.sqrt(d))).unsqueeze(-2)  # (B, H, 1, N)
+    bias = key_bias if bias is None else key_bias + bias
+    return _softmax_attention(q, k, v, 2.0 / math.sqrt(d), bias, fused)
+
+
+class AttentionKernel(nn.Module):
+    """The Lipschitz choice of an attention layer, with its scalars; the layer owns q, k, v.
+
+    Args:
+        kind: ``scsa`` (LipsFormer), ``dot`` (standard) or ``l2`` (Kim et al.).
+        tau: SCSA temperature (released code: 10 for Swin, 12 for CSwin).
+        learn_tau: make ``tau`` a learnable scalar (parameter ``tau``); fixed otherwise.
+        v_norm: SCSA only: l2-normalise ``v`` and scale by ``nu`` as in the paper
+            (the released code keeps ``v`` unnormalised).
+        nu: SCSA output scale when ``v_norm``.
+        tied_qk: ``l2`` only: share ``W^Q = W^K``; the layer then projects to (q, v) only.
+        eps: smoothing of the SCSA normalisation.
+        fused: run through ``scaled_dot_product_attention``; ``False`` uses the explicit softmax.
+    """
+
+    def __init__(self, kind: str = "scsa", tau: float = 10.0, learn_tau: bool = False, v_norm: bool = False,
+                 nu: float = 1.0, tied_qk: bool = False, eps: float = 1e-12, fused: bool = True):
+        super().__init__()
+        if kind not in ATTENTIONS:
+            raise ValueError(f"attn must be one of {ATTENTIONS}, got {kind!r}")
+        if (learn_tau or v_norm) and kind != "scsa":
+            raise ValueError(f"learn_tau and v_norm apply to attn='scsa' only, got attn={kind!r}")
+        if tied_qk and kind != "l2":
+            raise ValueError(f"tied_qk applies to attn='l2' only, got attn={kind!r}")
+        if kind == "scsa" and tau <= 0:
+            raise ValueError(f"tau must be positive, got {tau}")
+        self.kind = kind
+        self.tau = nn.Parameter(torch.tensor(float(tau))) if learn_tau else float(tau)
+        self.nu = float(nu) if v_norm else None
+        self.tied_qk = tied_qk
+        self.eps = eps
+        self.fused = fused
+
+    @property
+    def num_proj(self) -> int:
+        """How many dim-sized projections the layer computes: (q, v) when tied, else (q, k, v)."""
+        return 2 if self.tied_qk else 3
+
+    def split(self, qkv: torch.Tensor):
+        """Split a (P, ...) stack of projections into q, k, v (k is q when tied)."""
+        if self.tied_qk:
+            return qkv[0], qkv[0], qkv[1]
+        return qkv[0], qkv[1], qkv[2]
+
+    def forward(self, q, k, v, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.kind == "scsa":
+            return scsa(q, k, v, self.tau, bias, nu=self.nu, eps=self.eps, fused=self.fused)
+        if self.kind == "dot":
+            return dot_attention(q, k, v, bias, fused=self.fused)
+        return l2_attention(q, k, v, bias, fused=self.fused)
+
+    def extra_repr(self) -> str:
+        s = f"kind={self.kind!r}"
+        if self.kind == "scsa":
+            s += f", tau={float(self.tau):g}, v_norm={self.nu is not None}"
+        if self.tied_qk:
+            s += ", tied_qk=True"
+        return s

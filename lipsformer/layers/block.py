@@ -1,0 +1,38 @@
+"""The LipsFormer block (LipsFormer Fig. 1, Table 1), shared by the Swin and CSwin families."""
+import torch
+from timm.layers import Mlp
+from torch import nn
+
+from .conv_blocks import ConvBlocks
+from .norm import create_norm
+from .residual import WeightedResidual
+
+
+class LipsBlock(nn.Module):
+    r"""Conv blocks, then weighted-residual attention and MLP, on (B, H, W, C).
+
+    .. math::
+        x &\leftarrow \mathrm{ConvBlocks}(x) \\
+        x &\leftarrow N_1(x + \mathrm{DP}(\alpha_1 \odot \mathrm{Attn}(x))) \\
+        x &\leftarrow N_2(x + \mathrm{DP}(\alpha_2 \odot \mathrm{MLP}(x)))
+
+    ``attn`` is the family's token mixer (Swin windows or CSwin stripes). ``attn_norm=False``
+    drops :math:`N_1`, as the released CSwin code does (CenterNorm only after the MLP).
+    """
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4.0, norm: str = "center",
+                 conv_blocks: str = "D", alpha_init: float = 0.1, drop_path: float = 0.0, drop: float = 0.0,
+                 attn_norm: bool = True):
+        super().__init__()
+        self.convs = ConvBlocks(dim, conv_blocks, alpha_init, drop_path)
+        self.attn = attn
+        self.res_attn = WeightedResidual(dim, alpha_init, drop_path)
+        self.norm1 = create_norm(norm, dim) if attn_norm else nn.Identity()
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.res_mlp = WeightedResidual(dim, alpha_init, drop_path)
+        self.norm2 = create_norm(norm, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.convs(x)
+        x = self.norm1(self.res_attn(x, self.attn(x)))
+        return self.norm2(self.res_mlp(x, self.mlp(x)))

@@ -1,0 +1,62 @@
+"""The convolution blocks that open every LipsFormer block (LipsFormer Fig. 1, Table 3)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .residual import WeightedResidual
+
+CONV_BLOCKS = ("A", "B", "C", "D")
+
+
+def _nchw(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, C) -> (B, C, H, W) view; convolutions run on it in channels-last memory, no copy."""
+    return x.permute(0, 3, 1, 2)
+
+
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    return x.permute(0, 2, 3, 1)
+
+
+class ConvBlocks(nn.Module):
+    r"""Depth-wise / point-wise convolution blocks with weighted residuals, on (B, H, W, C).
+
+    Configurations of LipsFormer Table 3:
+
+    - ``A``: none (identity);
+    - ``B``: :math:`x + \mathrm{DP}(s_1 \odot \mathrm{GELU}(\mathrm{dw}_{7\times7}(x)))`;
+    - ``C``: :math:`x + \mathrm{DP}(s_1 \odot \mathrm{GELU}(\mathrm{pw}_{1\times1}(\mathrm{GELU}(\mathrm{dw}_{7\times7}(x)))))`;
+    - ``D`` (released default): ``C`` followed by :math:`x + \mathrm{DP}(s_2 \odot \mathrm{GELU}(\mathrm{dw}'_{7\times7}(x)))`.
+
+    ``s1`` and ``s2`` are per-channel weights initialised to ``alpha_init``. The released code
+    calls ``dw1``/``dw2`` ``dwconv_layers.0/1``, ``pw`` ``nin`` and ``res1/2.alpha`` ``scale_layers.0/1.scale``.
+    """
+
+    def __init__(self, dim: int, config: str = "D", alpha_init: float = 0.1, drop_path: float = 0.0,
+                 kernel_size: int = 7):
+        super().__init__()
+        if config not in CONV_BLOCKS:
+            raise ValueError(f"conv_blocks must be one of {CONV_BLOCKS}, got {config!r}")
+        self.config = config
+
+        def dw():
+            return nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+
+        self.dw1 = dw() if config != "A" else None
+        self.pw = nn.Conv2d(dim, dim, 1) if config in ("C", "D") else None
+        self.res1 = WeightedResidual(dim, alpha_init, drop_path) if config != "A" else None
+        self.dw2 = dw() if config == "D" else None
+        self.res2 = WeightedResidual(dim, alpha_init, drop_path) if config == "D" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dw1 is None:
+            return x
+        y = self.dw1(_nchw(x))
+        if self.pw is not None:
+            y = self.pw(F.gelu(y))
+        x = self.res1(x, F.gelu(_nhwc(y)))
+        if self.dw2 is not None:
+            x = self.res2(x, F.gelu(_nhwc(self.dw2(_nchw(x)))))
+        return x
+
+    def extra_repr(self) -> str:
+        return f"config={self.config!r}"

@@ -1,0 +1,43 @@
+"""Normalisation layers: CenterNorm (LipsFormer eq. 2) and the ablation alternatives."""
+import torch
+from torch import nn
+
+NORMS = ("center", "layer", "none")
+
+
+class CenterNorm(nn.Module):
+    r"""CenterNorm over the last (channel) dimension, LipsFormer eq. 2.
+
+    .. math:: \mathrm{CN}(x) = \gamma \odot \frac{D}{D-1}\,(x - \tfrac{1}{D}\mathbf{1}\mathbf{1}^\top x) + \beta
+
+    Unlike LayerNorm it does not divide by the standard deviation, so it is Lipschitz with
+    constant ``D/(D-1) * max|gamma|`` (``D/(D-1)`` at initialisation, gamma = 1, beta = 0).
+    Parameters are named ``weight`` (gamma) and ``bias`` (beta) as in the released code.
+    """
+
+    def __init__(self, dim: int):
+        super().__init__()
+        if dim < 2:
+            raise ValueError(f"CenterNorm needs at least 2 channels, got dim={dim}")
+        self.dim = dim
+        self.scale = dim / (dim - 1.0)
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x - x.mean(-1, keepdim=True)
+        return torch.addcmul(self.bias, x, self.weight * self.scale)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}"
+
+
+def create_norm(kind: str, dim: int) -> nn.Module:
+    """Channel-last norm by name: ``center`` (LipsFormer), ``layer`` (LayerNorm, eps 1e-6) or ``none``."""
+    if kind == "center":
+        return CenterNorm(dim)
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=1e-6)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")

@@ -1,0 +1,20 @@
+"""Rectangular window partitioning of channel-last feature maps (Swin windows, CSwin stripes)."""
+from typing import Tuple
+
+import torch
+
+
+def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
+    """(B, H, W, C) -> (B * nH * nW, wh * ww, C); windows in raster order, tokens row-major inside."""
+    B, H, W, C = x.shape
+    wh, ww = window
+    x = x.view(B, H // wh, wh, W // ww, ww, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, wh * ww, C)
+
+
+def window_reverse(windows: torch.Tensor, window: Tuple[int, int], H: int, W: int) -> torch.Tensor:
+    """Inverse of :func:`window_partition`: (B * nH * nW, wh * ww, C) -> (B, H, W, C)."""
+    wh, ww = window
+    C = windows.shape[-1]
+    x = windows.view(-1, H // wh, W // ww, wh, ww, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, H, W, C)

@@ -1,0 +1,4 @@
+"""Model families; importing this registers every LipsFormer model with timm."""
+from .lipsformer_swin import LipsFormerSwin
+
+__all__ = ["LipsFormerSwin"]

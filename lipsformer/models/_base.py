@@ -1,0 +1,165 @@
+"""timm's model face, shared by the LipsFormer families.
+
+Both families are a ``patch_embed`` producing (B, H, W, C), a sequence of ``stages`` (each an
+optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``. The family files
+build those pieces; this class gives them the methods timm and its tools expect.
+"""
+from typing import List, Optional, Tuple, Union
+
+import torch
+from timm.layers import ClassifierHead
+from timm.models import checkpoint_seq
+from timm.models._features import feature_take_indices
+from torch import nn
+
+
+class LipsStage(nn.Module):
+    """``downsample`` (identity in the first stage) then ``blocks``, optionally checkpointed."""
+
+    def __init__(self, downsample: nn.Module, blocks: List[nn.Module]):
+        super().__init__()
+        self.downsample = downsample
+        self.blocks = nn.Sequential(*blocks)
+        self.grad_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.blocks, x)
+        return self.blocks(x)
+
+
+class LipsFormerBase(nn.Module):
+    """Subclasses set ``patch_embed``, ``stages``, ``norm``, ``num_features``, ``feature_info``,
+    then call :meth:`_build_head`."""
+
+    patch_embed: nn.Module
+    stages: nn.Sequential
+    norm: nn.Module
+    num_features: int
+    feature_info: List[dict]
+
+    def _build_head(self, num_classes: int, global_pool: str, drop_rate: float) -> None:
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.head_hidden_size = self.num_features
+        self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
+                                   input_fmt="NHWC")
+
+    # -- timm face ---------------------------------------------------------------------------
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        """Matrix-shaped parameters that must not decay (timm already skips every 1-d one)."""
+        return {"*relative_position_bias_table"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False):
+        return dict(
+            stem=r"^patch_embed",
+            blocks=r"^stages\.(\d+)" if coarse else [
+                (r"^stages\.(\d+)\.downsample", (0,)),
+                (r"^stages\.(\d+)\.blocks\.(\d+)", None),
+                (r"^norm", (99999,)),
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = global_pool
+        self.head.reset(num_classes, pool_type=global_pool)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> (B, H/32, W/32, num_features), channels last."""
+        return self.norm(self.stages(self.patch_embed(x)))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(x, pre_logits=True) if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Stage outputs as NCHW maps (``indices``: last n stages if int, all if None)."""
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        last = len(self.stages) - 1
+        stages = self.stages if not stop_early else self.stages[:max_index + 1]
+        intermediates = []
+        x = self.patch_embed(x)
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in take_indices:
+                y = self.norm(x) if norm and i == last else x
+                intermediates.append(y.permute(0, 3, 1, 2) if output_fmt == "NCHW" else y)
+        if intermediates_only:
+            return intermediates
+        if len(stages) == len(self.stages):
+            x = self.norm(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+
+# -- released-code layout ----------------------------------------------------------------------
+# Inside a block, both released families name the conv blocks and residual weights alike.
+RELEASED_BLOCK_RENAMES = (
+    ("dwconv_layers.0.", "convs.dw1."),
+    ("dwconv_layers.1.", "convs.dw2."),
+    ("nin.", "convs.pw."),
+    ("scale_layers.0.scale", "convs.res1.alpha"),
+    ("scale_layers.1.scale", "convs.res2.alpha"),
+    ("alpha1.scale", "res_attn.alpha"),
+    ("alpha2.scale", "res_mlp.alpha"),
+)
+
+
+def rename_prefix(key: str, renames, inverse: bool = False) -> str:
+    """Replace the first matching prefix of ``key`` using (released, ours) pairs."""
+    for released, ours in renames:
+        src, dst = (ours, released) if inverse else (released, ours)
+        if key.startswith(src):
+            return dst + key[len(src):]
+    return key
+
+
+def unwrap_state_dict(checkpoint: dict) -> dict:
+    """A state dict from a raw one or a training checkpoint that wraps it under 'model' / 'state_dict'."""
+    for wrapper in ("model", "state_dict"):
+        if wrapper in checkpoint and isinstance(checkpoint[wrapper], dict):
+            return checkpoint[wrapper]
+    return checkpoint
+
+
+def fill_learnable_scalars(state_dict: dict, model: nn.Module) -> dict:
+    """Released checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau."""
+    for name, value in model.state_dict().items():
+        if name.endswith(".tau") and name not in state_dict:
+            state_dict[name] = value.detach().clone()
+    return state_dict

@@ -1,0 +1,297 @@
+"""LipsFormer-Swin: Swin Transformer with Lipschitz-continuous blocks (Qi et al., LipsFormer).
+
+Architecture exactly as the released code (IDEA-Research/LipsFormer ``models/lipsformer_swin.py``)
+so the released LipsFormer-Swin-T checkpoint converts and gives the same logits:
+no shifted windows (the depth-wise convolutions mix across windows), window 7, a relative
+position bias per head, SCSA with tau 10 and unnormalised v, conv blocks D, CenterNorm after
+the attention and after the MLP residual, patch merging at the start of stages 2-4, a final
+CenterNorm, average pooling and a linear head; spectral initialisation.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import to_2tuple, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
+
+from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
+from ..layers.windows import window_partition, window_reverse
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, fill_learnable_scalars, rename_prefix,
+                    unwrap_state_dict)
+
+__all__ = ["LipsFormerSwin"]
+
+
+def relative_position_index(window: Tuple[int, int]) -> torch.Tensor:
+    """(N, N) index into a ((2wh-1)(2ww-1), heads) bias table, as in Swin."""
+    wh, ww = window
+    coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
+    return (rel[..., 0] + wh - 1) * (2 * ww - 1) + (rel[..., 1] + ww - 1)
+
+
+class WindowAttention(nn.Module):
+    """Multi-head attention inside non-overlapping windows of (B, H, W, C), with relative position bias."""
+
+    def __init__(self, dim: int, num_heads: int, window: Tuple[int, int], kernel: AttentionKernel,
+                 qkv_bias: bool = True, proj_drop: float = 0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.window = window
+        self.qkv = nn.Linear(dim, dim * kernel.num_proj, bias=qkv_bias)
+        self.kernel = kernel
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * window[0] - 1) * (2 * window[1] - 1), num_heads))
+        trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def position_bias(self) -> torch.Tensor:
+        n = self.window[0] * self.window[1]
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        return bias.view(n, n, self.num_heads).permute(2, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        windows = window_partition(x, self.window)
+        Bw, N, _ = windows.shape
+        qkv = self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = self.kernel.split(qkv)
+        out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2).reshape(Bw, N, C)
+        out = self.proj_drop(self.proj(out))
+        return window_reverse(out, self.window, H, W)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, window={self.window}"
+
+
+class PatchMerging(nn.Module):
+    """Concatenate each 2x2 neighbourhood, norm(4C), Linear(4C, 2C, no bias): (B, H, W, C) -> (B, H/2, W/2, 2C)."""
+
+    def __init__(self, dim: int, norm: str = "center"):
+        super().__init__()
+        self.norm = create_norm(norm, 4 * dim)
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        # channel order (h0 w0, h1 w0, h0 w1, h1 w1), as the released code's torch.cat([x0, x1, x2, x3])
+        x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
+        return self.reduction(self.norm(x))
+
+
+class LipsFormerSwin(LipsFormerBase):
+    """LipsFormer-Swin. Defaults reproduce the released LipsFormer-Swin-T.
+
+    Args:
+        img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depths, num_heads,
+        window_size, mlp_ratio, qkv_bias: as in timm's Swin. A stage smaller than the window
+            attends over the whole stage (released rule); every stage must divide by its window.
+        drop_rate: classifier dropout; proj_drop_rate: dropout after MLP and attention projections.
+        drop_path_rate: stochastic depth, linear over blocks, the same inside a block.
+        norm: ``center`` | ``layer`` | ``none`` (Table 3).
+        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3); tau, learn_tau, v_norm, nu, tied_qk: see
+            :class:`lipsformer.layers.AttentionKernel`.
+        alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released).
+        init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
+        conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3).
+        fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
+    """
+
+    def __init__(
+            self,
+            img_size=224,
+            patch_size: int = 4,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = "avg",
+            embed_dim: int = 96,
+            depths: Sequence[int] = (2, 2, 6, 2),
+            num_heads: Sequence[int] = (3, 6, 12, 24),
+            window_size: int = 7,
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.1,
+            norm: str = "center",
+            attn: str = "scsa",
+            tau: float = 10.0,
+            learn_tau: bool = False,
+            v_norm: bool = False,
+            nu: float = 1.0,
+            tied_qk: bool = False,
+            alpha_init: Optional[float] = None,
+            init: str = "spectral",
+            conv_blocks: str = "D",
+            fused_attn: bool = True,
+    ):
+        super().__init__()
+        if len(depths) != len(num_heads):
+            raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} must have the same length")
+        num_stages = len(depths)
+        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
+        self.num_features = embed_dim * 2 ** (num_stages - 1)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
+        grid = self.patch_embed.grid_size
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+
+        stages, self.feature_info = [], []
+        dim, res = embed_dim, grid
+        for i, (depth, heads) in enumerate(zip(depths, num_heads)):
+            downsample = nn.Identity()
+            if i > 0:
+                if res[0] % 2 or res[1] % 2:
+                    raise ValueError(f"stage {i} cannot merge patches of an odd resolution {res}; "
+                                     f"use an img_size divisible by {patch_size * 2 ** (num_stages - 1)}")
+                downsample = PatchMerging(dim, norm)
+                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+            window = to_2tuple(min(res)) if min(res) <= window_size else to_2tuple(window_size)
+            if res[0] % window[0] or res[1] % window[1]:
+                raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
+                                 f"choose window_size and img_size so that every stage divides")
+            offset = sum(depths[:i])
+            blocks = [
+                LipsBlock(
+                    dim,
+                    WindowAttention(
+                        dim, heads, window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+                        kernel=AttentionKernel(attn, tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu,
+                                               tied_qk=tied_qk, fused=fused_attn)),
+                    mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, alpha_init=alpha_init,
+                    drop_path=dpr[offset + j], drop=proj_drop_rate, attn_norm=True)
+                for j in range(depth)]
+            stages.append(LipsStage(downsample, blocks))
+            self.feature_info.append(dict(num_chs=dim, reduction=patch_size * 2 ** i, module=f"stages.{i}"))
+        self.stages = nn.Sequential(*stages)
+        self.norm = create_norm(norm, self.num_features)
+        self._build_head(num_classes, global_pool, drop_rate)
+        init_weights(self, init)
+
+
+# -- released checkpoint layout <-> ours --------------------------------------------------------
+def _released_to_ours(key: str) -> Optional[str]:
+    parts = key.split(".")
+    if parts[0] == "layers" and parts[2] == "blocks":
+        if parts[4] == "attn" and parts[5] == "relative_position_index" or parts[4] == "attn_mask":
+            return None  # buffers we rebuild
+        suffix = rename_prefix(".".join(parts[4:]), RELEASED_BLOCK_RENAMES)
+        return f"stages.{parts[1]}.blocks.{parts[3]}.{suffix}"
+    if parts[0] == "layers" and parts[2] == "downsample":
+        return f"stages.{int(parts[1]) + 1}.downsample." + ".".join(parts[3:])
+    if parts[0] == "head":
+        return "head.fc." + ".".join(parts[1:])
+    return key
+
+
+def checkpoint_filter_fn(state_dict: dict, model: LipsFormerSwin) -> dict:
+    """Convert a released-layout LipsFormer-Swin state dict (raw or under ``"model"``) to ours.
+
+    A state dict already in our layout passes through unchanged.
+    """
+    state_dict = unwrap_state_dict(state_dict)
+    if not any(k.startswith("layers.") for k in state_dict):
+        return state_dict
+    has_pw = any(k.endswith("convs.pw.weight") for k in model.state_dict())
+    out = {}
+    for key, value in state_dict.items():
+        new = _released_to_ours(key)
+        if new is None or (".convs.pw." in new and not has_pw):
+            continue  # rebuilt buffers; the released code builds `nin` even when it has no conv blocks
+        out[new] = value
+    return fill_learnable_scalars(out, model)
+
+
+def released_state_dict(model: LipsFormerSwin) -> dict:
+    """Our state dict in the released code's layout (the inverse of :func:`checkpoint_filter_fn`)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        parts = key.split(".")
+        if parts[0] == "stages" and parts[2] == "blocks":
+            if parts[-1] == "tau":
+                continue
+            suffix = rename_prefix(".".join(parts[4:]), RELEASED_BLOCK_RENAMES, inverse=True)
+            out[f"layers.{parts[1]}.blocks.{parts[3]}.{suffix}"] = value
+        elif parts[0] == "stages" and parts[2] == "downsample":
+            out[f"layers.{int(parts[1]) - 1}.downsample." + ".".join(parts[3:])] = value
+        elif parts[0] == "head":
+            out["head." + ".".join(parts[2:])] = value
+        else:
+            out[key] = value
+    for name, module in model.named_modules():
+        if isinstance(module, WindowAttention):
+            s, i, _, j = name.split(".")[:4]
+            out[f"layers.{i}.blocks.{j}.attn.relative_position_index"] = module.relative_position_index.clone()
+    return out
+
+
+def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
+    return build_model_with_cfg(
+        LipsFormerSwin, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+        **kwargs)
+
+
+def _cfg(url: str = "", **kwargs) -> dict:
+    return {
+        "url": url,
+        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
+        "crop_pct": 0.9, "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj", "classifier": "head.fc",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    # The one published LipsFormer weight: 82.7% top-1 on ImageNet-1k (released README).
+    "lipsformer_swin_t.official_in1k": _cfg(
+        url="https://github.com/cyh1112/LipsFormer/releases/download/checkpoint/lipsformer-swin-tiny.pth",
+        license="mit"),
+    # No weights were released for these: the configs carry preprocessing only.
+    "lipsformer_swin_s": _cfg(),
+    "lipsformer_swin_b": _cfg(),
+    "lipsformer_swin_l": _cfg(),
+    "lipsformer_swin_lpp.in22k": _cfg(num_classes=21841),
+})
+
+
+@register_model
+def lipsformer_swin_t(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    """LipsFormer-Swin-T: 31M params, 5.0 GFLOPs, 82.7% top-1 (paper Table 2)."""
+    args = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))
+    return _create_lipsformer_swin("lipsformer_swin_t", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_swin_s(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    """LipsFormer-Swin-S: 54M params, 9.7 GFLOPs, 83.5% top-1."""
+    args = dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24))
+    return _create_lipsformer_swin("lipsformer_swin_s", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_swin_b(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    """LipsFormer-Swin-B: 96M params, 17.0 GFLOPs, 84.0% top-1."""
+    args = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32))
+    return _create_lipsformer_swin("lipsformer_swin_b", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_swin_l(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    """LipsFormer-Swin-L: 214M params, 37.7 GFLOPs, 83.5% top-1."""
+    args = dict(embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48))
+    return _create_lipsformer_swin("lipsformer_swin_l", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_swin_lpp(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    """LipsFormer-Swin-L++ with the ImageNet-22k head (21841 classes): 526M params."""
+    args = dict(embed_dim=288, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48))
+    return _create_lipsformer_swin("lipsformer_swin_lpp", pretrained, **dict(args, **kwargs))
