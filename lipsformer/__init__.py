@@ -6,7 +6,7 @@ Importing this package registers every LipsFormer model with timm::
     model = timm.create_model("lipsformer_swin_t")
 """
 from . import models  # noqa: F401  (registers the models)
-from .models import LipsFormerSwin
+from .models import LipsFormerCSwin, LipsFormerSwin
 
 __version__ = "0.1.0"
-__all__ = ["LipsFormerSwin", "__version__"]
+__all__ = ["LipsFormerCSwin", "LipsFormerSwin", "__version__"]

@@ -1,4 +1,5 @@
 """Model families; importing this registers every LipsFormer model with timm."""
+from .lipsformer_cswin import LipsFormerCSwin
 from .lipsformer_swin import LipsFormerSwin
 
-__all__ = ["LipsFormerSwin"]
+__all__ = ["LipsFormerCSwin", "LipsFormerSwin"]

@@ -163,3 +163,8 @@ def fill_learnable_scalars(state_dict: dict, model: nn.Module) -> dict:
         if name.endswith(".tau") and name not in state_dict:
             state_dict[name] = value.detach().clone()
     return state_dict
+
+
+def drop_path_rates(rate: float, n: int) -> List[float]:
+    """Stochastic depth rising linearly from 0 to ``rate`` over ``n`` blocks (plain floats: meta-device safe)."""
+    return [rate * i / (n - 1) if n > 1 else 0.0 for i in range(n)]

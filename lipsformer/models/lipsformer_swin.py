@@ -17,8 +17,8 @@ from torch import nn
 
 from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, fill_learnable_scalars, rename_prefix,
-                    unwrap_state_dict)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, drop_path_rates, fill_learnable_scalars,
+                    rename_prefix, unwrap_state_dict)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -138,7 +138,7 @@ class LipsFormerSwin(LipsFormerBase):
         self.num_features = embed_dim * 2 ** (num_stages - 1)
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
         grid = self.patch_embed.grid_size
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
 
         stages, self.feature_info = [], []
         dim, res = embed_dim, grid

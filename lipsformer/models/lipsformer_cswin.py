@@ -1,0 +1,293 @@
+"""LipsFormer-CSwin: CSwin Transformer with Lipschitz-continuous blocks (Qi et al., LipsFormer).
+
+Architecture exactly as the CSwin-based code in the released repository's history
+(IDEA-Research/LipsFormer ``models/cswin.py`` at commit 00acb80): a 4x4 stride-4 conv + CenterNorm
+stem; cross-shaped window attention (half the channels and heads attend inside vertical stripes
+of width ``split_size``, half inside horizontal ones; one full-attention branch where the stage
+is no larger than the split, i.e. the last stage); SCSA with tau 12, fixed; LePE (a 3x3
+depth-wise conv of v inside each stripe) added to each head's output; each branch divided by
+sqrt(its heads); conv blocks D before the attention; CenterNorm after the MLP residual only;
+2x2 stride-2 conv + CenterNorm between stages; no final norm; mean over tokens; linear head.
+"""
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
+
+from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
+from ..layers.windows import window_partition, window_reverse
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, drop_path_rates, fill_learnable_scalars,
+                    rename_prefix, unwrap_state_dict)
+
+__all__ = ["LipsFormerCSwin"]
+
+
+class CrossShapedAttention(nn.Module):
+    """CSwin attention on (B, H, W, C) with locally-enhanced positional encoding (LePE).
+
+    With two branches, channels ``[:C/2]`` (the first half of the heads) attend inside vertical
+    stripes ``(H, split)`` and channels ``[C/2:]`` inside horizontal stripes ``(split, W)``; with
+    one branch (``full=True``) all heads attend over the whole map. Each branch's output is
+    ``(attention(q, k, v) + LePE(v)) / sqrt(branch heads)``; the branches are concatenated and
+    projected.
+    """
+
+    def __init__(self, dim: int, num_heads: int, resolution: Tuple[int, int], split_size: int,
+                 kernel: AttentionKernel, full: bool = False, qkv_bias: bool = True, proj_drop: float = 0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
+        H, W = resolution
+        self.windows = [(H, W)] if full else [(H, split_size), (split_size, W)]
+        if num_heads % len(self.windows):
+            raise ValueError(f"num_heads {num_heads} must be even for two stripe branches")
+        self.branch_heads = num_heads // len(self.windows)
+        branch_dim = dim // len(self.windows)
+        self.qkv = nn.Linear(dim, dim * kernel.num_proj, bias=qkv_bias)
+        self.kernel = kernel
+        self.lepe = nn.ModuleList(
+            nn.Conv2d(branch_dim, branch_dim, 3, padding=1, groups=branch_dim) for _ in self.windows)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        P, nb = self.kernel.num_proj, len(self.windows)
+        qkv = self.qkv(x).view(B, H, W, P, nb, C // nb)
+        outs = []
+        for b, (window, lepe) in enumerate(zip(self.windows, self.lepe)):
+            windows = window_partition(qkv[..., b, :].reshape(B, H, W, -1), window)  # (Bw, N, P * Cb)
+            Bw, N, _ = windows.shape
+            proj = windows.view(Bw, N, P, self.branch_heads, -1).permute(2, 0, 3, 1, 4)
+            q, k, v = self.kernel.split(proj)
+            out = self.kernel(q, k, v).transpose(1, 2).reshape(Bw, N, -1)
+            v_map = windows.view(Bw, window[0], window[1], P, -1)[..., -1, :].permute(0, 3, 1, 2)
+            out = out + lepe(v_map).flatten(2).transpose(1, 2)
+            outs.append(window_reverse(out / math.sqrt(self.branch_heads), window, H, W))
+        x = outs[0] if nb == 1 else torch.cat(outs, dim=-1)
+        return self.proj_drop(self.proj(x))
+
+    def extra_repr(self) -> str:
+        return f"windows={self.windows}, branch_heads={self.branch_heads}"
+
+
+class ConvDownsample(nn.Module):
+    """2x2 stride-2 conv then norm: (B, H, W, C) -> (B, H/2, W/2, C_out)."""
+
+    def __init__(self, dim: int, out_dim: int, norm: str = "center"):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, out_dim, kernel_size=2, stride=2)
+        self.norm = create_norm(norm, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
+
+
+class LipsFormerCSwin(LipsFormerBase):
+    """LipsFormer-CSwin. Defaults reproduce the released CSwin-based code.
+
+    Args:
+        img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depths, num_heads,
+        mlp_ratio, qkv_bias, drop_rate, proj_drop_rate, drop_path_rate: as in
+            :class:`lipsformer.models.LipsFormerSwin`.
+        split_size: stripe width per stage; a stage whose size equals its split size, and the
+            last stage, use full attention (released rule); every other stage must divide by it.
+        norm, attn, tau, learn_tau, v_norm, nu, tied_qk, init, conv_blocks, fused_attn: the
+            Lipschitz choices, as for the Swin family (tau defaults to 12, the released value).
+        alpha_init: initial residual weights. The released CSwin code initialises every residual
+            weight to 0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is
+            never used), so 0.2 is the default; ``None`` means ``1 / sum(depths)`` as for Swin.
+    """
+
+    def __init__(
+            self,
+            img_size=224,
+            patch_size: int = 4,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = "avg",
+            embed_dim: int = 64,
+            depths: Sequence[int] = (1, 2, 21, 1),
+            split_size: Sequence[int] = (1, 2, 7, 7),
+            num_heads: Sequence[int] = (2, 4, 8, 16),
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.2,
+            norm: str = "center",
+            attn: str = "scsa",
+            tau: float = 12.0,
+            learn_tau: bool = False,
+            v_norm: bool = False,
+            nu: float = 1.0,
+            tied_qk: bool = False,
+            alpha_init: Optional[float] = 0.2,
+            init: str = "spectral",
+            conv_blocks: str = "D",
+            fused_attn: bool = True,
+    ):
+        super().__init__()
+        if not len(depths) == len(num_heads) == len(split_size):
+            raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and split_size "
+                             f"{tuple(split_size)} must have the same length")
+        num_stages = len(depths)
+        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
+        self.num_features = embed_dim * 2 ** (num_stages - 1)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
+
+        stages, self.feature_info = [], []
+        dim, res = embed_dim, self.patch_embed.grid_size
+        for i, (depth, heads, split) in enumerate(zip(depths, num_heads, split_size)):
+            downsample = nn.Identity()
+            if i > 0:
+                if res[0] % 2 or res[1] % 2:
+                    raise ValueError(f"stage {i} cannot halve an odd resolution {res}; "
+                                     f"use an img_size divisible by {patch_size * 2 ** (num_stages - 1)}")
+                downsample = ConvDownsample(dim, dim * 2, norm)
+                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+            full = i == num_stages - 1 or res == to_2tuple(split)
+            if not full and (res[0] % split or res[1] % split):
+                raise ValueError(f"stage {i} resolution {res} is not divisible by split size {split}; "
+                                 f"choose split_size and img_size so that every stage divides")
+            offset = sum(depths[:i])
+            blocks = [
+                LipsBlock(
+                    dim,
+                    CrossShapedAttention(
+                        dim, heads, res, split, full=full, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+                        kernel=AttentionKernel(attn, tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu,
+                                               tied_qk=tied_qk, fused=fused_attn)),
+                    mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, alpha_init=alpha_init,
+                    drop_path=dpr[offset + j], drop=proj_drop_rate, attn_norm=False)
+                for j in range(depth)]
+            stages.append(LipsStage(downsample, blocks))
+            self.feature_info.append(dict(num_chs=dim, reduction=patch_size * 2 ** i, module=f"stages.{i}"))
+        self.stages = nn.Sequential(*stages)
+        self.norm = nn.Identity()  # the released CSwin code has no final norm
+        self._build_head(num_classes, global_pool, drop_rate)
+        init_weights(self, init)
+
+
+# -- released checkpoint layout <-> ours --------------------------------------------------------
+# (released, ours) prefixes at block level, after the shared conv/residual renames.
+_CSWIN_BLOCK_RENAMES = RELEASED_BLOCK_RENAMES + (
+    ("qkv.", "attn.qkv."),
+    ("proj.", "attn.proj."),
+    ("attns.0.get_v.", "attn.lepe.0."),
+    ("attns.1.get_v.", "attn.lepe.1."),
+)
+_CSWIN_TOP_RENAMES = (
+    ("stage1_conv_embed.0.", "patch_embed.proj."),
+    ("stage1_conv_embed.2.", "patch_embed.norm."),
+    ("head.", "head.fc."),
+)
+
+
+def _released_to_ours(key: str) -> Optional[str]:
+    parts = key.split(".")
+    if parts[0].startswith("stage") and parts[0][5:].isdigit():
+        if parts[2] == "norm1":
+            return None  # built but never used by the released block
+        suffix = rename_prefix(".".join(parts[2:]), _CSWIN_BLOCK_RENAMES)
+        return f"stages.{int(parts[0][5:]) - 1}.blocks.{parts[1]}.{suffix}"
+    if parts[0].startswith("merge"):
+        return f"stages.{int(parts[0][5:])}.downsample." + ".".join(parts[1:])
+    return rename_prefix(key, _CSWIN_TOP_RENAMES)
+
+
+def checkpoint_filter_fn(state_dict: dict, model: LipsFormerCSwin) -> dict:
+    """Convert a released-layout LipsFormer-CSwin state dict (raw or under ``"model"``) to ours.
+
+    Unused released keys (``stageN.i.norm1.*``, ``nin`` without conv blocks) are dropped; a state
+    dict already in our layout passes through unchanged.
+    """
+    state_dict = unwrap_state_dict(state_dict)
+    if not any(k.startswith("stage1") for k in state_dict):
+        return state_dict
+    has_pw = any(k.endswith("convs.pw.weight") for k in model.state_dict())
+    out = {}
+    for key, value in state_dict.items():
+        new = _released_to_ours(key)
+        if new is None or (".convs.pw." in new and not has_pw):
+            continue
+        out[new] = value
+    return fill_learnable_scalars(out, model)
+
+
+def released_state_dict(model: LipsFormerCSwin) -> dict:
+    """Our state dict in the released code's layout (the inverse of :func:`checkpoint_filter_fn`).
+
+    The released block also holds an unused ``norm1``; it is written at its initial value.
+    """
+    out = {}
+    for key, value in model.state_dict().items():
+        parts = key.split(".")
+        if parts[0] == "stages" and parts[2] == "blocks":
+            if parts[-1] == "tau":
+                continue
+            suffix = rename_prefix(".".join(parts[4:]), _CSWIN_BLOCK_RENAMES, inverse=True)
+            out[f"stage{int(parts[1]) + 1}.{parts[3]}.{suffix}"] = value
+            if suffix == "norm2.weight":
+                out[f"stage{int(parts[1]) + 1}.{parts[3]}.norm1.weight"] = torch.ones_like(value)
+                out[f"stage{int(parts[1]) + 1}.{parts[3]}.norm1.bias"] = torch.zeros_like(value)
+        elif parts[0] == "stages" and parts[2] == "downsample":
+            out[f"merge{parts[1]}." + ".".join(parts[3:])] = value
+        else:
+            out[rename_prefix(key, _CSWIN_TOP_RENAMES, inverse=True)] = value
+    return out
+
+
+def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
+    return build_model_with_cfg(
+        LipsFormerCSwin, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+        **kwargs)
+
+
+def _cfg(url: str = "", **kwargs) -> dict:
+    return {
+        "url": url,
+        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
+        "crop_pct": 0.9, "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj", "classifier": "head.fc",
+        **kwargs,
+    }
+
+
+# No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and
+# `pretrained=True` works only with `pretrained_cfg_overlay=dict(file=...)`.
+default_cfgs = generate_default_cfgs({
+    "lipsformer_cswin_t": _cfg(),
+    "lipsformer_cswin_s": _cfg(),
+    "lipsformer_cswin_b": _cfg(),
+})
+
+
+@register_model
+def lipsformer_cswin_t(pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-T: 24M params, 4.7 GFLOPs, 83.5% top-1 (paper Table 2)."""
+    args = dict(embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7))
+    return _create_lipsformer_cswin("lipsformer_cswin_t", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_cswin_s(pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-S: 38M params, 7.6 GFLOPs, 83.8% top-1."""
+    args = dict(embed_dim=64, depths=(2, 4, 32, 2), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7))
+    return _create_lipsformer_cswin("lipsformer_cswin_s", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_cswin_b(pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-B: 83M params, 16.3 GFLOPs, 84.6% top-1."""
+    args = dict(embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32), split_size=(1, 2, 7, 7))
+    return _create_lipsformer_cswin("lipsformer_cswin_b", pretrained, **dict(args, **kwargs))

@@ -1,0 +1,20 @@
+import pytest
+import torch
+
+import lipsformer  # noqa: F401  (registers the models)
+
+
+# A tiny, fast configuration of each family (init 'xavier' skips the SVDs where init is not the point).
+TINY = {
+    "swin": dict(img_size=32, embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 4, 8), window_size=2),
+    "cswin": dict(img_size=32, embed_dim=16, depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 8), split_size=(1, 2, 2, 2)),
+}
+
+
+def family(name: str) -> str:
+    return "cswin" if "cswin" in name else "swin"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

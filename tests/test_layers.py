@@ -1,0 +1,181 @@
+"""The Lipschitz building blocks against their equations."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lipsformer.layers import (AttentionKernel, CenterNorm, ConvBlocks, WeightedResidual, dot_attention, init_weights,
+                               l2_attention, scsa, spectral_norm_of, window_partition, window_reverse)
+
+
+# -- CenterNorm (eq. 2) -------------------------------------------------------------------------
+def test_centernorm_output_has_zero_channel_mean():
+    x = torch.randn(4, 5, 32) * 3 + 7
+    y = CenterNorm(32)(x)
+    torch.testing.assert_close(y.mean(-1), torch.zeros(4, 5), atol=1e-5, rtol=0)
+
+
+def test_centernorm_matches_equation_with_affine():
+    norm = CenterNorm(6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 7.0))
+        norm.bias.copy_(torch.linspace(-1, 1, 6))
+    x = torch.randn(3, 6)
+    expected = norm.weight * 6 / 5 * (x - x.mean(-1, keepdim=True)) + norm.bias
+    torch.testing.assert_close(norm(x), expected)
+
+
+@pytest.mark.parametrize("dim", [2, 8, 96])
+def test_centernorm_jacobian_spectral_norm_is_d_over_d_minus_1(dim):
+    x = torch.randn(dim, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(CenterNorm(dim).double(), x)
+    assert torch.linalg.matrix_norm(jac, ord=2).item() == pytest.approx(dim / (dim - 1), rel=1e-12)
+
+
+def test_centernorm_rejects_one_channel():
+    with pytest.raises(ValueError, match="at least 2 channels"):
+        CenterNorm(1)
+
+
+# -- attention kernels ----------------------------------------------------------------------------
+def _qkv(b=2, h=3, n=10, d=8):
+    return (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+
+
+def _explicit_scsa(q, k, v, tau, bias=None, nu=None, eps=1e-12):
+    qn = q / torch.sqrt((q ** 2).sum(-1, keepdim=True) + eps)
+    kn = k / torch.sqrt((k ** 2).sum(-1, keepdim=True) + eps)
+    if nu is not None:
+        v = nu * v / torch.sqrt((v ** 2).sum(-1, keepdim=True) + eps)
+    logits = tau * torch.einsum("bhid,bhjd->bhij", qn, kn)
+    if bias is not None:
+        logits = logits + bias
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(logits, -1), v)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("nu", [None, 0.7])
+def test_scsa_equals_explicit_softmax_formula(fused, with_bias, nu):
+    q, k, v = _qkv()
+    bias = torch.randn(3, 10, 10, dtype=torch.float64) if with_bias else None
+    out = scsa(q, k, v, 10.0, bias, nu=nu, fused=fused)
+    torch.testing.assert_close(out, _explicit_scsa(q, k, v, 10.0, bias, nu=nu))
+
+
+def test_scsa_learnable_tau_gets_gradient_and_matches_fixed():
+    q, k, v = _qkv()
+    tau = torch.tensor(12.0, dtype=torch.float64, requires_grad=True)
+    out = scsa(q, k, v, tau)
+    torch.testing.assert_close(out, scsa(q, k, v, 12.0))
+    out.sum().backward()
+    assert tau.grad is not None and tau.grad.abs() > 0
+
+
+def test_scsa_is_scale_invariant_in_q_and_k():
+    q, k, v = _qkv()
+    torch.testing.assert_close(scsa(q * 5, k * 0.1, v, 10.0), scsa(q, k, v, 10.0))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dot_attention_fused_equals_explicit(with_bias):
+    q, k, v = _qkv()
+    bias = torch.randn(3, 10, 10, dtype=torch.float64) if with_bias else None
+    logits = q @ k.transpose(-2, -1) / math.sqrt(8) + (0 if bias is None else bias)
+    expected = torch.softmax(logits, -1) @ v
+    torch.testing.assert_close(dot_attention(q, k, v, bias), expected)
+    torch.testing.assert_close(dot_attention(q, k, v, bias, fused=False), expected)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_l2_attention_equals_kim_eq8(fused):
+    q, k, v = _qkv()
+    logits = -torch.cdist(q, k) ** 2 / math.sqrt(8)  # Kim et al. eq. 8, D/H = head dim 8
+    torch.testing.assert_close(l2_attention(q, k, v, fused=fused), torch.softmax(logits, -1) @ v)
+
+
+def test_attention_kernel_tied_qk_projects_two_and_shares_q():
+    kernel = AttentionKernel("l2", tied_qk=True)
+    assert kernel.num_proj == 2
+    qv = torch.randn(2, 1, 3, 4, 8)
+    q, k, v = kernel.split(qv)
+    assert torch.equal(q, qv[0]) and torch.equal(k, qv[0]) and torch.equal(v, qv[1])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kind="cosine"), "attn must be one of"),
+    (dict(kind="dot", learn_tau=True), "attn='scsa' only"),
+    (dict(kind="scsa", tied_qk=True), "attn='l2' only"),
+    (dict(kind="scsa", tau=0.0), "tau must be positive"),
+])
+def test_attention_kernel_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionKernel(**kwargs)
+
+
+def test_attention_kernel_learn_tau_is_a_parameter():
+    kernel = AttentionKernel("scsa", tau=12.0, learn_tau=True)
+    assert [n for n, _ in kernel.named_parameters()] == ["tau"]
+    assert list(AttentionKernel("scsa").parameters()) == []
+
+
+# -- weighted residual, conv blocks ---------------------------------------------------------------
+def test_weighted_residual_scales_branch_per_channel():
+    res = WeightedResidual(4, alpha_init=0.25)
+    x, fx = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    torch.testing.assert_close(res(x, fx), x + 0.25 * fx)
+    assert res.alpha.shape == (4,)
+
+
+def test_conv_blocks_d_equals_released_formula():
+    torch.manual_seed(1)
+    blocks = ConvBlocks(6, "D", alpha_init=0.3)
+    x = torch.randn(2, 5, 5, 6)
+    nchw = x.permute(0, 3, 1, 2)
+    dw = lambda conv, t: F.conv2d(t, conv.weight, conv.bias, padding=3, groups=6)  # noqa: E731
+    y = nchw + 0.3 * F.gelu(F.conv2d(F.gelu(dw(blocks.dw1, nchw)), blocks.pw.weight, blocks.pw.bias))
+    y = y + 0.3 * F.gelu(dw(blocks.dw2, y))
+    torch.testing.assert_close(blocks(x), y.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("config, modules", [
+    ("A", []), ("B", ["dw1", "res1"]), ("C", ["dw1", "pw", "res1"]), ("D", ["dw1", "pw", "res1", "dw2", "res2"])])
+def test_conv_block_configurations_of_table_3(config, modules):
+    blocks = ConvBlocks(8, config)
+    assert [n for n, _ in blocks.named_children()] == modules
+    x = torch.randn(1, 7, 7, 8)
+    out = blocks(x)
+    assert out.shape == x.shape
+    if config == "A":
+        assert out is x
+
+
+def test_conv_blocks_rejects_unknown_configuration():
+    with pytest.raises(ValueError, match="conv_blocks must be one of"):
+        ConvBlocks(8, "E")
+
+
+# -- init --------------------------------------------------------------------------------------------
+def test_spectral_init_gives_unit_largest_singular_value():
+    model = nn.Sequential(nn.Linear(16, 48), nn.Conv2d(3, 8, 4, 4), nn.Conv2d(8, 8, 7, groups=8), nn.Linear(48, 5))
+    init_weights(model, "spectral")
+    for m in model:
+        assert spectral_norm_of(m.weight).item() == pytest.approx(1.0, abs=1e-5)
+        assert torch.count_nonzero(m.bias) == 0
+
+
+def test_init_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="init must be one of"):
+        init_weights(nn.Linear(2, 2), "orthogonal")
+
+
+# -- windows -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [(2, 2), (4, 1), (1, 6), (4, 6)])
+def test_window_partition_round_trip_and_order(window):
+    x = torch.arange(2 * 4 * 6 * 3.0).view(2, 4, 6, 3)
+    windows = window_partition(x, window)
+    assert windows.shape == (2 * (4 // window[0]) * (6 // window[1]), window[0] * window[1], 3)
+    torch.testing.assert_close(windows[0].view(*window, 3), x[0, :window[0], :window[1]])
+    torch.testing.assert_close(window_reverse(windows, window, 4, 6), x)
