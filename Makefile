@@ -20,8 +20,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The digits demo: written once as an image folder, trained from scratch (its output folder is replaced).
 demo: $(STAMP)
-	@echo "make demo: not yet -- the training loop (issue 4) has not landed; 'make test' and 'make flops' work."
+	$(PY) -m lipsformer.data.digits output/digits
+	rm -rf output/demo_digits
+	$(PY) train.py --config configs/demo_digits.yaml
 
 flops: $(STAMP)
 	$(PY) -m lipsformer.flops

@@ -1,0 +1,105 @@
+"""Datasets that report, rather than hide, the images they cannot read."""
+import logging
+import random
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import create_dataset as timm_create_dataset
+from timm.data import create_transform, resolve_data_config
+from torch.utils.data import Dataset, default_collate
+
+_logger = logging.getLogger(__name__)
+
+
+class SafeImageDataset(Dataset):
+    """Map-style dataset over a timm reader; an unreadable image yields ``(None, target, path)``.
+
+    timm's own ImageDataset silently substitutes the next image; the training loop needs to count
+    the failures instead, and stop when too many of an epoch's samples fail.
+
+    With a ``seed``, each sample's augmentation draws from RNGs seeded by (seed, epoch, index) and
+    forked from the global ones, so the augmented data do not depend on prefetching, worker
+    count or where a resumed run restarted: resume is exact.
+    """
+
+    def __init__(self, reader, transform=None, seed: Optional[int] = None):
+        self.reader = reader
+        self.transform = transform
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Accelerate's loader at each ``set_epoch``."""
+        self.epoch = epoch
+
+    def _transform(self, img, index: int):
+        if self.seed is None:
+            return self.transform(img)
+        sample_seed = ((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index) % (2 ** 32)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed)
+                random.seed(sample_seed)
+                np.random.seed(sample_seed)
+                return self.transform(img)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def filename(self, index: int) -> str:
+        return str(self.reader.filename(index, absolute=True))
+
+    def __getitem__(self, index: int) -> Tuple[Optional[Any], int, str]:
+        img, target = self.reader[index][:2]
+        try:
+            img = Image.open(img).convert("RGB")  # convert() decodes, so truncated files fail here
+        except Exception as e:  # PIL raises several kinds for corrupt or empty files
+            path = self.filename(index)
+            _logger.warning(f"skipped unreadable image {path}: {e}")
+            return None, -1 if target is None else target, path
+        if self.transform is not None:
+            img = self._transform(img, index)
+        return img, -1 if target is None else target, ""
+
+
+def collate_skip_failed(batch: List[Tuple[Any, int, str]]):
+    """Collate to ``(images, targets, failed_paths)``; failed samples are replaced by copies of good ones
+    from the same batch, so the batch keeps its size (mixup needs an even one)."""
+    good = [(img, t) for img, t, _ in batch if img is not None]
+    failed = [p for img, _, p in batch if img is None]
+    if not good:
+        return None, None, failed
+    good += [good[i % len(good)] for i in range(len(batch) - len(good))]
+    images, targets = default_collate(good)
+    return images, targets, failed
+
+
+def create_loader_transform(model, is_training: bool, cfg=None):
+    """Preprocessing from the model's pretrained config; training adds the recipe's augmentations."""
+    data_cfg = resolve_data_config({}, model=model)
+    if cfg is not None:
+        data_cfg.update(input_size=(3, cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
+                        interpolation=cfg.interpolation)
+    if not is_training:
+        return create_transform(**data_cfg, is_training=False)
+    return create_transform(
+        data_cfg["input_size"], is_training=True, interpolation=data_cfg["interpolation"], mean=data_cfg["mean"],
+        std=data_cfg["std"], auto_augment=cfg.aa, re_prob=cfg.reprob, re_mode="pixel", hflip=cfg.hflip,
+        scale=tuple(cfg.scale))
+
+
+def create_dataset(name: str, root: Optional[str], split: str, transform, is_training: bool = False,
+                   batch_size: int = 1, seed: Optional[int] = None):
+    """A folder (``name=''``) or any timm dataset name; map-style ones count unreadable images and,
+    given a ``seed``, augment each sample reproducibly."""
+    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size)
+    if hasattr(ds, "reader") and isinstance(ds, torch.utils.data.Dataset) and hasattr(ds.reader, "__getitem__"):
+        return SafeImageDataset(ds.reader, transform, seed=seed)
+    ds.transform = transform  # iterable (wds/...) datasets: timm's own error handling applies
+    return ds

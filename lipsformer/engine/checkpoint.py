@@ -1,0 +1,69 @@
+"""Atomic, rotating training checkpoints on top of Accelerate's save_state / load_state."""
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_NAME = re.compile(r"^step_(\d{9})$")
+
+
+class TrainState:
+    """Where the run is: epoch, optimizer step, batches consumed in this epoch, and bookkeeping."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.step = 0
+        self.batch_in_epoch = 0
+        self.best_top1 = -1.0
+        self.skipped_steps = 0
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+def checkpoint_dir(output_dir) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_checkpoint(output_dir) -> Optional[Path]:
+    """The newest complete checkpoint; half-written ones (``.tmp-*``) are ignored."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+    return done[-1] if done else None
+
+
+def assert_finite(model: torch.nn.Module) -> None:
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise FloatingPointError(f"refusing to checkpoint non-finite weights: {', '.join(bad[:5])}")
+
+
+def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
+    """Write to ``.tmp-step_N`` then rename to ``step_N``, so a crash never leaves a partial checkpoint
+    that looks complete; keep the newest ``keep_last``."""
+    assert_finite(model)
+    root = checkpoint_dir(output_dir)
+    final = root / f"step_{state.step:09d}"
+    if final.exists():
+        return final
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.replace(tmp, final)
+        done = sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+        for old in done[:-keep_last]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final

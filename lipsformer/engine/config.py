@@ -1,0 +1,143 @@
+"""The training recipe: one typed dataclass, loaded from YAML, overridden by ``--set key=value``."""
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key or gives a value of the wrong type."""
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run. Defaults are the paper's Table 6 recipe for the Tiny models."""
+
+    # model
+    model: str = "lipsformer_cswin_t"
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model arguments
+    num_classes: int = 1000
+    drop_path: float = 0.2
+    img_size: int = 224
+    crop_pct: float = 0.9
+    interpolation: str = "bicubic"
+    # data: a folder with train/ and val/ (one folder per class), or any timm dataset name (hfds/..., wds/...)
+    data_dir: Optional[str] = None
+    dataset: str = ""
+    train_split: str = "train"
+    val_split: str = "val"
+    workers: int = 8
+    max_bad_fraction: float = 0.01  # stop when more of an epoch's samples than this fail to load
+    # optimisation (Table 6)
+    epochs: int = 300
+    global_batch: int = 2048  # = batch_size x processes x accumulation steps
+    batch_size: int = 128  # per process
+    opt: str = "adamw"
+    lr: float = 2e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.05
+    sched: str = "cosine"
+    warmup_epochs: int = 0  # the paper's point: no warmup
+    min_lr: float = 1e-5
+    clip_grad: Optional[float] = None
+    label_smoothing: float = 0.1
+    aa: Optional[str] = "rand-m9-mstd0.5-inc1"
+    reprob: float = 0.25
+    hflip: float = 0.5
+    scale: Tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
+    mixup: float = 0.8
+    cutmix: float = 1.0
+    ema_decay: Optional[float] = 0.99984
+    mixed_precision: str = "bf16"  # bf16 | fp16 | no
+    # run
+    seed: int = 0
+    output_dir: str = "output/run"
+    checkpoint_every_steps: int = 1000  # optimizer steps; a checkpoint is also written at every epoch end
+    keep_last: int = 3
+    on_nonfinite: str = "stop"  # stop | skip
+    log_every_steps: int = 50
+    eval_every_epochs: int = 1
+
+    def __post_init__(self):
+        checks = {
+            "mixed_precision": ("bf16", "fp16", "no"),
+            "on_nonfinite": ("stop", "skip"),
+        }
+        for key, allowed in checks.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+
+    def accumulation_steps(self, num_processes: int) -> int:
+        """Gradient accumulation derived from the global batch; it must divide exactly."""
+        per_step = self.batch_size * num_processes
+        if self.global_batch % per_step:
+            raise ConfigError(f"global_batch {self.global_batch} is not a multiple of batch_size {self.batch_size} "
+                              f"x {num_processes} processes; change global_batch or batch_size")
+        return self.global_batch // per_step
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path) -> None:
+        data = self.to_dict()
+        data["betas"], data["scale"] = list(data["betas"]), list(data["scale"])
+        Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _check_type(key: str, value: Any, hint) -> Any:
+    """Coerce ``value`` to the field's declared type, or raise a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _check_type(key, value, next(a for a in args if a is not type(None)))
+    if origin in (tuple, Tuple):
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_check_type(key, v, a) for v, a in zip(value, args))
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is float and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:  # YAML reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise ConfigError(f"{key} must be of type {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def load_config(path=None, overrides: Optional[List[str]] = None) -> TrainConfig:
+    """TrainConfig from a YAML file plus ``key=value`` overrides (values parsed as YAML)."""
+    data: Dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
+        data.update(loaded)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if key.startswith("model_kwargs."):
+            data.setdefault("model_kwargs", {})
+            data["model_kwargs"] = dict(data["model_kwargs"], **{key.split(".", 1)[1]: yaml.safe_load(raw)})
+            continue
+        data[key] = yaml.safe_load(raw)
+    unknown = sorted(set(data) - set(_HINTS))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    return TrainConfig(**{k: _check_type(k, v, _HINTS[k]) for k, v in data.items()})

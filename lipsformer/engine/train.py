@@ -1,0 +1,262 @@
+"""The training loop: Accelerate for devices and precision, timm for the recipe's parts."""
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import timm
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from safetensors.torch import save_file
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import CosineLRScheduler
+from timm.utils import ModelEmaV3
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from ..data import collate_skip_failed, create_dataset, create_loader_transform
+from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .evaluate import evaluate
+
+_logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient stopped the run."""
+
+
+class TooManyBadSamples(RuntimeError):
+    """More of an epoch's images failed to load than ``max_bad_fraction`` allows."""
+
+
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    return timm.create_model(cfg.model, num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path,
+                             img_size=cfg.img_size, **cfg.model_kwargs)
+
+
+def _loaders(cfg: TrainConfig, model, num_processes: int):
+    if not cfg.data_dir and not cfg.dataset:
+        raise ValueError("no data: set data_dir (a folder with train/ and val/) or dataset (hfds/..., wds/...)")
+    train_tf = create_loader_transform(model, is_training=True, cfg=cfg)
+    val_tf = create_loader_transform(model, is_training=False, cfg=cfg)
+    train_ds = create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, train_tf, is_training=True,
+                              batch_size=cfg.batch_size * num_processes, seed=cfg.seed)
+    val_ds = create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, val_tf, batch_size=cfg.batch_size)
+    # A generator of their own keeps the loaders from drawing on the global RNG (DropPath, mixup) whenever an
+    # iterator starts, which a resumed run does at a different moment.
+    common = dict(num_workers=cfg.workers, collate_fn=collate_skip_failed, persistent_workers=False,
+                  generator=torch.Generator().manual_seed(cfg.seed))
+    train = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **common)
+    val = DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, **common)
+    return train, val
+
+
+def _criterion(cfg: TrainConfig):
+    if cfg.mixup > 0 or cfg.cutmix > 0:
+        mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.label_smoothing,
+                      num_classes=cfg.num_classes)
+        return mixup, SoftTargetCrossEntropy()
+    if cfg.label_smoothing > 0:
+        return None, LabelSmoothingCrossEntropy(cfg.label_smoothing)
+    return None, torch.nn.CrossEntropyLoss()
+
+
+class _Log:
+    """Metrics to a JSONL file (main process) and to Accelerate's trackers."""
+
+    def __init__(self, accelerator, path: Path):
+        self.accelerator, self.path = accelerator, path
+
+    def __call__(self, kind: str, step: int, **values):
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(dict(kind=kind, step=step, **values)) + "\n")
+        self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+
+def plot_curves(metrics_path: Path, png_path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["kind"] == "train"]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train])
+    ax1.set(xlabel="optimizer step", ylabel="train loss", yscale="log")
+    for key in ("top1", "ema_top1"):
+        pts = [(r["epoch"], r[key]) for r in epochs if r.get(key) is not None]
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=key)
+    ax2.set(xlabel="epoch", ylabel="val top-1 (%)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
+    """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path."""
+    out = Path(cfg.output_dir)
+    cpu = not torch.cuda.is_available()  # Accelerate needs cpu=True to run several CPU processes (gloo)
+    num_processes = PartialState(cpu=cpu).num_processes
+    accum = cfg.accumulation_steps(num_processes)
+    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
+        raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
+    accelerator = Accelerator(
+        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, log_with="tensorboard",
+        project_dir=str(out), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+
+    resume_from = None
+    if resume == "auto":
+        resume_from = latest_checkpoint(out)
+    elif resume:
+        resume_from = Path(resume)
+        if not resume_from.is_dir():
+            raise FileNotFoundError(f"--resume {resume}: no such checkpoint folder")
+    elif latest_checkpoint(out) is not None:
+        raise FileExistsError(f"{out} already holds checkpoints; pass --resume auto to continue that run, "
+                              f"or choose another output_dir")
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+
+    set_seed(cfg.seed)
+    model = build_model(cfg)
+    set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
+    train_loader, val_loader = _loaders(cfg, model, num_processes)
+    optimizer = create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+                                    eps=cfg.eps)
+    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    updates_per_epoch = math.ceil(len(train_loader) / accum)
+    scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
+                                  warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,
+                                  t_in_epochs=False)
+    ema = ModelEmaV3(accelerator.unwrap_model(model), decay=cfg.ema_decay) if cfg.ema_decay else None
+    mixup, criterion = _criterion(cfg)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
+                          f"batch {state.batch_in_epoch} of the epoch)")
+    else:
+        scheduler.step_update(0)
+    accelerator.init_trackers("lipsformer")
+    log = _Log(accelerator, out / "metrics.jsonl")
+    last_good = resume_from
+
+    for epoch in range(state.epoch, cfg.epochs):
+        model.train()
+        train_loader.set_epoch(epoch)
+        loader = train_loader
+        if state.batch_in_epoch:
+            loader = accelerator.skip_first_batches(train_loader, state.batch_in_epoch)
+        bar = tqdm(total=len(train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch}",
+                   disable=not accelerator.is_main_process, dynamic_ncols=True)
+        failed, seen, loss_sum, loss_n = [], 0, 0.0, 0
+        window_bad, t0, imgs = False, time.time(), 0
+        for images, targets, bad in loader:
+            failed += bad
+            if images is None:
+                raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
+            seen += targets.shape[0]
+            with accelerator.accumulate(model):
+                if mixup is not None:
+                    images, targets = mixup(images, targets)
+                with accelerator.autocast():
+                    loss = criterion(model(images), targets)
+                nonfinite = accelerator.reduce(torch.tensor([float(not torch.isfinite(loss))], device=loss.device),
+                                               "sum").item()
+                if nonfinite:
+                    window_bad = True
+                    if cfg.on_nonfinite == "stop":
+                        raise TrainingDiverged(f"non-finite loss at step {state.step} (epoch {epoch}); "
+                                               f"last good checkpoint: {last_good or 'none written yet'}")
+                else:
+                    accelerator.backward(loss)
+                if accelerator.sync_gradients and not window_bad:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad or float("inf"))
+                    if accelerator.scaler is None and not torch.isfinite(norm):
+                        window_bad = True
+                        if cfg.on_nonfinite == "stop":
+                            raise TrainingDiverged(f"non-finite gradient at step {state.step} (epoch {epoch}); "
+                                                   f"last good checkpoint: {last_good or 'none written yet'}")
+                if not window_bad:
+                    optimizer.step()
+                optimizer.zero_grad()
+            state.batch_in_epoch += 1
+            bar.update(1)
+            if not nonfinite:
+                loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            imgs += targets.shape[0] * num_processes
+            if accelerator.sync_gradients:
+                if window_bad:
+                    state.skipped_steps += 1
+                    window_bad = False
+                state.step += 1
+                scheduler.step_update(state.step)
+                if ema is not None:
+                    ema.update(accelerator.unwrap_model(model), step=state.step)
+                lr = optimizer.param_groups[0]["lr"]
+                speed = imgs / max(time.time() - t0, 1e-9)
+                bar.set_postfix(loss=f"{loss_sum / max(loss_n, 1):.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
+                if state.step % cfg.log_every_steps == 0:
+                    log("train", state.step, epoch=epoch, loss=loss_sum / max(loss_n, 1), lr=lr, img_per_s=speed)
+                if state.step % cfg.checkpoint_every_steps == 0:
+                    last_good = save_checkpoint(accelerator, model, out, state, cfg.keep_last)
+        bar.close()
+
+        totals = accelerator.reduce(torch.tensor([float(len(failed)), float(seen)], device=accelerator.device), "sum")
+        n_failed, n_seen = int(totals[0]), int(totals[1])
+        if n_failed:
+            _logger.warning(f"epoch {epoch}: {n_failed} of {n_seen} images could not be read, e.g. {failed[:3]}")
+        if n_failed > cfg.max_bad_fraction * max(n_seen, 1):
+            raise TooManyBadSamples(
+                f"epoch {epoch}: {n_failed} of {n_seen} images failed to load (more than "
+                f"{cfg.max_bad_fraction:.0%}), e.g. {', '.join(failed[:5])}; fix or remove them")
+
+        state.epoch, state.batch_in_epoch = epoch + 1, 0
+        row = dict(epoch=epoch + 1, train_loss=loss_sum / max(loss_n, 1), bad_samples=n_failed, train_samples=n_seen,
+                   processes=num_processes, skipped_steps=state.skipped_steps, seconds=time.time() - t0)
+        if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
+            metrics = evaluate(model, val_loader, accelerator)
+            row.update(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
+            candidates = {"model": (metrics["top1"], accelerator.unwrap_model(model))}
+            if ema is not None:
+                ema_metrics = evaluate(ema.module, val_loader, accelerator)
+                row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+                candidates["ema"] = (ema_metrics["top1"], ema.module)
+            which, (top1, best_module) = max(candidates.items(), key=lambda kv: kv[1][0])
+            if top1 > state.best_top1:
+                state.best_top1 = top1
+                row["best"] = which
+                _save_weights(accelerator, best_module, out / "best.safetensors")
+            accelerator.print(f"epoch {epoch + 1}: top-1 {metrics['top1']:.2f}"
+                              + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
+        log("epoch", state.step, **row)
+        last_good = save_checkpoint(accelerator, model, out, state, cfg.keep_last)
+
+    _save_weights(accelerator, accelerator.unwrap_model(model), out / "last.safetensors")
+    if ema is not None:
+        _save_weights(accelerator, ema.module, out / "last_ema.safetensors")
+    accelerator.end_training()
+    summary = dict(output_dir=str(out), checkpoint=str(last_good), best_top1=state.best_top1, step=state.step,
+                   skipped_steps=state.skipped_steps, curves=str(out / "curves.png"))
+    if accelerator.is_main_process:
+        plot_curves(out / "metrics.jsonl", out / "curves.png")
+    return summary
+
+
+def _save_weights(accelerator, module, path: Path) -> None:
+    assert_finite(module)
+    if accelerator.is_main_process:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        save_file(tensors, str(path))

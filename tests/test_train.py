@@ -1,0 +1,237 @@
+"""train.py: config validation, a step on folder data, exact resume, bad images, divergence, two processes."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+from lipsformer.engine.checkpoint import latest_checkpoint
+from lipsformer.engine.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TINY_RUN = dict(
+    model="lipsformer_swin_t", num_classes=4, img_size=32, crop_pct=1.0, drop_path=0.1,
+    model_kwargs=dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2),
+    workers=0, epochs=2, global_batch=4, batch_size=4, lr=1e-3, aa=None, reprob=0.0, mixup=0.8, cutmix=1.0,
+    ema_decay=0.9, mixed_precision="no", checkpoint_every_steps=2, keep_last=2, log_every_steps=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def make_folder(root: Path, train_per_class=(6, 6, 6, 6), val_per_class=(3, 3, 3, 2)) -> Path:
+    rng = np.random.default_rng(0)
+    for split, counts in (("train", train_per_class), ("val", val_per_class)):
+        for c, n in enumerate(counts):
+            d = root / split / f"class_{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                pixels = (rng.random((16, 16, 3)) * 60 + c * 60).astype(np.uint8)
+                Image.fromarray(pixels).save(d / f"{i}.jpg")
+    return root
+
+
+def write_config(tmp_path: Path, **overrides) -> Path:
+    cfg = dict(TINY_RUN, data_dir=str(make_folder(tmp_path / "data")), output_dir=str(tmp_path / "run"))
+    cfg.update(overrides)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_train(*args, check=True, **kwargs):
+    proc = subprocess.run([PY, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc
+
+
+def read_metrics(run: Path):
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- config -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ("lrr=0.1", "unknown config key(s): lrr"),
+    ("epochs=1.5", "epochs must be of type int"),
+    ("lr=fast", "lr must be a number"),
+    ("betas=[0.9]", "betas must be a list of 2 values"),
+    ("mixed_precision=fp8", "mixed_precision must be one of"),
+    ("batch_size=0", "batch_size must be at least 1"),
+    ("on_nonfinite=ignore", "on_nonfinite must be one of"),
+])
+def test_config_rejects_bad_keys_and_types_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "lipsformer_cswin_t.yaml", [override])
+    assert message in str(err.value)
+
+
+def test_config_file_with_unknown_key_is_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: lipsformer_swin_t\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="learning_rate"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_configs_load_and_name_a_registered_model(path):
+    import timm
+    cfg = load_config(path)
+    assert cfg.model in timm.list_models("lipsformer_*")
+    assert cfg.warmup_epochs == 0
+
+
+def test_paper_recipe_in_configs():
+    t = load_config(ROOT / "configs" / "lipsformer_cswin_t.yaml")
+    b = load_config(ROOT / "configs" / "lipsformer_swin_b.yaml")
+    l = load_config(ROOT / "configs" / "lipsformer_swin_l.yaml")
+    assert (t.lr, t.weight_decay, t.ema_decay, t.drop_path, t.global_batch, t.epochs) == (2e-3, 0.05, 0.99984, 0.2, 2048, 300)
+    assert (b.lr, b.weight_decay, b.ema_decay, b.drop_path) == (1e-3, 0.1, 0.99992, 0.5)
+    assert l.betas == (0.9, 0.99)
+    assert (t.label_smoothing, t.mixup, t.cutmix, t.aa, t.reprob) == (0.1, 0.8, 1.0, "rand-m9-mstd0.5-inc1", 0.25)
+
+
+def test_accumulation_is_derived_from_global_batch():
+    cfg = load_config(None, ["global_batch=2048", "batch_size=128"])
+    assert cfg.accumulation_steps(8) == 2 and cfg.accumulation_steps(16) == 1
+    with pytest.raises(ConfigError, match="not a multiple"):
+        cfg.accumulation_steps(3)
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+def test_one_epoch_on_folder_data_steps_the_optimizer_and_writes_everything(tmp_path):
+    from lipsformer.engine.train import train
+    cfg = load_config(write_config(tmp_path), ["epochs=1"])
+    summary = train(cfg)
+    run = Path(cfg.output_dir)
+    assert summary["step"] == 6  # 24 images / batch 4
+    assert {"config.yaml", "metrics.jsonl", "curves.png", "last.safetensors", "last_ema.safetensors",
+            "best.safetensors"} <= {p.name for p in run.iterdir()}
+    assert yaml.safe_load((run / "config.yaml").read_text())["lr"] == 1e-3
+    epoch = [r for r in read_metrics(run) if r["kind"] == "epoch"][0]
+    assert epoch["val_count"] == 11 and epoch["bad_samples"] == 0
+    assert any((run / "runs").rglob("events.out.tfevents*")) or any(run.rglob("events.out.tfevents*"))
+    assert latest_checkpoint(run).name == "step_000000006"
+    assert len(list((run / "checkpoints").iterdir())) == 2  # keep_last
+    weights = load_file(str(run / "last.safetensors"))
+    import timm
+    fresh = timm.create_model("lipsformer_swin_t", num_classes=4, img_size=32, **TINY_RUN["model_kwargs"])
+    assert not torch.equal(weights["head.fc.weight"], fresh.state_dict()["head.fc.weight"])
+
+
+def test_existing_run_is_not_overwritten_without_resume(tmp_path):
+    from lipsformer.engine.train import train
+    cfg = load_config(write_config(tmp_path), ["epochs=1"])
+    train(cfg)
+    before = (Path(cfg.output_dir) / "last.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match="--resume auto"):
+        train(cfg)
+    assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
+
+
+def test_killed_run_resumes_to_bit_identical_weights(tmp_path):
+    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1)
+    reference = tmp_path / "reference"
+    run_train("--config", str(config), "--output-dir", str(reference))
+
+    interrupted = tmp_path / "interrupted"
+    proc = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir", str(interrupted)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill mid-epoch 2, after step 8 of 18 is safely on disk
+        ckpt = latest_checkpoint(interrupted)
+        if ckpt is not None and int(ckpt.name.split("_")[1]) >= 8:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = int(latest_checkpoint(interrupted).name.split("_")[1])
+    assert 8 <= step < 18, "the kill must land before the run finishes"
+    run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto")
+    for name in ("last.safetensors", "last_ema.safetensors"):
+        a, b = load_file(str(reference / name)), load_file(str(interrupted / name))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    from lipsformer.engine.train import train
+    cfg = load_config(write_config(tmp_path), ["epochs=1"])
+    train(cfg)
+    ckpts = Path(cfg.output_dir) / "checkpoints"
+    shutil.copytree(latest_checkpoint(cfg.output_dir), ckpts / ".tmp-step_000000099")
+    assert latest_checkpoint(cfg.output_dir).name == "step_000000006"
+
+
+def test_corrupt_and_empty_images_are_skipped_counted_and_limited(tmp_path):
+    from lipsformer.engine.train import TooManyBadSamples, train
+    config = write_config(tmp_path)
+    data = Path(load_config(config).data_dir)
+    (data / "train" / "class_0" / "0.jpg").write_bytes(b"")  # zero-byte
+    good = (data / "train" / "class_1" / "0.jpg").read_bytes()
+    (data / "train" / "class_1" / "0.jpg").write_bytes(good[: len(good) // 3])  # truncated JPEG
+    cfg = load_config(config, ["epochs=1", "max_bad_fraction=0.1"])
+    train(cfg)
+    epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
+    assert epoch["bad_samples"] == 2
+
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    strict = load_config(config, ["epochs=1", "max_bad_fraction=0.01", f"output_dir={tmp_path / 'strict'}"])
+    with pytest.raises(TooManyBadSamples, match=r"2 of 24 images failed.*class_[01]/0\.jpg"):
+        train(strict)
+
+
+def test_non_finite_loss_stops_and_last_good_checkpoint_loads(tmp_path):
+    config = write_config(tmp_path, epochs=3, lr=1e30, checkpoint_every_steps=1, mixup=0.0, cutmix=0.0,
+                          label_smoothing=0.0)
+    run = tmp_path / "run"
+    proc = run_train("--config", str(config), check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "non-finite" in proc.stderr and "last good checkpoint" in proc.stderr
+    good = latest_checkpoint(run)
+    assert good is not None and str(good) in proc.stderr
+    weights = load_file(str(good / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_non_finite_steps_can_be_skipped_and_counted(tmp_path):
+    from lipsformer.engine.train import train
+    cfg = load_config(write_config(tmp_path), ["epochs=1", "lr=1e30", "on_nonfinite=skip", "mixup=0", "cutmix=0"])
+    summary = train(cfg)  # the first step blows the logits up; every later loss is non-finite and skipped
+    epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
+    assert summary["skipped_steps"] == epoch["skipped_steps"] == 5
+    assert summary["step"] == 6
+
+
+def test_two_processes_split_the_data_and_count_val_once(tmp_path):
+    torchrun = Path(PY).with_name("torchrun")
+    config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2)
+    run = tmp_path / "run"
+    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(ROOT / "train.py"), "--config", str(config)],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epoch = [r for r in read_metrics(run) if r["kind"] == "epoch"][0]
+    assert epoch["processes"] == 2
+    assert epoch["val_count"] == 11  # odd: the padded duplicate is not counted
+    assert epoch["train_samples"] == 24  # 2 processes x 6 batches x 2 images: every image once
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000004", "step_000000006"]
+    assert len(list((run / "checkpoints" / "step_000000006").glob("random_states_*.pkl"))) == 2  # one per rank
+    assert not list((run / "checkpoints").glob(".tmp-*"))

@@ -1,0 +1,43 @@
+"""Train a LipsFormer with the paper's no-warmup recipe.
+
+    accelerate launch train.py --config configs/lipsformer_cswin_t.yaml --data-dir /data/imagenet
+    python train.py --config configs/demo_digits.yaml --set epochs=5 lr=1e-3
+    python train.py --config ... --output-dir output/run --resume auto
+"""
+import argparse
+import sys
+
+from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.engine.train import TooManyBadSamples, TrainingDiverged, train
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Train a LipsFormer (Accelerate; no warmup).")
+    parser.add_argument("--config", help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("--data-dir", help="folder with train/ and val/ (sets data_dir)")
+    parser.add_argument("--output-dir", help="where checkpoints, metrics and curves go (sets output_dir)")
+    parser.add_argument("--resume", help="'auto' (newest checkpoint in the output folder) or a checkpoint folder")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set lr=1e-3 epochs=10")
+    args = parser.parse_args(argv)
+    overrides = list(args.set)
+    if args.data_dir:
+        overrides.append(f"data_dir={args.data_dir}")
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = train(cfg, resume=args.resume)
+    except (TrainingDiverged, TooManyBadSamples, FileExistsError) as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
+    print(f"best top-1 {summary['best_top1']:.2f}% | checkpoint {summary['checkpoint']} | curves {summary['curves']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
