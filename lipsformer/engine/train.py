@@ -229,24 +229,25 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             metrics = evaluate(model, val_loader, accelerator)
             row.update(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
-            candidates = {"model": (metrics["top1"], accelerator.unwrap_model(model))}
+            candidates = {"model": metrics["top1"]}
             if ema is not None:
                 ema_metrics = evaluate(ema.module, val_loader, accelerator)
                 row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
-                candidates["ema"] = (ema_metrics["top1"], ema.module)
-            which, (top1, best_module) = max(candidates.items(), key=lambda kv: kv[1][0])
-            if top1 > state.best_top1:
-                state.best_top1 = top1
+                candidates["ema"] = ema_metrics["top1"]
+            which = max(candidates, key=candidates.get)
+            if candidates[which] > state.best_top1:
+                state.best_top1 = candidates[which]
                 row["best"] = which
-                _save_weights(accelerator, best_module, out / "best.safetensors")
+                best = ema.module.state_dict() if which == "ema" else accelerator.get_state_dict(model)
+                _save_weights(accelerator, best, out / "best.safetensors")
             accelerator.print(f"epoch {epoch + 1}: top-1 {metrics['top1']:.2f}"
                               + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
         log("epoch", state.step, **row)
         last_good = save_checkpoint(accelerator, model, out, state, cfg.keep_last)
 
-    _save_weights(accelerator, accelerator.unwrap_model(model), out / "last.safetensors")
+    _save_weights(accelerator, accelerator.get_state_dict(model), out / "last.safetensors")
     if ema is not None:
-        _save_weights(accelerator, ema.module, out / "last_ema.safetensors")
+        _save_weights(accelerator, ema.module.state_dict(), out / "last_ema.safetensors")
     accelerator.end_training()
     summary = dict(output_dir=str(out), checkpoint=str(last_good), best_top1=state.best_top1, step=state.step,
                    skipped_steps=state.skipped_steps, curves=str(out / "curves.png"))
@@ -255,8 +256,11 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     return summary
 
 
-def _save_weights(accelerator, module, path: Path) -> None:
-    assert_finite(module)
+def _save_weights(accelerator, state_dict: dict, path: Path) -> None:
+    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed)."""
     if accelerator.is_main_process:
-        tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise FloatingPointError(f"refusing to write non-finite weights to {path}: {', '.join(bad[:5])}")
         save_file(tensors, str(path))
