@@ -235,3 +235,11 @@ def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000004", "step_000000006"]
     assert len(list((run / "checkpoints" / "step_000000006").glob("random_states_*.pkl"))) == 2  # one per rank
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
+    from lipsformer.engine.train import train
+    cfg = load_config(write_config(tmp_path), ["epochs=1", "mixed_precision=bf16"])
+    summary = train(cfg)
+    assert summary["step"] == 6 and summary["skipped_steps"] == 0
+    assert all(v.dtype == torch.float32 for v in load_file(str(Path(cfg.output_dir) / "last.safetensors")).values())
