@@ -1,7 +1,6 @@
 """The `python -m lipsformer.flops` command and its attention count."""
 import json
 
-import torch
 from torch import nn
 
 from lipsformer.flops import PAPER, count_flops, main

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
-from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
+from .checkpoint import TrainState, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate
 

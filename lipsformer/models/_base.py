@@ -4,11 +4,12 @@ Both families are a ``patch_embed`` producing (B, H, W, C), a sequence of ``stag
 optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``. The family files
 build those pieces; this class gives them the methods timm and its tools expect.
 """
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead
-from timm.models import checkpoint_seq
+from timm.models import build_model_with_cfg, checkpoint_seq
 from timm.models._features import feature_take_indices
 from torch import nn
 
@@ -157,12 +158,52 @@ def unwrap_state_dict(checkpoint: dict) -> dict:
     return checkpoint
 
 
-def fill_learnable_scalars(state_dict: dict, model: nn.Module) -> dict:
-    """Released checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau."""
-    for name, value in model.state_dict().items():
-        if name.endswith(".tau") and name not in state_dict:
-            state_dict[name] = value.detach().clone()
-    return state_dict
+def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
+                     rename: Callable[[str], Optional[str]]) -> dict:
+    """Our state dict from a released-layout one (raw or wrapped); one already in our layout passes through.
+
+    ``released_marker`` is a key prefix only the released layout has; ``rename`` maps a released key to ours,
+    or to ``None`` for buffers we rebuild and modules the released code builds but never uses. The released
+    code builds its 1x1 conv (``nin``) even without conv blocks: it is dropped when the model has none. Released
+    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau.
+    """
+    state_dict = unwrap_state_dict(state_dict)
+    if not any(k.startswith(released_marker) for k in state_dict):
+        return state_dict
+    ours = model.state_dict()
+    has_pw = any(k.endswith("convs.pw.weight") for k in ours)
+    out = {}
+    for key, value in state_dict.items():
+        new = rename(key)
+        if new is None or (".convs.pw." in new and not has_pw):
+            continue
+        out[new] = value
+    for name, value in ours.items():
+        if name.endswith(".tau") and name not in out:
+            out[name] = value.detach().clone()
+    return out
+
+
+def create_model(model_cls, variant: str, pretrained: bool, filter_fn: Callable, **kwargs):
+    """timm's builder with our checkpoint conversion and ``features_only`` through forward_intermediates."""
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
+    return build_model_with_cfg(
+        model_cls, variant, pretrained,
+        pretrained_filter_fn=filter_fn,
+        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+        **kwargs)
+
+
+def pretrained_cfg(url: str = "", **kwargs) -> dict:
+    """ImageNet preprocessing of both families: 224x224, bicubic, crop 0.9, ImageNet mean/std."""
+    return {
+        "url": url,
+        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
+        "crop_pct": 0.9, "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj", "classifier": "head.fc",
+        **kwargs,
+    }
 
 
 def drop_path_rates(rate: float, n: int) -> List[float]:

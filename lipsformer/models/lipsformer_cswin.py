@@ -13,15 +13,14 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, drop_path_rates, fill_learnable_scalars,
-                    rename_prefix, unwrap_state_dict)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, convert_released, create_model,
+                    drop_path_rates, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
@@ -207,17 +206,7 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerCSwin) -> dict:
     Unused released keys (``stageN.i.norm1.*``, ``nin`` without conv blocks) are dropped; a state
     dict already in our layout passes through unchanged.
     """
-    state_dict = unwrap_state_dict(state_dict)
-    if not any(k.startswith("stage1") for k in state_dict):
-        return state_dict
-    has_pw = any(k.endswith("convs.pw.weight") for k in model.state_dict())
-    out = {}
-    for key, value in state_dict.items():
-        new = _released_to_ours(key)
-        if new is None or (".convs.pw." in new and not has_pw):
-            continue
-        out[new] = value
-    return fill_learnable_scalars(out, model)
+    return convert_released(state_dict, model, "stage1", _released_to_ours)
 
 
 def released_state_dict(model: LipsFormerCSwin) -> dict:
@@ -244,31 +233,15 @@ def released_state_dict(model: LipsFormerCSwin) -> dict:
 
 
 def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
-    return build_model_with_cfg(
-        LipsFormerCSwin, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs)
-
-
-def _cfg(url: str = "", **kwargs) -> dict:
-    return {
-        "url": url,
-        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
-        "crop_pct": 0.9, "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head.fc",
-        **kwargs,
-    }
+    return create_model(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 # No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and
 # `pretrained=True` works only with `pretrained_cfg_overlay=dict(file=...)`.
 default_cfgs = generate_default_cfgs({
-    "lipsformer_cswin_t": _cfg(),
-    "lipsformer_cswin_s": _cfg(),
-    "lipsformer_cswin_b": _cfg(),
+    "lipsformer_cswin_t": pretrained_cfg(),
+    "lipsformer_cswin_s": pretrained_cfg(),
+    "lipsformer_cswin_b": pretrained_cfg(),
 })
 
 

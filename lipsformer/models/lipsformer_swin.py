@@ -10,15 +10,14 @@ CenterNorm, average pooling and a linear head; spectral initialisation.
 from typing import Optional, Sequence, Tuple
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, drop_path_rates, fill_learnable_scalars,
-                    rename_prefix, unwrap_state_dict)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, convert_released, create_model,
+                    drop_path_rates, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -193,17 +192,7 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerSwin) -> dict:
 
     A state dict already in our layout passes through unchanged.
     """
-    state_dict = unwrap_state_dict(state_dict)
-    if not any(k.startswith("layers.") for k in state_dict):
-        return state_dict
-    has_pw = any(k.endswith("convs.pw.weight") for k in model.state_dict())
-    out = {}
-    for key, value in state_dict.items():
-        new = _released_to_ours(key)
-        if new is None or (".convs.pw." in new and not has_pw):
-            continue  # rebuilt buffers; the released code builds `nin` even when it has no conv blocks
-        out[new] = value
-    return fill_learnable_scalars(out, model)
+    return convert_released(state_dict, model, "layers.", _released_to_ours)
 
 
 def released_state_dict(model: LipsFormerSwin) -> dict:
@@ -230,35 +219,19 @@ def released_state_dict(model: LipsFormerSwin) -> dict:
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
-    return build_model_with_cfg(
-        LipsFormerSwin, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs)
-
-
-def _cfg(url: str = "", **kwargs) -> dict:
-    return {
-        "url": url,
-        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
-        "crop_pct": 0.9, "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head.fc",
-        **kwargs,
-    }
+    return create_model(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
     # The one published LipsFormer weight: 82.7% top-1 on ImageNet-1k (released README).
-    "lipsformer_swin_t.official_in1k": _cfg(
+    "lipsformer_swin_t.official_in1k": pretrained_cfg(
         url="https://github.com/cyh1112/LipsFormer/releases/download/checkpoint/lipsformer-swin-tiny.pth",
         license="mit"),
     # No weights were released for these: the configs carry preprocessing only.
-    "lipsformer_swin_s": _cfg(),
-    "lipsformer_swin_b": _cfg(),
-    "lipsformer_swin_l": _cfg(),
-    "lipsformer_swin_lpp.in22k": _cfg(num_classes=21841),
+    "lipsformer_swin_s": pretrained_cfg(),
+    "lipsformer_swin_b": pretrained_cfg(),
+    "lipsformer_swin_l": pretrained_cfg(),
+    "lipsformer_swin_lpp.in22k": pretrained_cfg(num_classes=21841),
 })
 
 
