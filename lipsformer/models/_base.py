@@ -13,6 +13,8 @@ from timm.models import build_model_with_cfg, checkpoint_seq
 from timm.models._features import feature_take_indices
 from torch import nn
 
+from ..layers import LipsBlock
+
 
 class LipsStage(nn.Module):
     """``downsample`` (identity in the first stage) then ``blocks``, optionally checkpointed."""
@@ -31,14 +33,44 @@ class LipsStage(nn.Module):
 
 
 class LipsFormerBase(nn.Module):
-    """Subclasses set ``patch_embed``, ``stages``, ``norm``, ``num_features``, ``feature_info``,
-    then call :meth:`_build_head`."""
+    """Subclasses set ``patch_embed``, call :meth:`_build_stages`, set ``norm``, then call :meth:`_build_head`."""
 
     patch_embed: nn.Module
     stages: nn.Sequential
     norm: nn.Module
     num_features: int
     feature_info: List[dict]
+
+    def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
+                      stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],
+                      drop_path_rate: float, alpha_init: Optional[float], **block_kwargs) -> None:
+        """Stages of :class:`LipsBlock` after ``patch_embed``, doubling channels and halving resolution.
+
+        ``downsample(dim)`` opens stages 2 onwards; ``stage_mixer(i, dim, res)`` checks stage ``i`` and returns
+        a factory of its token mixer (one per block). ``alpha_init=None`` means ``1 / sum(depths)``.
+        Sets ``stages``, ``feature_info`` and ``num_features``.
+        """
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
+        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
+        patch = self.patch_embed.patch_size[0]
+        stages, self.feature_info = [], []
+        dim, res = embed_dim, self.patch_embed.grid_size
+        for i, depth in enumerate(depths):
+            down = nn.Identity()
+            if i > 0:
+                if res[0] % 2 or res[1] % 2:
+                    raise ValueError(f"stage {i} cannot halve an odd resolution {res}; "
+                                     f"use an img_size divisible by {patch * 2 ** (len(depths) - 1)}")
+                down = downsample(dim)
+                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+            mixer = stage_mixer(i, dim, res)
+            offset = sum(depths[:i])
+            blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], alpha_init=alpha_init, **block_kwargs)
+                      for j in range(depth)]
+            stages.append(LipsStage(down, blocks))
+            self.feature_info.append(dict(num_chs=dim, reduction=patch * 2 ** i, module=f"stages.{i}"))
+        self.stages = nn.Sequential(*stages)
+        self.num_features = dim
 
     def _build_head(self, num_classes: int, global_pool: str, drop_rate: float) -> None:
         self.num_classes = num_classes

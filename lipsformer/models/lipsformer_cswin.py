@@ -17,10 +17,10 @@ from timm.layers import to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, convert_released, create_model,
-                    drop_path_rates, pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
+                    rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
@@ -134,40 +134,22 @@ class LipsFormerCSwin(LipsFormerBase):
         if not len(depths) == len(num_heads) == len(split_size):
             raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and split_size "
                              f"{tuple(split_size)} must have the same length")
-        num_stages = len(depths)
-        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
-        self.num_features = embed_dim * 2 ** (num_stages - 1)
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
-        dpr = drop_path_rates(drop_path_rate, sum(depths))
+        kernel = dict(tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu, tied_qk=tied_qk, fused=fused_attn)
 
-        stages, self.feature_info = [], []
-        dim, res = embed_dim, self.patch_embed.grid_size
-        for i, (depth, heads, split) in enumerate(zip(depths, num_heads, split_size)):
-            downsample = nn.Identity()
-            if i > 0:
-                if res[0] % 2 or res[1] % 2:
-                    raise ValueError(f"stage {i} cannot halve an odd resolution {res}; "
-                                     f"use an img_size divisible by {patch_size * 2 ** (num_stages - 1)}")
-                downsample = ConvDownsample(dim, dim * 2, norm)
-                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
-            full = i == num_stages - 1 or res == to_2tuple(split)
+        def stage_mixer(i, dim, res):
+            split = split_size[i]
+            full = i == len(depths) - 1 or res == to_2tuple(split)
             if not full and (res[0] % split or res[1] % split):
                 raise ValueError(f"stage {i} resolution {res} is not divisible by split size {split}; "
                                  f"choose split_size and img_size so that every stage divides")
-            offset = sum(depths[:i])
-            blocks = [
-                LipsBlock(
-                    dim,
-                    CrossShapedAttention(
-                        dim, heads, res, split, full=full, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-                        kernel=AttentionKernel(attn, tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu,
-                                               tied_qk=tied_qk, fused=fused_attn)),
-                    mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, alpha_init=alpha_init,
-                    drop_path=dpr[offset + j], drop=proj_drop_rate, attn_norm=False)
-                for j in range(depth)]
-            stages.append(LipsStage(downsample, blocks))
-            self.feature_info.append(dict(num_chs=dim, reduction=patch_size * 2 ** i, module=f"stages.{i}"))
-        self.stages = nn.Sequential(*stages)
+            return lambda: CrossShapedAttention(dim, num_heads[i], res, split, full=full, qkv_bias=qkv_bias,
+                                                proj_drop=proj_drop_rate, kernel=AttentionKernel(attn, **kernel))
+
+        self._build_stages(
+            embed_dim, depths, lambda dim: ConvDownsample(dim, dim * 2, norm), stage_mixer, drop_path_rate,
+            mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, drop=proj_drop_rate, attn_norm=False,
+            alpha_init=alpha_init)
         self.norm = nn.Identity()  # the released CSwin code has no final norm
         self._build_head(num_classes, global_pool, drop_rate)
         init_weights(self, init)

@@ -14,10 +14,10 @@ from timm.layers import to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, LipsBlock, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, convert_released, create_model,
-                    drop_path_rates, pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
+                    rename_prefix)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -132,41 +132,21 @@ class LipsFormerSwin(LipsFormerBase):
         super().__init__()
         if len(depths) != len(num_heads):
             raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} must have the same length")
-        num_stages = len(depths)
-        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
-        self.num_features = embed_dim * 2 ** (num_stages - 1)
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
-        grid = self.patch_embed.grid_size
-        dpr = drop_path_rates(drop_path_rate, sum(depths))
+        kernel = dict(tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu, tied_qk=tied_qk, fused=fused_attn)
 
-        stages, self.feature_info = [], []
-        dim, res = embed_dim, grid
-        for i, (depth, heads) in enumerate(zip(depths, num_heads)):
-            downsample = nn.Identity()
-            if i > 0:
-                if res[0] % 2 or res[1] % 2:
-                    raise ValueError(f"stage {i} cannot merge patches of an odd resolution {res}; "
-                                     f"use an img_size divisible by {patch_size * 2 ** (num_stages - 1)}")
-                downsample = PatchMerging(dim, norm)
-                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+        def stage_mixer(i, dim, res):
             window = to_2tuple(min(res)) if min(res) <= window_size else to_2tuple(window_size)
             if res[0] % window[0] or res[1] % window[1]:
                 raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
                                  f"choose window_size and img_size so that every stage divides")
-            offset = sum(depths[:i])
-            blocks = [
-                LipsBlock(
-                    dim,
-                    WindowAttention(
-                        dim, heads, window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-                        kernel=AttentionKernel(attn, tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu,
-                                               tied_qk=tied_qk, fused=fused_attn)),
-                    mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, alpha_init=alpha_init,
-                    drop_path=dpr[offset + j], drop=proj_drop_rate, attn_norm=True)
-                for j in range(depth)]
-            stages.append(LipsStage(downsample, blocks))
-            self.feature_info.append(dict(num_chs=dim, reduction=patch_size * 2 ** i, module=f"stages.{i}"))
-        self.stages = nn.Sequential(*stages)
+            return lambda: WindowAttention(dim, num_heads[i], window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+                                           kernel=AttentionKernel(attn, **kernel))
+
+        self._build_stages(
+            embed_dim, depths, lambda dim: PatchMerging(dim, norm), stage_mixer, drop_path_rate,
+            mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, drop=proj_drop_rate, attn_norm=True,
+            alpha_init=alpha_init)
         self.norm = create_norm(norm, self.num_features)
         self._build_head(num_classes, global_pool, drop_rate)
         init_weights(self, init)
