@@ -40,18 +40,19 @@ def latest_checkpoint(output_dir) -> Optional[Path]:
     return done[-1] if done else None
 
 
-def assert_finite(model: torch.nn.Module) -> None:
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+def assert_finite(named_tensors, target) -> None:
+    """Refuse to write non-finite weights to ``target``, naming the first offending tensors."""
+    bad = [n for n, t in named_tensors if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
-        raise FloatingPointError(f"refusing to checkpoint non-finite weights: {', '.join(bad[:5])}")
+        raise FloatingPointError(f"refusing to write non-finite weights to {target}: {', '.join(bad[:5])}")
 
 
 def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
     """Write to ``.tmp-step_N`` then rename to ``step_N``, so a crash never leaves a partial checkpoint
     that looks complete; keep the newest ``keep_last``."""
-    assert_finite(model)
     root = checkpoint_dir(output_dir)
     final = root / f"step_{state.step:09d}"
+    assert_finite(model.named_parameters(), final)
     if final.exists():
         return final
     tmp = root / f".tmp-{final.name}"

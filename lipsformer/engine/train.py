@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
-from .checkpoint import TrainState, latest_checkpoint, save_checkpoint
+from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate
 
@@ -260,7 +260,5 @@ def _save_weights(accelerator, state_dict: dict, path: Path) -> None:
     """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed)."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            raise FloatingPointError(f"refusing to write non-finite weights to {path}: {', '.join(bad[:5])}")
+        assert_finite(tensors.items(), path)
         save_file(tensors, str(path))
