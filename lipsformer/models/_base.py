@@ -4,16 +4,19 @@ Both families are a ``patch_embed`` producing (B, H, W, C), a sequence of ``stag
 optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``. The family files
 build those pieces; this class gives them the methods timm and its tools expect.
 """
+import os
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead
-from timm.models import build_model_with_cfg, checkpoint_seq
+from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq, load_pretrained
 from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..layers import LipsBlock
+from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
 class LipsStage(nn.Module):
@@ -40,6 +43,7 @@ class LipsFormerBase(nn.Module):
     norm: nn.Module
     num_features: int
     feature_info: List[dict]
+    checkpoint_filter_fn: Callable[[dict, nn.Module], dict]  # the family's released-layout conversion
 
     def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
                       stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],
@@ -95,6 +99,25 @@ class LipsFormerBase(nn.Module):
                 (r"^norm", (99999,)),
             ],
         )
+
+    def load_pretrained(self, path: str) -> None:
+        """timm's ``custom_load`` hook for url and file weights: a download must match the config's sha256
+        (a mismatching one is removed from the cache), and the file is read without running pickled code."""
+        cfg = dict(self.pretrained_cfg)
+        if not cfg.get("file") and cfg.get("sha256"):
+            try:
+                verify_sha256(path, cfg["sha256"], cfg.get("url"))
+            except CheckpointError as e:
+                os.remove(path)
+                raise CheckpointError(f"{e}; the cached copy was removed") from None
+        cfg["file"] = str(path)
+        self.pretrained_cfg = cfg
+        state_dict = self.checkpoint_filter_fn(read_checkpoint(path), self)
+        head = state_dict.get(f"{cfg['classifier']}.weight")
+        if head is not None:  # the file's own class count: its head is kept when it fits the model
+            cfg["num_classes"] = head.shape[0]
+        load_pretrained(self, dict(cfg, state_dict=state_dict), num_classes=self.num_classes,
+                        in_chans=self.patch_embed.proj.in_channels)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -182,17 +205,10 @@ def rename_prefix(key: str, renames, inverse: bool = False) -> str:
     return key
 
 
-def unwrap_state_dict(checkpoint: dict) -> dict:
-    """A state dict from a raw one or a training checkpoint that wraps it under 'model' / 'state_dict'."""
-    for wrapper in ("model", "state_dict"):
-        if wrapper in checkpoint and isinstance(checkpoint[wrapper], dict):
-            return checkpoint[wrapper]
-    return checkpoint
-
-
 def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
                      rename: Callable[[str], Optional[str]]) -> dict:
     """Our state dict from a released-layout one (raw or wrapped); one already in our layout passes through.
+    Either way it is checked to fit ``model`` (:func:`lipsformer.weights.check_state_dict`).
 
     ``released_marker`` is a key prefix only the released layout has; ``rename`` maps a released key to ours,
     or to ``None`` for buffers we rebuild and modules the released code builds but never uses. The released
@@ -201,6 +217,7 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
     """
     state_dict = unwrap_state_dict(state_dict)
     if not any(k.startswith(released_marker) for k in state_dict):
+        check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
         return state_dict
     ours = model.state_dict()
     has_pw = any(k.endswith("convs.pw.weight") for k in ours)
@@ -213,29 +230,50 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
     for name, value in ours.items():
         if name.endswith(".tau") and name not in out:
             out[name] = value.detach().clone()
+    check_state_dict(out, model, weights_source(model.pretrained_cfg))
     return out
 
 
-def create_model(model_cls, variant: str, pretrained: bool, filter_fn: Callable, **kwargs):
-    """timm's builder with our checkpoint conversion and ``features_only`` through forward_intermediates."""
+def create_model(model_cls, variant: str, pretrained: bool, **kwargs):
+    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates."""
     out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    if overlay and (overlay.get("file") or overlay.get("url")):
+        # timm resets custom_load for a new source; ours reads every layout safely, so keep it
+        kwargs["pretrained_cfg_overlay"] = dict(overlay, custom_load=overlay.get("custom_load", True))
     return build_model_with_cfg(
         model_cls, variant, pretrained,
-        pretrained_filter_fn=filter_fn,
+        pretrained_filter_fn=model_cls.checkpoint_filter_fn,
         feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
         **kwargs)
 
 
-def pretrained_cfg(url: str = "", **kwargs) -> dict:
-    """ImageNet preprocessing of both families: 224x224, bicubic, crop 0.9, ImageNet mean/std."""
-    return {
-        "url": url,
+@dataclass
+class LipsPretrainedCfg(PretrainedCfg):
+    """timm's pretrained config plus ``sha256``: the hash of the file at ``url``, checked after download."""
+
+    sha256: Optional[str] = None
+
+
+def pretrained_cfg(url: str = "", **kwargs) -> LipsPretrainedCfg:
+    """ImageNet preprocessing of both families: 224x224, bicubic, crop 0.9, ImageNet mean/std.
+
+    ``custom_load`` routes url and file weights through :meth:`LipsFormerBase.load_pretrained` (sha256, safe read).
+    """
+    return LipsPretrainedCfg(**{
+        "url": url, "custom_load": True,
         "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "fixed_input_size": True,
         "crop_pct": 0.9, "interpolation": "bicubic",
         "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
         "first_conv": "patch_embed.proj", "classifier": "head.fc",
         **kwargs,
-    }
+    })
+
+
+def weights_source(cfg: Optional[dict]) -> str:
+    """Where a pretrained config's weights come from, for error messages."""
+    cfg = cfg or {}
+    return str(cfg.get("file") or cfg.get("url") or cfg.get("hf_hub_id") or "the state dict")
 
 
 def drop_path_rates(rate: float, n: int) -> List[float]:

@@ -191,6 +191,9 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerCSwin) -> dict:
     return convert_released(state_dict, model, "stage1", _released_to_ours)
 
 
+LipsFormerCSwin.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
+
+
 def released_state_dict(model: LipsFormerCSwin) -> dict:
     """Our state dict in the released code's layout (the inverse of :func:`checkpoint_filter_fn`).
 
@@ -215,7 +218,7 @@ def released_state_dict(model: LipsFormerCSwin) -> dict:
 
 
 def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
-    return create_model(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
+    return create_model(LipsFormerCSwin, variant, pretrained, **kwargs)
 
 
 # No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and

@@ -175,6 +175,9 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerSwin) -> dict:
     return convert_released(state_dict, model, "layers.", _released_to_ours)
 
 
+LipsFormerSwin.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
+
+
 def released_state_dict(model: LipsFormerSwin) -> dict:
     """Our state dict in the released code's layout (the inverse of :func:`checkpoint_filter_fn`)."""
     out = {}
@@ -199,7 +202,7 @@ def released_state_dict(model: LipsFormerSwin) -> dict:
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
-    return create_model(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
+    return create_model(LipsFormerSwin, variant, pretrained, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({

@@ -1,0 +1,42 @@
+"""Convert a released-layout checkpoint (either family) or one of our training runs into a clean weight folder.
+
+    python -m lipsformer.convert lipsformer-swin-tiny.pth --model lipsformer_swin_t --tag official_in1k
+    python -m lipsformer.convert output/demo_digits --use-ema
+
+The folder (``checkpoints/MODEL.TAG`` by default) holds ``model.safetensors`` and timm's ``config.json``
+(model name, model arguments, preprocessing, and the source file with its sha256). Load it back with
+``timm.create_model("local-dir:checkpoints/MODEL.TAG")`` or
+``timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=".../model.safetensors"))``.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .weights import CheckpointError, create_from_checkpoint, export, sha256_of
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="a released .pth, a weight file, a train.py output folder, or an export")
+    parser.add_argument("--model", help="registered model name (needed when the source does not say)")
+    parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
+                        help='model arguments the source was built with, e.g. \'{"img_size": 32}\'')
+    parser.add_argument("--use-ema", action="store_true", help="take the EMA weights")
+    parser.add_argument("--tag", default="converted", help="pretrained tag of the output folder's name")
+    parser.add_argument("--out", help="output folder (default: checkpoints/MODEL.TAG)")
+    args = parser.parse_args(argv)
+    try:
+        model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema, **args.model_args)
+        name = model.pretrained_cfg["architecture"]
+        out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source)
+    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (model.safetensors sha256 {sha256_of(out / 'model.safetensors')})\n"
+          f'load it with timm.create_model("local-dir:{out}")')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Weight files users can trust: safe reading, sha256 checks, key/shape checks, and export.
+
+Every file is read through safetensors or ``torch.load(weights_only=True)``: a checkpoint carrying
+pickled code is refused before anything in it runs. Training checkpoints of the released code also
+pickle their yacs config; it is read as an inert ``OrderedDict`` rather than refused.
+"""
+import argparse
+import collections
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+# A run folder of ours (train.py output) and timm's local hf-hub folder.
+RUN_CONFIG, RUN_WEIGHTS, RUN_EMA_WEIGHTS = "config.yaml", "last.safetensors", "last_ema.safetensors"
+HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A weight file that cannot be used: unreadable, unsafe, for another model, or with the wrong hash."""
+
+
+class _InertConfig:
+    """Stands in for ``yacs.config.CfgNode``: unpickles to a plain OrderedDict (code-free, like the config)."""
+
+    def __new__(cls, *args):
+        return collections.OrderedDict()
+
+
+# Inert containers found in published checkpoints, allowed on top of torch's weights-only set.
+_SAFE_GLOBALS = [(_InertConfig, "yacs.config.CfgNode"), argparse.Namespace]
+
+
+def sha256_of(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_sha256(path, expected: str, origin: str = "") -> None:
+    """Raise naming the file, its origin and both hashes when the file's sha256 differs from ``expected``."""
+    actual = sha256_of(path)
+    if actual != expected.lower():
+        raise CheckpointError(f"{path}{f' (from {origin})' if origin else ''} has sha256 {actual}, expected "
+                              f"{expected}: the download is corrupt or is not the published file")
+
+
+def unwrap_state_dict(checkpoint: dict, use_ema: bool = False) -> dict:
+    """The state dict inside a training checkpoint (under 'model' / 'state_dict', or the EMA's with ``use_ema``);
+    a raw state dict passes through."""
+    keys = ("state_dict_ema", "model_ema") if use_ema else ("model", "state_dict")
+    for key in keys:
+        if isinstance(checkpoint.get(key), dict):
+            return checkpoint[key]
+    if use_ema:
+        raise KeyError("no EMA weights ('state_dict_ema' or 'model_ema') in this checkpoint")
+    return checkpoint
+
+
+def read_checkpoint(path, use_ema: bool = False) -> dict:
+    """A state dict from ``.safetensors`` or a torch file, never running code stored in the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file {path}")
+    try:
+        if path.suffix == ".safetensors":
+            checkpoint = load_file(str(path))
+        else:
+            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        unsafe = ", ".join(_unsafe_globals(path)[:5])
+        raise CheckpointError(
+            f"refused to load {path}: it holds pickled objects that weights-only loading does not allow"
+            f"{f' ({unsafe})' if unsafe else ''}, which could run code; nothing in it was run. "
+            f"Load it only if you trust its origin, and save its state dict as safetensors. ({str(e)[:200]})"
+        ) from None
+    except (RuntimeError, SafetensorError, EOFError, OSError) as e:
+        raise CheckpointError(f"cannot read {path}: truncated or not a checkpoint ({str(e)[:200]})") from None
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a state dict")
+    try:
+        state_dict = unwrap_state_dict(checkpoint, use_ema)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: {e.args[0]}") from None
+    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{path} is not a state dict: {', '.join(map(str, bad[:5]))} are not tensors")
+    return state_dict
+
+
+def _unsafe_globals(path):
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # a damaged archive: the caller's message already says it was refused
+        return []
+
+
+def check_state_dict(state_dict: dict, model: torch.nn.Module, source) -> None:
+    """Raise naming ``source`` and the first mismatching keys unless ``state_dict`` fits ``model``.
+
+    Classifier weights of another class count are allowed through: timm drops them when the model is
+    built with a different ``num_classes``.
+    """
+    ours = model.state_dict()
+    classifier = (model.pretrained_cfg or {}).get("classifier") or "head.fc"
+    missing = [k for k in ours if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in ours]
+    shapes = [f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
+              if k in state_dict and state_dict[k].shape != v.shape and not k.startswith(classifier + ".")]
+    problems = [f"{what} ({len(keys)}): {', '.join(keys[:5])}" for what, keys in
+                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if keys]
+    if problems:
+        name = (model.pretrained_cfg or {}).get("architecture", type(model).__name__)
+        raise CheckpointError(f"{source} does not fit {name}: " + "; ".join(problems))
+
+
+def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
+    """The weight file behind ``path`` and what is known about the model that made it.
+
+    ``path`` is a weight file, a train.py output folder (``last.safetensors`` or ``last_ema.safetensors``,
+    with ``config.yaml``), or an exported folder (``model.safetensors`` with timm's ``config.json``).
+    Returns ``(file, meta)`` with meta keys ``model``, ``model_args`` and ``pretrained_cfg`` where known.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if (path / RUN_CONFIG).is_file():
+            file = path / (RUN_EMA_WEIGHTS if use_ema else RUN_WEIGHTS)
+            if not file.is_file():
+                raise FileNotFoundError(f"{path} is a training run without {file.name} (has it finished?); "
+                                        f"pass one of its .safetensors files instead")
+            return file, _run_meta(path / RUN_CONFIG)
+        if (path / HUB_CONFIG).is_file():
+            if use_ema:
+                raise CheckpointError(f"{path} is an exported weight folder: it holds one set of weights, no EMA")
+            return path / HUB_WEIGHTS, _hub_meta(path / HUB_CONFIG)
+        raise FileNotFoundError(f"{path} holds neither {RUN_CONFIG} (a training run) nor {HUB_CONFIG} (an export)")
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint {path}")
+    for config in (path.parent / RUN_CONFIG, path.parent / HUB_CONFIG):
+        if config.is_file() and path.suffix == ".safetensors":
+            return path, (_run_meta if config.name == RUN_CONFIG else _hub_meta)(config)
+    return path, {}
+
+
+def _run_meta(config_path: Path) -> dict:
+    cfg = yaml.safe_load(config_path.read_text())
+    size = cfg["img_size"]
+    return dict(model=cfg["model"],
+                model_args=dict(cfg.get("model_kwargs") or {}, num_classes=cfg["num_classes"], img_size=size),
+                pretrained_cfg=dict(num_classes=cfg["num_classes"], input_size=(3, size, size),
+                                    crop_pct=cfg["crop_pct"], interpolation=cfg["interpolation"]))
+
+
+def _hub_meta(config_path: Path) -> dict:
+    cfg = json.loads(config_path.read_text())
+    pretrained = dict(cfg.get("pretrained_cfg") or {})
+    pretrained = {k: tuple(v) if isinstance(v, list) else v for k, v in pretrained.items()}
+    return dict(model=cfg["architecture"], model_args=dict(cfg.get("model_args") or {}), pretrained_cfg=pretrained)
+
+
+def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = False, **kwargs) -> torch.nn.Module:
+    """A timm model with the weights at ``path`` (any form :func:`resolve_checkpoint` accepts).
+
+    The model name and its arguments come from the run / export config when there is one; ``model`` must
+    agree with it. A released-layout file is converted by the family's ``checkpoint_filter_fn``.
+    """
+    import timm
+
+    file, meta = resolve_checkpoint(path, use_ema)
+    if model and meta.get("model") and model != meta["model"]:
+        raise CheckpointError(f"{path} was made by {meta['model']}, not {model}")
+    model = model or meta.get("model")
+    if not model:
+        raise ValueError(f"{path} does not say which model it holds: pass the model name")
+    state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
+    args = dict(meta.get("model_args") or {})
+    args.update(kwargs)
+    head = next((state_dict[k] for k in ("head.fc.weight", "head.weight") if k in state_dict), None)  # ours, released
+    if "num_classes" not in args and head is not None:
+        args["num_classes"] = head.shape[0]
+    overlay = dict(meta.get("pretrained_cfg") or {})
+    overlay.update(file=str(file), state_dict=state_dict, custom_load=False)
+    if "num_classes" in args:
+        overlay["num_classes"] = args["num_classes"]
+    net = timm.create_model(model, pretrained=True, pretrained_cfg_overlay=overlay, **args)
+    net.pretrained_cfg.pop("state_dict", None)  # the weights are in the model; do not keep a second copy
+    return net
+
+
+def export(model: torch.nn.Module, out_dir, source: str = "") -> Path:
+    """Write ``model`` as timm's hub folder (``model.safetensors`` + ``config.json``), loadable with
+    ``timm.create_model("local-dir:OUT")`` or ``pretrained_cfg_overlay=dict(file=OUT/model.safetensors)``."""
+    from timm.models import save_for_hf
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
+    saved_cfg = model.pretrained_cfg
+    model.pretrained_cfg = {k: v for k, v in saved_cfg.items() if k not in ("sha256", "state_dict")}
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_for_hf(model, str(tmp), safe_serialization=True,
+                    model_config=dict(source=source, source_sha256=sha256_of(source) if Path(source).is_file()
+                                      else None))
+    finally:
+        model.pretrained_cfg = saved_cfg
+    os.replace(tmp, out_dir)
+    return out_dir
