@@ -20,11 +20,13 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The digits demo: written once as an image folder, trained from scratch (its output folder is replaced).
+# The digits demo: written once as an image folder, trained from scratch (its output folder is replaced),
+# then its last weights evaluated by eval.py.
 demo: $(STAMP)
 	$(PY) -m lipsformer.data.digits output/digits
 	rm -rf output/demo_digits
 	$(PY) train.py --config configs/demo_digits.yaml
+	$(PY) eval.py --checkpoint output/demo_digits --data-dir output/digits --output output/demo_digits/eval.json
 
 flops: $(STAMP)
 	$(PY) -m lipsformer.flops

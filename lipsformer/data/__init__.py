@@ -1,7 +1,10 @@
-"""Datasets on top of timm.data: image folders (ImageNet layout) and any timm dataset name.
+"""Datasets on top of timm.data: image folders (ImageNet layout), any timm dataset name, and the three
+ImageNet evaluation sets (val, ReaL, v2).
 
 The digits demo data lives in :mod:`lipsformer.data.digits` (needs scikit-learn).
 """
 from .datasets import SafeImageDataset, collate_skip_failed, create_dataset, create_loader_transform
+from .imagenet_eval import EVAL_DATASETS, EvalDataset, eval_samples
 
-__all__ = ["SafeImageDataset", "collate_skip_failed", "create_dataset", "create_loader_transform"]
+__all__ = ["EVAL_DATASETS", "EvalDataset", "SafeImageDataset", "collate_skip_failed", "create_dataset",
+           "create_loader_transform", "eval_samples"]

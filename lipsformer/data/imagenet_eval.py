@@ -1,0 +1,119 @@
+"""The three ImageNet evaluation sets, each with its own label rule.
+
+Every sample is ``(path, labels)``: the labels an image may be given and be right. ``imagenet`` and
+``imagenet_v2`` have one label per image; ``imagenet_real`` has the ReaL list, which may be empty
+(such images are left out of the score).
+"""
+import json
+import re
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from PIL import Image
+from timm.data import get_img_extensions
+from timm.data.readers.reader_image_folder import find_images_and_targets
+from torch.utils.data import Dataset
+
+EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
+Sample = Tuple[str, Tuple[int, ...]]
+_VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})\.")
+
+
+def val_folder(data_dir) -> Path:
+    """``data_dir/val`` when there is one (the training layout), else ``data_dir`` itself."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"no data folder {data_dir}")
+    return data_dir / "val" if (data_dir / "val").is_dir() else data_dir
+
+
+def imagenet_samples(folder) -> List[Sample]:
+    """One folder per synset; class index = the synsets' sorted order, found as training finds it (timm's reader)."""
+    images, _ = find_images_and_targets(str(folder))
+    if not images:
+        raise FileNotFoundError(f"no images in class folders under {folder}")
+    return [(path, (target,)) for path, target in images]
+
+
+def imagenet_v2_samples(folder) -> List[Sample]:
+    """Folders ``0`` ... ``999``: the folder name *is* the class index (sorting names would put 10 before 2)."""
+    folder = Path(folder)
+    samples = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        if not sub.name.isdigit():
+            raise ValueError(f"ImageNet-v2 class folders are named 0 ... 999; found {sub}")
+        samples += [(str(p), (int(sub.name),)) for p in _images_in(sub)]
+    if not samples:
+        raise FileNotFoundError(f"no images in numbered class folders under {folder}")
+    return samples
+
+
+def imagenet_real_samples(folder, real_labels) -> List[Sample]:
+    """The val images (flat or in synset folders) with their ReaL label lists, matched by file name:
+    ``ILSVRC2012_val_00000001.JPEG`` takes the first list of the JSON file."""
+    labels = read_real_labels(real_labels)
+    samples, seen = [], {}
+    for path in _images_in(Path(folder)):
+        match = _VAL_NAME.match(path.name)
+        if match is None:
+            raise ValueError(f"ReaL labels are keyed by ImageNet val file names (ILSVRC2012_val_NNNNNNNN.JPEG); "
+                             f"{path} is not one")
+        index = int(match.group(1)) - 1
+        if not 0 <= index < len(labels):
+            raise ValueError(f"{path} is image {index + 1}, but {real_labels} has labels for {len(labels)} images")
+        if index in seen:
+            raise ValueError(f"image {index + 1} appears twice: {seen[index]} and {path}")
+        seen[index] = path
+        samples.append((str(path), tuple(labels[index])))
+    if not samples:
+        raise FileNotFoundError(f"no images under {folder}")
+    return samples
+
+
+def read_real_labels(path) -> List[List[int]]:
+    try:
+        labels = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the ReaL labels file {path}: {e}") from None
+    if not isinstance(labels, list) or not all(
+            isinstance(row, list) and all(isinstance(c, int) for c in row) for row in labels):
+        raise ValueError(f"{path} must be a JSON list of label lists (one per val image, in file-name order)")
+    return labels
+
+
+def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None) -> List[Sample]:
+    if dataset == "imagenet":
+        return imagenet_samples(val_folder(data_dir))
+    if dataset == "imagenet_real":
+        if not real_labels:
+            raise ValueError("imagenet_real needs --real-labels real.json (github.com/google-research/reassessed-imagenet)")
+        return imagenet_real_samples(val_folder(data_dir), real_labels)
+    if dataset == "imagenet_v2":
+        if not Path(data_dir).is_dir():
+            raise FileNotFoundError(f"no data folder {data_dir}")
+        return imagenet_v2_samples(data_dir)
+    raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(EVAL_DATASETS)}")
+
+
+def _images_in(folder: Path) -> List[Path]:
+    extensions = {e.lower() for e in get_img_extensions()}
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in extensions)
+
+
+class EvalDataset(Dataset):
+    """Yields ``(image, index)``; labels stay with the samples, so scoring never depends on loader order."""
+
+    def __init__(self, samples: Sequence[Sample], transform):
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path = self.samples[index][0]
+        try:
+            img = Image.open(path).convert("RGB")
+        except Exception as e:  # an evaluation figure over fewer images than claimed is wrong: stop
+            raise OSError(f"cannot read {path}: {e}") from None
+        return self.transform(img), index

@@ -1,0 +1,186 @@
+"""eval.py: each data set's label rule, exact accuracy under controlled predictions, one vs two processes."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from torchvision.transforms import ToTensor
+
+from lipsformer.data import EvalDataset, eval_samples
+from lipsformer.engine.evaluate import evaluate_dataset, score
+from lipsformer.weights import export
+
+from conftest import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+NUM_CLASSES = 12
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def write_image(path: Path, predicted: int) -> None:
+    """An image the :class:`ColourModel` classifies as ``predicted`` (its red level encodes the class)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((8, 8, 3), predicted * 20, dtype=np.uint8)).save(path)
+
+
+class ColourModel(torch.nn.Module):
+    """Ranks ``round(red * 255 / 20)`` first, then the other classes in index order."""
+
+    def forward(self, x):
+        predicted = (x[:, 0].mean((1, 2)) * 255 / 20).round().long()
+        logits = -torch.arange(NUM_CLASSES, dtype=torch.float).repeat(len(x), 1) / 100
+        logits[torch.arange(len(x)), predicted] = 10.0
+        return logits
+
+
+def evaluate(samples):
+    from accelerate import Accelerator
+    return evaluate_dataset(ColourModel(), EvalDataset(samples, ToTensor()), Accelerator(cpu=True), batch_size=3,
+                            workers=0)
+
+
+# -- labels of each layout -------------------------------------------------------------------------
+def test_imagenet_val_labels_are_sorted_synsets_as_in_training(tmp_path):
+    for synset, n in (("n02000000", 2), ("n01000000", 1), ("n10000000", 1)):
+        for i in range(n):
+            write_image(tmp_path / "val" / synset / f"{synset}_{i}.png", 0)
+    samples = eval_samples("imagenet", tmp_path)  # the training root: val/ is found
+    assert [(Path(p).parent.name, labels) for p, labels in samples] == [
+        ("n01000000", (0,)), ("n02000000", (1,)), ("n02000000", (1,)), ("n10000000", (2,))]
+    train = timm.data.create_dataset("", root=str(tmp_path), split="val")  # what train.py's loader sees
+    assert [t for _, t in train.reader.samples] == [labels[0] for _, labels in samples]
+
+
+def test_imagenet_v2_folder_name_is_the_class_index(tmp_path):
+    for c in range(NUM_CLASSES):
+        if c != 7:  # a missing class must not shift the others
+            write_image(tmp_path / str(c) / "a.jpeg", c)
+    samples = eval_samples("imagenet_v2", tmp_path)
+    assert sorted((int(Path(p).parent.name), labels) for p, labels in samples) == [
+        (c, (c,)) for c in range(NUM_CLASSES) if c != 7]
+    result = evaluate(samples)
+    assert (result["top1"], result["count"]) == (100.0, 11)
+    (tmp_path / "extra").mkdir()
+    with pytest.raises(ValueError, match="named 0 ... 999; found .*extra"):
+        eval_samples("imagenet_v2", tmp_path)
+
+
+def write_real(tmp_path: Path, real: list) -> Path:
+    path = tmp_path / "real.json"
+    path.write_text(json.dumps(real))
+    return path
+
+
+def test_real_labels_are_matched_by_file_name_not_loader_order(tmp_path):
+    # Synset folders put image 3 before image 1 in loader order.
+    names = {1: "n02", 2: "n03", 3: "n01", 4: "n02", 5: "n01", 6: "n03"}
+    for i, synset in names.items():
+        write_image(tmp_path / "val" / synset / f"ILSVRC2012_val_{i:08d}.JPEG", 0)
+    real = [[1], [], [3, 4], [5], [], [0, 6], [9]]  # 7 lists: one more than there are images
+    samples = eval_samples("imagenet_real", tmp_path, write_real(tmp_path, real))
+    assert [Path(p).name for p, _ in samples][:2] == ["ILSVRC2012_val_00000003.JPEG", "ILSVRC2012_val_00000005.JPEG"]
+    assert {int(Path(p).stem[-8:]): labels for p, labels in samples} == {
+        i: tuple(real[i - 1]) for i in names}
+
+
+def test_real_exact_accuracy_leaves_out_empty_lists(tmp_path):
+    # image number -> (class the model predicts first, ReaL list)
+    cases = {1: (3, [3]), 2: (5, []), 3: (4, [1, 4]), 4: (2, [0, 9]), 5: (7, []), 6: (6, [11])}
+    for i, (predicted, _) in cases.items():
+        write_image(tmp_path / f"ILSVRC2012_val_{i:08d}.JPEG", predicted)
+    real = write_real(tmp_path, [labels for _, labels in cases.values()])
+    result = evaluate(eval_samples("imagenet_real", tmp_path, real))
+    # Scored: 1 (right), 3 (right, 4 is in [1, 4]), 4 (top-5 is [2, 0, 1, 3, 4]: 0 is in [0, 9]), 6 (wrong).
+    assert (result["count"], result["images"], result["excluded"]) == (4, 6, 2)
+    assert result["top1"] == 50.0 and result["top5"] == 75.0
+
+
+def test_real_bad_inputs_name_the_problem(tmp_path):
+    write_image(tmp_path / "ILSVRC2012_val_00000009.JPEG", 0)
+    with pytest.raises(ValueError, match="needs --real-labels"):
+        eval_samples("imagenet_real", tmp_path)
+    with pytest.raises(ValueError, match=r"image 9, but .*real\.json has labels for 2 images"):
+        eval_samples("imagenet_real", tmp_path, write_real(tmp_path, [[1], [2]]))
+    with pytest.raises(ValueError, match="must be a JSON list of label lists"):
+        eval_samples("imagenet_real", tmp_path, write_real(tmp_path, {"1": [2]}))
+    write_image(tmp_path / "cat.jpg", 0)
+    with pytest.raises(ValueError, match=r"cat\.jpg is not one"):
+        eval_samples("imagenet_real", tmp_path, write_real(tmp_path, [[1]] * 9))
+
+
+def test_score_counts_a_prediction_right_when_it_is_in_the_list():
+    classes = torch.tensor([[1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [9, 8, 7, 6, 5]])
+    assert score(classes, [[1], [], [5, 10]]) == dict(top1=50.0, top5=100.0, count=2)
+
+
+# -- eval.py, one and two processes -------------------------------------------------------------------
+def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
+    model = timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"])
+    export(model, tmp_path / "weights")
+    rng = np.random.default_rng(0)
+    for i in range(13):  # odd: the second process gets a padded duplicate
+        pixels = (rng.random((40, 40, 3)) * 255).astype(np.uint8)
+        folder = tmp_path / "v2" / str(i % NUM_CLASSES)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+
+    def run(*launcher, tag):
+        out = tmp_path / tag
+        proc = subprocess.run(
+            [*launcher, str(ROOT / "eval.py"), "--model", "lipsformer_swin_t", "--checkpoint", str(tmp_path / "weights"),
+             "--data-dir", str(tmp_path / "v2"), "--dataset", "imagenet_v2", "--batch-size", "4", "--workers", "0",
+             "--output", str(out.with_suffix(".json")), "--predictions", str(out.with_suffix(".csv"))],
+            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return (json.loads(out.with_suffix(".json").read_text()),
+                list(csv.DictReader(out.with_suffix(".csv").open())), proc.stdout)
+
+    one, rows_one, stdout = run(PY, tag="one")
+    two, rows_two, _ = run(str(Path(PY).with_name("torchrun")), "--nproc_per_node", "2", tag="two")
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert one["count"] == two["count"] == one["images"] == 13
+    assert (one["top1"], one["top5"]) == (two["top1"], two["top5"])
+    assert "top-1" in stdout and "13 of 13 images" in stdout
+    assert [(r["path"], r["targets"], r["top1"], r["top5"]) for r in rows_one] == \
+           [(r["path"], r["targets"], r["top1"], r["top5"]) for r in rows_two]
+    assert all(abs(float(a["prob1"]) - float(b["prob1"])) < 1e-5 for a, b in zip(rows_one, rows_two))
+    assert {r["targets"] for r in rows_one if Path(r["path"]).parent.name == "10"} == {"10"}
+    assert len(rows_one[0]) == 12  # path, targets, 5 x (class, probability)
+
+
+def test_evaluate_model_in_bf16_and_its_argument_checks(tmp_path):
+    from lipsformer.engine.evaluate import evaluate_model
+    model = timm.create_model("lipsformer_cswin_t", num_classes=NUM_CLASSES, **TINY["cswin"])
+    export(model, tmp_path / "weights")
+    data = tmp_path / "v2"
+    for c in range(3):
+        write_image(data / str(c) / "a.png", c)
+    result, samples = evaluate_model(None, data, "imagenet_v2", checkpoint=tmp_path / "weights", amp="bf16",
+                                     batch_size=2, workers=0)
+    assert (result["count"], result["amp"], result["model"]) == (3, "bf16", "lipsformer_cswin_t")
+    with pytest.raises(ValueError, match="exactly one of --checkpoint PATH and --pretrained"):
+        evaluate_model("lipsformer_cswin_t", data, "imagenet_v2")
+    with pytest.raises(ValueError, match="--use-ema applies to --checkpoint"):
+        evaluate_model("lipsformer_cswin_t", data, "imagenet_v2", pretrained=True, use_ema=True)
+
+
+def test_eval_cli_rejects_bad_input_with_a_message(tmp_path):
+    proc = subprocess.run([PY, str(ROOT / "eval.py"), "--checkpoint", str(tmp_path / "missing.safetensors"),
+                           "--model", "lipsformer_swin_t", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "error:" in proc.stderr and proc.stderr.count("\n") <= 2
