@@ -42,7 +42,7 @@ def main(argv=None) -> int:
             args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
             real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
             workers=args.workers, model_args=args.model_args)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: timm, no weights
         print(f"error: {e}", file=sys.stderr)
         return 2
     classes, probs = result.pop("classes"), result.pop("probs")

@@ -4,7 +4,6 @@ import hashlib
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import timm
