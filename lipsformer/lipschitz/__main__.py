@@ -1,0 +1,117 @@
+"""How Lipschitz is a model? Certified bounds per stage and for the network, and measured lower bounds.
+
+    python -m lipsformer.lipschitz --model lipsformer_swin_t --model-args '{"v_norm": true}'
+    python -m lipsformer.lipschitz --model lipsformer_cswin_t --checkpoint run/ --measure network stages.2.blocks.0
+"""
+import argparse
+import json
+import math
+import sys
+
+import timm
+import torch
+
+from ..weights import CheckpointError, create_from_checkpoint
+from .bounds import lipschitz_report
+from .estimate import jacobian_norm
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.4g}"
+
+
+def measure(model, names, input_size, iters: int = 20, seed: int = 0) -> dict:
+    """Jacobian spectral norm (a lower bound on the Lipschitz constant) of ``network`` or of named submodules,
+    at a random input (a submodule gets the activation it receives from that input)."""
+    x = torch.randn(1, *input_size, generator=torch.Generator().manual_seed(seed), dtype=torch.double)
+    model = model.double().eval()
+    inputs = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, args, n=n: inputs.setdefault(n, args[0].detach())) for n in names if n != "network"]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for name in names:
+        if name == "network":
+            out[name] = jacobian_norm(lambda v: model(v.unsqueeze(0)).squeeze(0), x[0], iters)
+        else:
+            module, arg = model.get_submodule(name), inputs[name]
+            out[name] = jacobian_norm(lambda v, m=module: m(v.unsqueeze(0)).squeeze(0), arg[0], iters)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="registered model name (optional with a checkpoint that names it)")
+    parser.add_argument("--checkpoint", help="weight file, training run folder or exported folder")
+    parser.add_argument("--input-size", type=int, nargs=3, metavar=("C", "H", "W"), help="default: the model's")
+    parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
+                        help='e.g. \'{"v_norm": true}\' (SCSA with normalised v, inside Theorem 1)')
+    parser.add_argument("--measure", nargs="+", default=[], metavar="NAME",
+                        help="measure the Jacobian norm of 'network' or of submodules (e.g. stages.2.blocks.0)")
+    parser.add_argument("--json", help="write the table and bounds as JSON")
+    parser.add_argument("--plot", help="write a PNG of every layer's bound")
+    args = parser.parse_args(argv)
+    kwargs = dict(args.model_args)
+    if args.input_size:
+        kwargs.update(in_chans=args.input_size[0], img_size=tuple(args.input_size[1:]))
+    if args.measure:
+        kwargs["fused_attn"] = False  # forward-mode AD goes through the explicit softmax
+    try:
+        if args.checkpoint:
+            model = create_from_checkpoint(args.checkpoint, args.model, **kwargs)
+        elif args.model:
+            model = timm.create_model(args.model, **kwargs)
+        else:
+            parser.error("pass --model or --checkpoint")
+    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = lipschitz_report(model)
+    name = model.pretrained_cfg.get("architecture", args.model)
+    print(f"{name}: certified Lipschitz bounds (l2)")
+    print(f"{'part':<12} {'bound':>12}")
+    for part, bound in report.stages():
+        print(f"{part:<12} {_fmt(bound):>12}")
+    dominant = report.dominant()
+    print(f"network bound (eq. 19, eval): {_fmt(report.bound)}")
+    print(f"expected bound with DropPath (eq. 21, train): {_fmt(report.train_expected_bound)}")
+    print(f"largest residual factor: {dominant.name} = {_fmt(dominant.lip)} ({dominant.note or 'conv / MLP'})")
+    measured = {}
+    if args.measure:
+        size = (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)
+        try:
+            measured = measure(model, args.measure, size)
+        except AttributeError as e:
+            print(f"error: --measure: {e}", file=sys.stderr)
+            return 2
+        for n, value in measured.items():
+            print(f"measured Jacobian norm of {n}: {value:.4g} (a lower bound)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=name, bound=report.bound, train_expected_bound=report.train_expected_bound,
+                           stages=dict(report.stages()), measured=measured,
+                           rows=[vars(r) for r in report.rows]), f, indent=2)
+    if args.plot:
+        _plot(report, args.plot, name)
+    return 0
+
+
+def _plot(report, path, title) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = [math.log10(r.lip) if math.isfinite(r.lip) else float("nan") for r in report.rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(values) * 0.15), 4))
+    ax.bar(range(len(values)), values)
+    ax.set(xlabel="layer (input to output)", ylabel="log10 certified bound", title=title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

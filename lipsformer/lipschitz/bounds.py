@@ -1,0 +1,304 @@
+"""Certified upper bounds on Lipschitz constants (l2 norms; an image or token map is one flattened vector).
+
+One function per module kind, each citing where its bound comes from. LipsFormer = Qi et al.,
+Kim = Kim, Papamakarios & Mnih, "The Lipschitz constant of self-attention".
+Bounds compose by products (Lipschitz constants of compositions multiply, LipsFormer Lemma 2).
+"""
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import AttentionKernel, CenterNorm
+from ..layers.block import LipsBlock
+from ..layers.conv_blocks import ConvBlocks
+from ..layers.patch_embed import PatchEmbed
+from ..layers.residual import WeightedResidual
+
+INF = math.inf
+# Matrices up to this size in their smaller dimension get an exact SVD; larger ones power iteration.
+EXACT_MAX_DIM = 4096
+
+
+# -- linear maps -------------------------------------------------------------------------------------
+def matrix_norm(weight: torch.Tensor, iters: int = 100) -> float:
+    """Largest singular value of a 2-D weight (LipsFormer eq. 1: Lip of an affine map).
+
+    Power iteration gives the estimate; matrices whose smaller side is at most ``EXACT_MAX_DIM`` are then
+    checked exactly by SVD, which is what is returned (certified). Larger ones return the power-iteration
+    value, a lower estimate that converges to the norm.
+    """
+    w = weight.detach().double().flatten(1)
+    v = torch.randn(w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))
+    for _ in range(iters):
+        v = w.T @ (w @ v)
+        v = v / v.norm().clamp_min(1e-300)
+    estimate = float((w @ v).norm())
+    if min(w.shape) <= EXACT_MAX_DIM:
+        return float(torch.linalg.matrix_norm(w, ord=2))
+    return estimate
+
+
+def conv_operator_norm(conv: nn.Conv2d, input_hw: Tuple[int, int], iters: int = 200) -> float:
+    """Operator norm of ``conv`` on (C, H, W) inputs, by power iteration on conv / conv-transpose.
+
+    This is the conv as the linear operator it is (padding and stride included), not its reshaped kernel.
+    Converges from below; :func:`conv_bound` is the certified upper bound used in reports.
+    """
+    w = conv.weight.detach().double()
+    kw = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
+    x = torch.randn(1, conv.in_channels, *input_hw, dtype=w.dtype, generator=torch.Generator().manual_seed(0))
+    out_hw = F.conv2d(x, w, **kw).shape[-2:]
+    for _ in range(iters):
+        y = F.conv2d(x, w, **kw)
+        extra = [s - ((o - 1) * st - 2 * p + d * (k - 1) + 1) for s, o, st, p, d, k in
+                 zip(input_hw, out_hw, conv.stride, conv.padding, conv.dilation, conv.kernel_size)]
+        x = F.conv_transpose2d(y, w, output_padding=tuple(extra), **kw)
+        x = x / x.norm().clamp_min(1e-300)
+    return float(F.conv2d(x, w, **kw).norm())
+
+
+def conv_bound(conv: nn.Conv2d, input_hw: Tuple[int, int]) -> float:
+    """Certified upper bound on the operator norm of a Conv2d (no dilation) on (C, H, W) inputs.
+
+    - stride == kernel, no padding (patch embedding, 2x2 downsampling): the patches do not overlap, so
+      the norm is exactly the largest singular value of each group's reshaped kernel.
+    - stride 1: a zero-padded conv is a crop of a circular conv on the (H+kh-1, W+kw-1) grid, whose norm
+      is the largest singular value over the grid's frequencies of the kernel's DFT (per group).
+    - anything else falls back to the reshaped-kernel bound times the number of overlapping positions.
+    """
+    w = conv.weight.detach().double()
+    g = conv.groups
+    groups = w.view(g, w.shape[0] // g, *w.shape[1:])  # (g, out/g, in/g, kh, kw)
+    kh, kw = conv.kernel_size
+    if tuple(conv.stride) == (kh, kw) and tuple(conv.padding) == (0, 0):
+        return max(float(torch.linalg.matrix_norm(m.flatten(1), ord=2)) for m in groups)
+    if tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1):
+        grid = (input_hw[0] + kh - 1, input_hw[1] + kw - 1)
+        spectrum = torch.fft.fft2(groups, s=grid)  # (g, out/g, in/g, n1, n2)
+        if spectrum.shape[1] == spectrum.shape[2] == 1:  # depth-wise
+            return float(spectrum.abs().max())
+        per_freq = spectrum.permute(0, 3, 4, 1, 2)
+        return float(torch.linalg.matrix_norm(per_freq, ord=2).max())
+    overlap = math.ceil(kh / conv.stride[0]) * math.ceil(kw / conv.stride[1])
+    return math.sqrt(overlap) * max(float(torch.linalg.matrix_norm(m.flatten(1), ord=2)) for m in groups)
+
+
+# -- pointwise maps and norms -------------------------------------------------------------------------
+def gelu_bound() -> float:
+    r"""GELU's largest slope: :math:`\Phi(x) + x\varphi(x)` peaks at :math:`x = \sqrt 2` (about 1.1289)."""
+    x = math.sqrt(2.0)
+    return 0.5 * (1 + math.erf(x / math.sqrt(2))) + x * math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+
+
+def norm_bound(norm: nn.Module) -> float:
+    """CenterNorm: ``D/(D-1) * max|gamma|`` (LipsFormer eq. 2); LayerNorm is not Lipschitz (LipsFormer
+    Sec. 4.1.1: its Jacobian grows without bound as the variance goes to 0); Identity: 1."""
+    if isinstance(norm, CenterNorm):
+        return norm.scale * float(norm.weight.detach().abs().max())
+    if isinstance(norm, nn.LayerNorm):
+        return INF
+    if isinstance(norm, nn.Identity):
+        return 1.0
+    raise TypeError(f"no Lipschitz bound for norm {type(norm).__name__}")
+
+
+def residual_bound(residual: WeightedResidual, branch: float) -> float:
+    """Weighted residual ``x + alpha * f(x)``: ``1 + max|alpha| * Lip(f)`` (LipsFormer eq. 4)."""
+    return 1.0 + float(residual.alpha.detach().abs().max()) * branch
+
+
+def mlp_bound(mlp: nn.Module) -> float:
+    """timm's Mlp: fc2 . GELU . fc1 (dropout is the identity at evaluation)."""
+    return matrix_norm(mlp.fc2.weight) * gelu_bound() * matrix_norm(mlp.fc1.weight)
+
+
+# -- attention ----------------------------------------------------------------------------------------
+def scsa_bound(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, n: int, tau: float, nu: float,
+               eps: float, norm: str = "2") -> float:
+    r"""One SCSA head on ``n`` tokens, LipsFormer Theorem 1 (normalised v, scale nu).
+
+    :math:`\mathrm{Lip}_2 \le 2N(N-1)\nu\tau\epsilon^{-1/2}\|W^K\|_2 + 2(N-1)\nu\tau\epsilon^{-1/2}\|W^Q\|_2
+    + 2N\nu\epsilon^{-1/2}\|W^{V\top}\|_2`; the :math:`\ell_\infty` form uses
+    :math:`N^2\sqrt D`, :math:`N\sqrt D` and :math:`2N` with :math:`\infty`-norms. Weights are (d, D) rows of
+    the projection, as ``nn.Linear`` stores them (so :math:`\|W^\top\|_\infty` is the max row sum).
+    An additive logit bias (relative positions, masks) leaves the bound unchanged.
+    """
+    s = eps ** -0.5
+    if norm == "2":
+        return (2 * n * (n - 1) * nu * tau * s * matrix_norm(w_k) + 2 * (n - 1) * nu * tau * s * matrix_norm(w_q)
+                + 2 * n * nu * s * matrix_norm(w_v))
+    if norm == "inf":
+        d = w_q.shape[1]
+
+        def inf_norm(w):  # ||W||_inf of the (D, d) matrix the paper writes: max row sum of |W^T|
+            return float(w.detach().abs().sum(0).max())
+
+        return (n * n * math.sqrt(d) * nu * tau * s * inf_norm(w_k) + n * math.sqrt(d) * nu * tau * s * inf_norm(w_q)
+                + 2 * n * nu * s * float(w_v.detach().abs().sum(1).max()))
+    raise ValueError(f"norm must be '2' or 'inf', got {norm!r}")
+
+
+def attention_heads_bound(kernel: AttentionKernel, qkv_weight: torch.Tensor, heads: int, n: int) -> Tuple[float, str]:
+    """``sqrt(sum_h Lip(head_h)^2)``: the Lipschitz bound of the concatenated heads of one token group.
+
+    Returns the bound and a note. Dot-product attention is not Lipschitz (Kim Theorem 3.1); L2 attention is
+    proven Lipschitz only with tied weights and Kim's extra A_h factor (Theorem 3.2), which this layer does
+    not apply; SCSA with unnormalised v (the released code) is outside Theorem 1 and grows with the input scale.
+    """
+    if kernel.kind == "dot":
+        return INF, "dot-product attention is not Lipschitz (Kim Thm 3.1)"
+    if kernel.kind == "l2":
+        return INF, "L2 attention without Kim's A_h factor has no proven bound (Kim Thm 3.2 needs it)"
+    if kernel.nu is None:
+        return INF, "SCSA with unnormalised v (released default) is outside Theorem 1: set v_norm=True"
+    dim = qkv_weight.shape[1]
+    q_w, k_w, v_w = qkv_weight.detach().view(kernel.num_proj, heads, -1, dim).unbind(0)
+    tau = abs(float(kernel.tau))
+    per_head = [scsa_bound(q_w[h], k_w[h], v_w[h], n, tau, kernel.nu, kernel.eps) for h in range(heads)]
+    return math.sqrt(sum(b * b for b in per_head)), f"LipsFormer Thm 1, N={n}"
+
+
+def window_attention_bound(attn: nn.Module) -> Tuple[float, str]:
+    """Swin windows: windows are independent, so the bound is that of one window of ``N`` tokens, then proj."""
+    n = attn.window[0] * attn.window[1]
+    heads, note = attention_heads_bound(attn.kernel, attn.qkv.weight, attn.num_heads, n)
+    return heads * matrix_norm(attn.proj.weight), note
+
+
+def cross_shaped_attention_bound(attn: nn.Module, resolution: Tuple[int, int]) -> Tuple[float, str]:
+    """CSwin: each branch is ``(heads(q, k, v) + LePE(v)) / sqrt(branch heads)`` on its stripes; the branches
+    act on disjoint channels and are concatenated (root of the sum of squares), then projected."""
+    nb = len(attn.windows)
+    dim = attn.qkv.weight.shape[1]
+    w = attn.qkv.weight.detach().view(attn.kernel.num_proj, nb, dim // nb, dim)
+    branches, notes = [], set()
+    for b, (window, lepe) in enumerate(zip(attn.windows, attn.lepe)):
+        sub = w[:, b].reshape(-1, dim)
+        heads, note = attention_heads_bound(attn.kernel, sub, attn.branch_heads, window[0] * window[1])
+        notes.add(note)
+        lepe_lip = conv_bound(lepe, resolution) * matrix_norm(w[-1, b])
+        branches.append((heads + lepe_lip) / math.sqrt(attn.branch_heads))
+    return math.sqrt(sum(b * b for b in branches)) * matrix_norm(attn.proj.weight), "; ".join(sorted(notes))
+
+
+# -- blocks and the network ---------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One residual branch (or a non-residual layer) of the network."""
+
+    name: str
+    lip: float  # the layer's bound; for a residual, 1 + max|alpha| Lip(f)
+    branch: Optional[float] = None  # Lip(f) of a residual branch
+    alpha: Optional[float] = None  # max|alpha|
+    drop_path: float = 0.0
+    scale_by_keep: bool = True
+    note: str = ""
+
+
+@dataclass
+class LipschitzReport:
+    rows: List[Row] = field(default_factory=list)
+
+    @property
+    def bound(self) -> float:
+        """LipsFormer eq. 19: the product of every layer's bound (evaluation, DropPath off)."""
+        return math.prod(r.lip for r in self.rows)
+
+    @property
+    def train_expected_bound(self) -> float:
+        """LipsFormer eq. 21: the expected bound with DropPath on, each branch kept with probability 1-p.
+
+        timm's DropPath divides a kept branch by 1-p (``scale_by_keep``), which cancels the expected
+        reduction: then this equals :attr:`bound`. The paper's eq. 21 assumes no rescaling.
+        """
+        out = 1.0
+        for r in self.rows:
+            if r.branch is None or not r.drop_path:
+                out *= r.lip
+                continue
+            keep = 1.0 - r.drop_path
+            kept = r.alpha * r.branch / (keep if r.scale_by_keep else 1.0)
+            out *= keep * (1.0 + kept) + r.drop_path
+        return out
+
+    def stages(self) -> List[Tuple[str, float]]:
+        """Product of the bounds per top-level part (patch_embed, stages.i, norm, head)."""
+        out = {}
+        for r in self.rows:
+            key = ".".join(r.name.split(".")[:2]) if r.name.startswith("stages.") else r.name.split(".")[0]
+            out[key] = out.get(key, 1.0) * r.lip
+        return list(out.items())
+
+    def dominant(self) -> Row:
+        return max((r for r in self.rows if r.branch is not None), key=lambda r: r.lip)
+
+
+def _residual_row(name: str, residual: WeightedResidual, branch: float, note: str = "") -> Row:
+    drop = residual.drop_path
+    return Row(name, residual_bound(residual, branch), branch, float(residual.alpha.detach().abs().max()),
+               float(getattr(drop, "drop_prob", 0.0)), bool(getattr(drop, "scale_by_keep", True)), note)
+
+
+def conv_blocks_rows(name: str, convs: ConvBlocks, hw: Tuple[int, int]) -> List[Row]:
+    """Configurations B-D: ``x + s1 GELU(pw(GELU(dw1 x)))`` then ``x + s2 GELU(dw2 x)``."""
+    rows = []
+    if convs.dw1 is None:
+        return rows
+    g = gelu_bound()
+    branch = g * conv_bound(convs.dw1, hw)
+    if convs.pw is not None:
+        branch *= g * conv_bound(convs.pw, hw)
+    rows.append(_residual_row(f"{name}.res1", convs.res1, branch))
+    if convs.dw2 is not None:
+        rows.append(_residual_row(f"{name}.res2", convs.res2, g * conv_bound(convs.dw2, hw)))
+    return rows
+
+
+def block_rows(name: str, block: LipsBlock, hw: Tuple[int, int]) -> List[Row]:
+    rows = conv_blocks_rows(f"{name}.convs", block.convs, hw)
+    if hasattr(block.attn, "window"):
+        attn, note = window_attention_bound(block.attn)
+    else:
+        attn, note = cross_shaped_attention_bound(block.attn, hw)
+    rows.append(_residual_row(f"{name}.res_attn", block.res_attn, attn, note))
+    rows.append(Row(f"{name}.norm1", norm_bound(block.norm1)))
+    rows.append(_residual_row(f"{name}.res_mlp", block.res_mlp, mlp_bound(block.mlp)))
+    rows.append(Row(f"{name}.norm2", norm_bound(block.norm2)))
+    return rows
+
+
+def downsample_rows(name: str, down: nn.Module, hw: Tuple[int, int]) -> List[Row]:
+    """Swin patch merging (a 2x2 regrouping: norm-preserving, then norm and Linear) or CSwin conv + norm."""
+    if isinstance(down, nn.Identity):
+        return []
+    if hasattr(down, "reduction"):
+        return [Row(f"{name}.norm", norm_bound(down.norm)), Row(f"{name}.reduction", matrix_norm(down.reduction.weight))]
+    return [Row(f"{name}.conv", conv_bound(down.conv, hw)), Row(f"{name}.norm", norm_bound(down.norm))]
+
+
+@torch.no_grad()
+def lipschitz_report(model: nn.Module) -> LipschitzReport:
+    """Every layer's certified bound and the network bound (eq. 19; eq. 21 with DropPath) of a LipsFormer
+    at its built input size. Inputs and outputs are measured in the l2 norm of the whole tensor."""
+    embed: PatchEmbed = model.patch_embed
+    rows = [Row("patch_embed.proj", conv_bound(embed.proj, embed.img_size)),
+            Row("patch_embed.norm", norm_bound(embed.norm))]
+    hw = embed.grid_size
+    for i, stage in enumerate(model.stages):
+        rows += downsample_rows(f"stages.{i}.downsample", stage.downsample, hw)
+        if not isinstance(stage.downsample, nn.Identity):
+            hw = (hw[0] // 2, hw[1] // 2)
+        for j, block in enumerate(stage.blocks):
+            rows += block_rows(f"stages.{i}.blocks.{j}", block, hw)
+    rows.append(Row("norm", norm_bound(model.norm)))
+    head = model.head
+    if getattr(head, "global_pool", None) is not None and not isinstance(head.global_pool, nn.Identity):
+        # mean over N tokens: ||mean(X) - mean(Y)|| <= ||X - Y|| / sqrt(N) (Cauchy-Schwarz)
+        rows.append(Row("head.global_pool", 1.0 / math.sqrt(hw[0] * hw[1])))
+    if isinstance(head.fc, nn.Linear):
+        rows.append(Row("head.fc", matrix_norm(head.fc.weight)))
+    return LipschitzReport(rows)

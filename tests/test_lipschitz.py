@@ -1,0 +1,177 @@
+"""The Lipschitz toolkit: every certified bound is at least what is measured, exact where the module is linear."""
+import json
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from torch import nn
+
+from lipsformer.layers import AttentionKernel, CenterNorm
+from lipsformer.layers.residual import WeightedResidual
+from lipsformer.lipschitz import (conv_bound, conv_operator_norm, gelu_bound, jacobian_norm, lipschitz_report,
+                                  matrix_norm, maximize_jacobian_norm)
+from lipsformer.lipschitz.bounds import (attention_heads_bound, mlp_bound, norm_bound, residual_bound,
+                                         window_attention_bound)
+from lipsformer.models.lipsformer_swin import WindowAttention
+
+from conftest import TINY, family
+
+
+def dense(f, shape):
+    """The matrix of a linear map on inputs of ``shape``, column by column."""
+    n = math.prod(shape)
+    return torch.stack([f(torch.eye(n, dtype=torch.double)[i].view(shape)).flatten() for i in range(n)], 1)
+
+
+def test_linear_bound_is_the_exact_norm_and_power_iteration_finds_it():
+    lin = nn.Linear(24, 40)
+    exact = float(torch.linalg.matrix_norm(lin.weight.detach().double(), 2))
+    assert matrix_norm(lin.weight) == pytest.approx(exact, rel=1e-12)
+    x = torch.randn(24)
+    assert jacobian_norm(lin, x, iters=200) == pytest.approx(exact, rel=1e-5)
+
+
+@pytest.mark.parametrize("spec, hw", [
+    (dict(in_channels=3, out_channels=4, kernel_size=3, padding=1), (5, 6)),
+    (dict(in_channels=6, out_channels=6, kernel_size=7, padding=3, groups=6), (7, 7)),  # depth-wise (conv blocks, LePE)
+    (dict(in_channels=3, out_channels=8, kernel_size=4, stride=4), (8, 8)),  # patch embedding
+    (dict(in_channels=4, out_channels=8, kernel_size=2, stride=2), (4, 6)),  # CSwin downsampling
+])
+def test_conv_operator_norm_matches_a_dense_svd_and_the_bound_covers_it(spec, hw):
+    conv = nn.Conv2d(**spec)
+    conv = conv.double()
+    matrix = dense(lambda x: F.conv2d(x.unsqueeze(0), conv.weight, stride=conv.stride, padding=conv.padding,
+                                      groups=conv.groups), (conv.in_channels, *hw))
+    exact = float(torch.linalg.matrix_norm(matrix, 2))
+    assert conv_operator_norm(conv, hw, iters=3000) == pytest.approx(exact, rel=1e-5)
+    bound = conv_bound(conv, hw)
+    assert bound >= exact * (1 - 1e-9)
+    if conv.stride == conv.kernel_size:  # non-overlapping patches: exact
+        assert bound == pytest.approx(exact, rel=1e-9)
+
+
+def test_centernorm_bound_is_exact_for_constant_gamma_and_covers_random_gamma():
+    norm = CenterNorm(8).double()
+    with torch.no_grad():
+        norm.weight.fill_(1.5)
+    x = torch.randn(8, dtype=torch.double)
+    assert jacobian_norm(norm, x, iters=100) == pytest.approx(norm_bound(norm), rel=1e-9)
+    assert norm_bound(norm) == pytest.approx(8 / 7 * 1.5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    assert jacobian_norm(norm, x, iters=200) <= norm_bound(norm) * (1 + 1e-9)
+    assert norm_bound(nn.LayerNorm(8)) == math.inf
+
+
+def test_gelu_bound_is_its_largest_slope():
+    slope = jacobian_norm(F.gelu, torch.full((1,), math.sqrt(2.0), dtype=torch.double), iters=3)
+    assert gelu_bound() == pytest.approx(slope, rel=1e-12) == pytest.approx(1.1289, abs=1e-4)
+    xs = torch.linspace(-6, 6, 10001, dtype=torch.double, requires_grad=True)
+    (grad,) = torch.autograd.grad(F.gelu(xs).sum(), xs)
+    assert float(grad.abs().max()) <= gelu_bound()
+
+
+def test_mlp_and_weighted_residual_bounds_cover_the_measured_jacobian():
+    mlp = Mlp(8, 32).double()
+    res = WeightedResidual(8, 0.3).double()
+    f = lambda x: res(x, mlp(x))  # noqa: E731
+    bound = residual_bound(res, mlp_bound(mlp))
+    x = torch.randn(5, 8, dtype=torch.double)
+    measured = maximize_jacobian_norm(f, x, steps=30)["lower_bound"]
+    assert 1.0 <= measured <= bound
+
+
+def scsa_layer(n_side=2, heads=2, dim=8, **kernel):
+    kernel = AttentionKernel("scsa", tau=10.0, v_norm=True, fused=False, eps=1e-2, **kernel)
+    return WindowAttention(dim, heads, (n_side, n_side), kernel).double().eval()
+
+
+def test_scsa_bound_covers_maximised_jacobian():
+    attn = scsa_layer()
+    bound, note = window_attention_bound(attn)
+    assert "Thm 1, N=4" in note
+    x = torch.randn(1, 2, 2, 8, dtype=torch.double)
+    measured = maximize_jacobian_norm(attn, x, steps=40)["lower_bound"]
+    assert 0 < measured <= bound
+
+
+@pytest.mark.parametrize("kind, kwargs, message", [
+    ("dot", {}, "not Lipschitz"),
+    ("l2", dict(tied_qk=True), "A_h"),
+    ("scsa", {}, "unnormalised v"),
+])
+def test_attention_without_a_proven_bound_reports_infinity(kind, kwargs, message):
+    kernel = AttentionKernel(kind, **kwargs)
+    bound, note = attention_heads_bound(kernel, torch.randn(8 * kernel.num_proj, 8), 2, 4)
+    assert bound == math.inf and message in note
+
+
+def test_dot_product_attention_jacobian_grows_without_limit():
+    """Kim et al. Theorem 3.1: no fixed number bounds the measured Jacobian norm of dot-product attention."""
+    torch.manual_seed(0)
+    attn = WindowAttention(4, 1, (2, 2), AttentionKernel("dot", fused=False), qkv_bias=False).double().eval()
+
+    def pin_first_token(x):  # the proof's construction: one token at 0, the others free
+        x = x.clone()
+        x[0, 0, 0] = 0
+        return x
+
+    x = pin_first_token(torch.randn(1, 2, 2, 4, dtype=torch.double))
+    start = jacobian_norm(attn, x)
+    result = maximize_jacobian_norm(attn, x, steps=100, lr=0.3, project=pin_first_token)
+    assert result["lower_bound"] > 500 > 500 * start
+    tail = result["history"][-20:]
+    assert all(b > a for a, b in zip(tail, tail[1:]))  # still climbing: no plateau in sight
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_network_bound_is_the_product_and_covers_the_measured_network(name):
+    model = timm.create_model(name, **TINY[family(name)], v_norm=True, fused_attn=False).double().eval()
+    report = lipschitz_report(model)
+    assert report.bound == pytest.approx(math.prod(r.lip for r in report.rows))
+    assert math.isfinite(report.bound)
+    assert report.rows[0].name == "patch_embed.proj" and report.rows[-1].name == "head.fc"
+    x = torch.randn(3, 32, 32, dtype=torch.double)
+    measured = jacobian_norm(lambda v: model(v.unsqueeze(0)).squeeze(0), x, iters=20)
+    assert 0 < measured <= report.bound
+    assert report.dominant().name.endswith("res_attn")
+
+
+def test_released_defaults_have_no_finite_bound_and_say_why():
+    model = timm.create_model("lipsformer_swin_t", **TINY["swin"])
+    report = lipschitz_report(model)
+    assert report.bound == math.inf
+    assert "unnormalised v" in report.dominant().note
+
+
+def test_droppath_expectation_follows_eq21_and_timm_rescaling():
+    """Eq. 21 without rescaling shrinks the bound; timm's DropPath divides kept branches by 1-p, which
+    restores the evaluation bound in expectation."""
+    model = timm.create_model("lipsformer_swin_t", **TINY["swin"], v_norm=True, drop_path_rate=0.5)
+    report = lipschitz_report(model)
+    assert report.train_expected_bound == pytest.approx(report.bound, rel=1e-9)
+    for row in report.rows:
+        row.scale_by_keep = False
+    expected = math.prod(1 + (1 - r.drop_path) * r.alpha * r.branch if r.branch is not None else r.lip
+                         for r in report.rows)
+    assert report.train_expected_bound == pytest.approx(expected, rel=1e-9) and expected < report.bound
+
+
+def test_command_prints_table_writes_json_and_plot_and_measures(tmp_path, capsys):
+    from lipsformer.lipschitz.__main__ import main
+    args = ["--model", "lipsformer_cswin_t", "--model-args", json.dumps(dict(TINY["cswin"], v_norm=True))]
+    out = tmp_path / "bounds.json"
+    assert main([*args, "--json", str(out), "--plot", str(tmp_path / "bounds.png"),
+                 "--measure", "network", "stages.2.blocks.0"]) == 0
+    printed = capsys.readouterr().out
+    assert "network bound (eq. 19, eval)" in printed and "measured Jacobian norm of network" in printed
+    result = json.loads(out.read_text())
+    assert set(result["measured"]) == {"network", "stages.2.blocks.0"}
+    assert 0 < result["measured"]["network"] <= result["bound"]
+    assert [s for s in result["stages"]][:2] == ["patch_embed", "stages.0"]
+    assert (tmp_path / "bounds.png").stat().st_size > 0
+    assert main([*args, "--measure", "stages.9"]) == 2
+    assert "--measure" in capsys.readouterr().err
