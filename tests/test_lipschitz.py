@@ -175,3 +175,19 @@ def test_command_prints_table_writes_json_and_plot_and_measures(tmp_path, capsys
     assert (tmp_path / "bounds.png").stat().st_size > 0
     assert main([*args, "--measure", "stages.9"]) == 2
     assert "--measure" in capsys.readouterr().err
+
+
+def test_scsa_with_unnormalised_v_grows_with_input_scale_and_normalised_v_does_not():
+    """Why the released SCSA (v unnormalised) gets no finite bound: with one token at 0 (its normalised key
+    has slope eps^-1/2 there), the Jacobian grows with the other tokens' scale; normalising v (Thm 1) stops it."""
+    x = torch.randn(1, 2, 2, 4, dtype=torch.double, generator=torch.Generator().manual_seed(1))
+    x[0, 0, 0] = 0
+    for v_norm in (False, True):
+        kernel = AttentionKernel("scsa", fused=False, eps=1e-2, v_norm=v_norm)
+        attn = WindowAttention(4, 1, (2, 2), kernel, qkv_bias=False).double().eval()
+        norms = [jacobian_norm(attn, x * c) for c in (1, 10, 100, 1000)]
+        if v_norm:
+            assert max(norms) <= window_attention_bound(attn)[0]
+            assert norms[-1] < 2 * norms[0]
+        else:
+            assert all(b > 9 * a for a, b in zip(norms, norms[1:]))
