@@ -9,6 +9,7 @@ import sys
 
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.train import TooManyBadSamples, TrainingDiverged, train
+from lipsformer.lipschitz.constraints import BoundUnreachable
 
 
 def main(argv=None) -> int:
@@ -17,6 +18,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", help="folder with train/ and val/ (sets data_dir)")
     parser.add_argument("--output-dir", help="where checkpoints, metrics and curves go (sets output_dir)")
     parser.add_argument("--resume", help="'auto' (newest checkpoint in the output folder) or a checkpoint folder")
+    parser.add_argument("--lipschitz-target", type=float,
+                        help="keep the certified network bound under this value (sets lipschitz_target)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. --set lr=1e-3 epochs=10")
     args = parser.parse_args(argv)
@@ -25,6 +28,8 @@ def main(argv=None) -> int:
         overrides.append(f"data_dir={args.data_dir}")
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
+    if args.lipschitz_target is not None:
+        overrides.append(f"lipschitz_target={args.lipschitz_target}")
     try:
         cfg = load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -32,7 +37,7 @@ def main(argv=None) -> int:
         return 2
     try:
         summary = train(cfg, resume=args.resume)
-    except (TrainingDiverged, TooManyBadSamples, FileExistsError) as e:
+    except (TrainingDiverged, TooManyBadSamples, FileExistsError, BoundUnreachable) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     print(f"best top-1 {summary['best_top1']:.2f}% | checkpoint {summary['checkpoint']} | curves {summary['curves']}")

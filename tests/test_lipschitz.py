@@ -191,3 +191,36 @@ def test_scsa_with_unnormalised_v_grows_with_input_scale_and_normalised_v_does_n
             assert norms[-1] < 2 * norms[0]
         else:
             assert all(b > 9 * a for a, b in zip(norms, norms[1:]))
+
+
+def test_keep_bound_projects_to_the_target_with_the_smallest_uniform_alpha_shrink():
+    from lipsformer.lipschitz.constraints import BoundUnreachable, keep_bound
+    model = timm.create_model("lipsformer_swin_t", **TINY["swin"], v_norm=True)
+    with torch.no_grad():
+        model.stages[0].blocks[0].norm2.weight.mul_(3.0)  # gamma beyond gamma_max
+    before = lipschitz_report(model).bound
+    target = before ** 0.5
+    info = keep_bound(model, target)
+    after = lipschitz_report(model).bound
+    assert info["bound_before"] < before and 0 < info["alpha_scale"] < 1  # the gamma clip already lowered it
+    assert target * 0.999 <= after <= target  # shrunk no more than needed
+    assert float(model.stages[0].blocks[0].norm2.weight.abs().max()) <= 1.0
+    assert keep_bound(model, target)["alpha_scale"] == 1.0  # already inside: untouched
+    with pytest.raises(BoundUnreachable, match="unnormalised v"):
+        keep_bound(timm.create_model("lipsformer_swin_t", **TINY["swin"]), 1e6)
+
+
+def test_training_with_a_bound_target_keeps_and_logs_the_bound(tmp_path):
+    from test_train import read_metrics, run_train, write_config
+    kwargs = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2, v_norm=True)
+    config = write_config(tmp_path, epochs=2, model_kwargs=kwargs, ema_decay=None, lr=1e-2)
+    run_train("--config", str(config), "--lipschitz-target", "1e20")
+    epochs = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "epoch"]
+    assert len(epochs) == 2 and all(0 < r["lipschitz_bound"] <= 1e20 for r in epochs)
+    from safetensors.torch import load_file
+    model = timm.create_model("lipsformer_swin_t", num_classes=4, img_size=32, **kwargs)
+    model.load_state_dict(load_file(str(tmp_path / "run" / "last.safetensors")))
+    assert lipschitz_report(model).bound <= 1e20
+    proc = run_train("--config", str(write_config(tmp_path / "b", epochs=1)), "--lipschitz-target", "10",
+                     check=False)
+    assert proc.returncode == 3 and "cannot keep the Lipschitz bound under 10" in proc.stderr

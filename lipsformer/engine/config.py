@@ -61,6 +61,10 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # stop | skip
     log_every_steps: int = 50
     eval_every_epochs: int = 1
+    # bound keeping (lipsformer.lipschitz.constraints): keep the certified network bound under a target
+    lipschitz_target: Optional[float] = None  # None: off
+    lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
+    lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
 
     def __post_init__(self):
         checks = {
@@ -70,9 +74,12 @@ class TrainConfig:
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last"):
+        for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last",
+                    "lipschitz_every_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.lipschitz_target is not None and self.lipschitz_target <= 0:
+            raise ConfigError(f"lipschitz_target must be positive, got {self.lipschitz_target}")
 
     def accumulation_steps(self, num_processes: int) -> int:
         """Gradient accumulation derived from the global batch; it must divide exactly."""

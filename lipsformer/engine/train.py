@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
+from ..lipschitz.bounds import lipschitz_report
+from ..lipschitz.constraints import keep_bound
 from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate
@@ -151,6 +153,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
     log = _Log(accelerator, out / "metrics.jsonl")
+    if cfg.lipschitz_target is not None:
+        keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max)
     last_good = resume_from
 
     for epoch in range(state.epoch, cfg.epochs):
@@ -202,6 +206,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
                     state.skipped_steps += 1
                     window_bad = False
                 state.step += 1
+                if cfg.lipschitz_target is not None and state.step % cfg.lipschitz_every_steps == 0:
+                    keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max)
                 scheduler.step_update(state.step)
                 if ema is not None:
                     ema.update(accelerator.unwrap_model(model), step=state.step)
@@ -226,6 +232,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         state.epoch, state.batch_in_epoch = epoch + 1, 0
         row = dict(epoch=epoch + 1, train_loss=loss_sum / max(loss_n, 1), bad_samples=n_failed, train_samples=n_seen,
                    processes=num_processes, skipped_steps=state.skipped_steps, seconds=time.time() - t0)
+        if cfg.lipschitz_target is not None:
+            row["lipschitz_bound"] = lipschitz_report(accelerator.unwrap_model(model)).bound
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             metrics = evaluate(model, val_loader, accelerator)
             row.update(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
