@@ -64,3 +64,25 @@ def maximize_jacobian_norm(f: Callable, x0: torch.Tensor, steps: int = 100, lr: 
 def ball(radius: float) -> Callable:
     """Projection onto ``||x|| <= radius``, for :func:`maximize_jacobian_norm`."""
     return lambda x: x * min(1.0, radius / float(x.norm()))
+
+
+def maximize_difference_quotient(f: Callable, x: torch.Tensor, radius: float = 1.0, steps: int = 50,
+                                 lr: float = 0.1, seed: int = 0) -> dict:
+    """Projected gradient ascent on ``||f(x + d) - f(x)|| / ||d||`` over ``0 < ||d|| <= radius`` (AttLip Table 1's
+    "PGD"). Needs only reverse-mode autograd, so ``f`` may branch on values (a solver with backtracking)."""
+    x = x.detach()
+    with torch.no_grad():
+        fx = f(x)
+    d = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=x.dtype).to(x.device)
+    d = d * (radius / float(d.norm()))
+    best, history = 0.0, []
+    for _ in range(steps):
+        d.requires_grad_(True)
+        ratio = (f(x + d) - fx).norm() / d.norm()
+        (grad,) = torch.autograd.grad(ratio, d)
+        history.append(float(ratio.detach()))
+        best = max(best, history[-1])
+        with torch.no_grad():
+            d = d + lr * radius * grad / grad.norm().clamp_min(1e-12)
+            d = d * min(1.0, radius / float(d.norm()))
+    return dict(lower_bound=best, history=history)
