@@ -224,3 +224,26 @@ def test_training_with_a_bound_target_keeps_and_logs_the_bound(tmp_path):
     proc = run_train("--config", str(write_config(tmp_path / "b", epochs=1)), "--lipschitz-target", "10",
                      check=False)
     assert proc.returncode == 3 and "cannot keep the Lipschitz bound under 10" in proc.stderr
+
+
+def test_kim_l2_attention_stays_under_theorem_3_2():
+    from lipsformer.layers.attention import KimL2Attention
+    from lipsformer.lipschitz.bounds import kim_l2_bound, lambert_phi_inverse
+    y = lambert_phi_inverse(15.0)
+    assert y * math.exp(y + 1) == pytest.approx(15.0, rel=1e-12)
+    attn = KimL2Attention(16, heads=2, fused=False).double()
+    explicit = KimL2Attention(16, heads=2, fused=True).double()
+    explicit.load_state_dict(attn.state_dict())
+    x = torch.randn(1, 8, 16, dtype=torch.double)
+    assert torch.allclose(attn(x), explicit(x), atol=1e-10)
+    heads = []  # the paper's formula, literally: P^h X A_h W^{V,h}, concatenated, times W^O
+    for h in range(2):
+        w_q = attn.q.weight[h * 8:(h + 1) * 8].T  # W^{Q,h}: (D, D/H)
+        w_v = attn.v.weight[h * 8:(h + 1) * 8].T
+        q = x[0] @ w_q
+        p = (-torch.cdist(q, q).pow(2) / math.sqrt(8)).softmax(-1)
+        heads.append(p @ x[0] @ (w_q @ w_q.T / math.sqrt(8)) @ w_v)
+    assert torch.allclose(attn(x)[0], torch.cat(heads, -1) @ attn.proj.weight.T, atol=1e-10)
+    measured = maximize_jacobian_norm(attn, x, steps=40)["lower_bound"]
+    assert 0 < measured <= kim_l2_bound(attn, 8)
+    assert kim_l2_bound(attn, 64) > kim_l2_bound(attn, 8)  # the bound grows with N

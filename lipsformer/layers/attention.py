@@ -127,3 +127,34 @@ class AttentionKernel(nn.Module):
         if self.tied_qk:
             s += ", tied_qk=True"
         return s
+
+
+class KimL2Attention(nn.Module):
+    r"""L2 multi-head self-attention in Kim et al.'s Lipschitz form (Sec. 3.2) on token groups (B, N, C).
+
+    .. math:: F(X) = [f^1(X) W^{V,1}, \dots, f^H(X) W^{V,H}]\, W^O,\quad f^h(X) = P^h X A_h,
+
+    with tied :math:`W^{Q,h} = W^{K,h}`, :math:`P^h_{ij} \propto \exp(-\|x_i W^{Q,h} - x_j W^{Q,h}\|^2/\sqrt{D/H})`
+    and :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{D/H}`. Since :math:`X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/\sqrt{D/H}`,
+    the value path is a (d_h x d_h) map of q and the attention runs through :func:`l2_attention` (fused).
+    Theorem 3.2 bounds its Lipschitz constant (:func:`lipsformer.lipschitz.bounds.kim_l2_bound`).
+    """
+
+    def __init__(self, dim: int, heads: int = 1, fused: bool = True):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} must be divisible by heads {heads}")
+        self.heads, self.fused = heads, fused
+        self.q = nn.Linear(dim, dim, bias=False)  # W^Q = W^K, heads stacked by rows
+        self.v = nn.Linear(dim, dim, bias=False)  # W^{V,h} transposed, heads stacked by rows
+        self.proj = nn.Linear(dim, dim, bias=False)  # W^O
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        d = C // self.heads
+        q = self.q(x).view(B, N, self.heads, d).transpose(1, 2)  # (B, H, N, d)
+        wq = self.q.weight.view(self.heads, d, C)
+        wv = self.v.weight.view(self.heads, d, C)
+        value_map = wq @ wv.transpose(-1, -2) / math.sqrt(d)  # (H, d, d): W^{Q,h T} W^{V,h} / sqrt(D/H)
+        out = l2_attention(q, q, q @ value_map, fused=self.fused)
+        return self.proj(out.transpose(1, 2).reshape(B, N, C))

@@ -142,6 +142,29 @@ def scsa_bound(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, n: int, 
     raise ValueError(f"norm must be '2' or 'inf', got {norm!r}")
 
 
+def lambert_phi_inverse(y: float) -> float:
+    """The inverse of Kim et al.'s :math:`\phi(x) = x e^{x+1}` on x > 0 (Newton's method)."""
+    x = math.log1p(y)
+    for _ in range(100):
+        step = (x * math.exp(x + 1) - y) / ((x + 1) * math.exp(x + 1))
+        x -= step
+        if abs(step) < 1e-15 * max(1.0, x):
+            break
+    return x
+
+
+def kim_l2_bound(attn: nn.Module, n: int) -> float:
+    r"""Kim et al. Theorem 3.2, :math:`\ell_2` form, for :class:`~lipsformer.layers.attention.KimL2Attention`:
+
+    :math:`\frac{\sqrt N}{\sqrt{D/H}} (4\phi^{-1}(N-1) + 1) \sqrt{\sum_h \|W^{Q,h}\|_2^2 \|W^{V,h}\|_2^2}\, \|W^O\|_2`.
+    """
+    d = attn.q.weight.shape[1] // attn.heads
+    wq = attn.q.weight.detach().view(attn.heads, d, -1)
+    wv = attn.v.weight.detach().view(attn.heads, d, -1)
+    heads = math.sqrt(sum((matrix_norm(a) * matrix_norm(b)) ** 2 for a, b in zip(wq, wv)))
+    return math.sqrt(n) / math.sqrt(d) * (4 * lambert_phi_inverse(n - 1) + 1) * heads * matrix_norm(attn.proj.weight)
+
+
 def attention_heads_bound(kernel: AttentionKernel, qkv_weight: torch.Tensor, heads: int, n: int) -> Tuple[float, str]:
     """``sqrt(sum_h Lip(head_h)^2)``: the Lipschitz bound of the concatenated heads of one token group.
 
