@@ -98,6 +98,21 @@ def test_scsa_bound_covers_maximised_jacobian():
     assert 0 < measured <= bound
 
 
+def test_scsa_infinity_norm_bound_covers_the_jacobians_row_sums():
+    from lipsformer.lipschitz.bounds import scsa_bound
+    kernel = AttentionKernel("scsa", tau=10.0, v_norm=True, fused=False, eps=1e-2)
+    w_q, w_k, w_v = (torch.randn(4, 4, dtype=torch.double) for _ in range(3))
+
+    def head(x):  # one SCSA head on 3 tokens
+        return kernel(*(t.unsqueeze(0).unsqueeze(0) for t in (x @ w_q.T, x @ w_k.T, x @ w_v.T)))[0, 0]
+
+    bound = scsa_bound(w_q, w_k, w_v, 3, 10.0, 1.0, 1e-2, norm="inf")
+    for seed in range(5):
+        x = torch.randn(3, 4, dtype=torch.double, generator=torch.Generator().manual_seed(seed))
+        jac = torch.autograd.functional.jacobian(head, x).reshape(12, 12)
+        assert float(jac.abs().sum(1).max()) <= bound
+
+
 @pytest.mark.parametrize("kind, kwargs, message", [
     ("dot", {}, "not Lipschitz"),
     ("l2", dict(tied_qk=True), "A_h"),

@@ -165,6 +165,12 @@ def kim_l2_bound(attn: nn.Module, n: int) -> float:
     return math.sqrt(n) / math.sqrt(d) * (4 * lambert_phi_inverse(n - 1) + 1) * heads * matrix_norm(attn.proj.weight)
 
 
+def attlip_bound() -> float:
+    """AttLip (AttLip Theorem 4): a proximal step of a convex potential is firmly non-expansive, so 1 for any
+    weights, eta and N (up to the solver's tolerance)."""
+    return 1.0
+
+
 def attention_heads_bound(kernel: AttentionKernel, qkv_weight: torch.Tensor, heads: int, n: int) -> Tuple[float, str]:
     """``sqrt(sum_h Lip(head_h)^2)``: the Lipschitz bound of the concatenated heads of one token group.
 
