@@ -25,8 +25,8 @@ import lipsformer  # noqa: E402,F401
 from lipsformer.lipschitz import lipschitz_report  # noqa: E402
 
 
-def log10(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{math.log10(x):.1f}"
+def fmt(log10: float) -> str:
+    return "inf" if math.isinf(log10) else f"{log10:.1f}"
 
 
 def main() -> None:
@@ -41,21 +41,22 @@ def main() -> None:
         torch.manual_seed(0)
         model = timm.create_model(name, v_norm=True)
         report = lipschitz_report(model)
-        timm_train = report.train_expected_bound
+        timm_train = report.log10_train_expected_bound
         for r in report.rows:
             r.scale_by_keep = False
-        paper_train = report.train_expected_bound
+        paper_train = report.log10_train_expected_bound
         with torch.no_grad():
             for m in model.modules():
                 if hasattr(m, "alpha"):
                     m.alpha.mul_(0.5)
-        half = lipschitz_report(model).bound
-        released = lipschitz_report(timm.create_model(name, pretrained=False)).bound
-        row = dict(model=name, bound=report.bound, train_paper=paper_train, train_timm=timm_train,
-                   half_alpha=half, released=released, dominant=report.dominant().name, seconds=time.time() - t0)
+        half = lipschitz_report(model).log10_bound
+        released = lipschitz_report(timm.create_model(name, pretrained=False)).log10_bound
+        row = dict(model=name, log10_bound=report.log10_bound, log10_train_paper=paper_train,
+                   log10_train_timm=timm_train, log10_half_alpha=half, log10_released=released,
+                   dominant=report.dominant().name, seconds=time.time() - t0)
         rows.append(row)
-        print(f"{name:<22} {log10(row['bound']):>7} {log10(paper_train):>12} {log10(timm_train):>11} "
-              f"{log10(half):>8} {log10(released):>9}  {row['seconds']:.0f}", flush=True)
+        print(f"{name:<22} {fmt(row['log10_bound']):>7} {fmt(paper_train):>12} {fmt(timm_train):>11} "
+              f"{fmt(half):>8} {fmt(released):>9}  {row['seconds']:.0f}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lipschitz_models.json").write_text(json.dumps(rows, indent=2))

@@ -179,3 +179,18 @@ def test_window_partition_round_trip_and_order(window):
     assert windows.shape == (2 * (4 // window[0]) * (6 // window[1]), window[0] * window[1], 3)
     torch.testing.assert_close(windows[0].view(*window, 3), x[0, :window[0], :window[1]])
     torch.testing.assert_close(window_reverse(windows, window, 4, 6), x)
+
+
+def test_kim_values_are_x_a_h_w_v_plus_bias():
+    """Kim et al.'s Lipschitz L2 form: values X A_h W^{V,h} with A_h = W^{Q,h} W^{Q,h T} / sqrt(d), per head."""
+    from lipsformer.layers import AttentionKernel
+    dim, heads, d = 8, 2, 4
+    qkv = torch.nn.Linear(dim, 2 * dim).double()
+    x = torch.randn(3, dim, dtype=torch.double)
+    q = (x @ qkv.weight[:dim].T + qkv.bias[:dim]).view(3, heads, d).transpose(0, 1).unsqueeze(0)
+    values = AttentionKernel.kim_values(q, qkv, heads)[0]
+    for h in range(heads):
+        w_q = qkv.weight[h * d:(h + 1) * d].T  # W^{Q,h}: (D, d)
+        w_v = qkv.weight[dim + h * d: dim + (h + 1) * d].T
+        expected = x @ (w_q @ w_q.T / d ** 0.5) @ w_v + qkv.bias[dim + h * d: dim + (h + 1) * d]
+        assert torch.allclose(values[h], expected, atol=1e-12)

@@ -115,7 +115,7 @@ def test_scsa_infinity_norm_bound_covers_the_jacobians_row_sums():
 
 @pytest.mark.parametrize("kind, kwargs, message", [
     ("dot", {}, "not Lipschitz"),
-    ("l2", dict(tied_qk=True), "A_h"),
+    ("l2", {}, "untied L2 attention is not Lipschitz"),
     ("scsa", {}, "unnormalised v"),
 ])
 def test_attention_without_a_proven_bound_reports_infinity(kind, kwargs, message):
@@ -147,6 +147,7 @@ def test_network_bound_is_the_product_and_covers_the_measured_network(name):
     model = timm.create_model(name, **TINY[family(name)], v_norm=True, fused_attn=False).double().eval()
     report = lipschitz_report(model)
     assert report.bound == pytest.approx(math.prod(r.lip for r in report.rows))
+    assert report.log10_bound == pytest.approx(math.log10(report.bound))
     assert math.isfinite(report.bound)
     assert report.rows[0].name == "patch_embed.proj" and report.rows[-1].name == "head.fc"
     x = torch.randn(3, 32, 32, dtype=torch.double)
@@ -158,7 +159,7 @@ def test_network_bound_is_the_product_and_covers_the_measured_network(name):
 def test_released_defaults_have_no_finite_bound_and_say_why():
     model = timm.create_model("lipsformer_swin_t", **TINY["swin"])
     report = lipschitz_report(model)
-    assert report.bound == math.inf
+    assert report.bound == math.inf and report.log10_bound == math.inf
     assert "unnormalised v" in report.dominant().note
 
 
@@ -185,8 +186,8 @@ def test_command_prints_table_writes_json_and_plot_and_measures(tmp_path, capsys
     assert "network bound (eq. 19, eval)" in printed and "measured Jacobian norm of network" in printed
     result = json.loads(out.read_text())
     assert set(result["measured"]) == {"network", "stages.2.blocks.0"}
-    assert 0 < result["measured"]["network"] <= result["bound"]
-    assert [s for s in result["stages"]][:2] == ["patch_embed", "stages.0"]
+    assert 0 < result["measured"]["network"] and math.log10(result["measured"]["network"]) <= result["log10_bound"]
+    assert [s for s in result["log10_stages"]][:2] == ["patch_embed", "stages.0"]
     assert (tmp_path / "bounds.png").stat().st_size > 0
     assert main([*args, "--measure", "stages.9"]) == 2
     assert "--measure" in capsys.readouterr().err
@@ -262,3 +263,29 @@ def test_kim_l2_attention_stays_under_theorem_3_2():
     measured = maximize_jacobian_norm(attn, x, steps=40)["lower_bound"]
     assert 0 < measured <= kim_l2_bound(attn, 8)
     assert kim_l2_bound(attn, 64) > kim_l2_bound(attn, 8)  # the bound grows with N
+
+
+@pytest.mark.parametrize("name, attn, finite", [
+    ("lipsformer_cswin_t", dict(attn="l2", tied_qk=True), True),  # Kim's form, no position bias
+    ("lipsformer_swin_t", dict(attn="l2", tied_qk=True), False),  # Swin's relative position bias is outside Thm 3.2
+    ("lipsformer_swin_t", dict(attn="attlip"), True),
+    ("lipsformer_cswin_t", dict(attn="attlip"), True),
+])
+def test_attention_variants_in_both_families_get_their_bounds(name, attn, finite):
+    model = timm.create_model(name, **TINY[family(name)], **attn).double().eval()
+    report = lipschitz_report(model)
+    assert math.isfinite(report.log10_bound) == finite
+    row = next(r for r in report.rows if r.name.endswith("res_attn"))
+    if attn["attn"] == "attlip":
+        assert row.branch == 1.0 and "AttLip" in row.note
+    x1, x2 = (torch.randn(4, 3, 32, 32, dtype=torch.double) for _ in range(2))
+    with torch.no_grad():
+        ratio = (model(x1) - model(x2)).norm(dim=1) / (x1 - x2).flatten(1).norm(dim=1)
+    assert float(ratio.max()) <= report.bound
+
+
+def test_deep_bounds_are_kept_in_log10_rather_than_overflowing():
+    from lipsformer.lipschitz import LipschitzReport, Row
+    report = LipschitzReport([Row(f"stages.0.blocks.{i}.res_attn", 1e100, 1e100, 1.0) for i in range(5)])
+    assert report.log10_bound == pytest.approx(500.0) and report.bound == math.inf
+    assert report.stages() == [("stages.0", pytest.approx(500.0))]

@@ -1,5 +1,6 @@
 """Lipschitz building blocks. Layers know nothing of models."""
 from .attention import ATTENTIONS, AttentionKernel, dot_attention, l2_attention, l2_normalize, scsa
+from .attlip import AttLip, AttLipMixer
 from .block import LipsBlock
 from .conv_blocks import CONV_BLOCKS, ConvBlocks
 from .init import INITS, init_weights, spectral_norm_of
@@ -9,7 +10,7 @@ from .residual import WeightedResidual
 from .windows import window_partition, window_reverse
 
 __all__ = [
-    "ATTENTIONS", "AttentionKernel", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
+    "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
     "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "spectral_norm_of", "NORMS", "CenterNorm",
     "create_norm", "PatchEmbed", "WeightedResidual", "window_partition", "window_reverse",
 ]

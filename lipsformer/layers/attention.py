@@ -79,7 +79,8 @@ class AttentionKernel(nn.Module):
         v_norm: SCSA only: l2-normalise ``v`` and scale by ``nu`` as in the paper
             (the released code keeps ``v`` unnormalised).
         nu: SCSA output scale when ``v_norm``.
-        tied_qk: ``l2`` only: share ``W^Q = W^K``; the layer then projects to (q, v) only.
+        tied_qk: ``l2`` only: share ``W^Q = W^K`` and take Kim et al.'s Lipschitz form: the layer projects to
+            (q, v) and the values become :math:`X A_h W^{V,h}` (see :meth:`kim_values`).
         eps: smoothing of the SCSA normalisation.
         fused: run through ``scaled_dot_product_attention``; ``False`` uses the explicit softmax.
     """
@@ -88,7 +89,7 @@ class AttentionKernel(nn.Module):
                  nu: float = 1.0, tied_qk: bool = False, eps: float = 1e-12, fused: bool = True):
         super().__init__()
         if kind not in ATTENTIONS:
-            raise ValueError(f"attn must be one of {ATTENTIONS}, got {kind!r}")
+            raise ValueError(f"attn must be one of {ATTENTIONS} or 'attlip' (a mixer of its own), got {kind!r}")
         if (learn_tau or v_norm) and kind != "scsa":
             raise ValueError(f"learn_tau and v_norm apply to attn='scsa' only, got attn={kind!r}")
         if tied_qk and kind != "l2":
@@ -112,6 +113,28 @@ class AttentionKernel(nn.Module):
         if self.tied_qk:
             return qkv[0], qkv[0], qkv[1]
         return qkv[0], qkv[1], qkv[2]
+
+    @property
+    def kim(self) -> bool:
+        """Kim et al.'s L2 form (tied weights, A_h factor): Lipschitz by their Theorem 3.2."""
+        return self.kind == "l2" and self.tied_qk
+
+    @staticmethod
+    def kim_values(q: torch.Tensor, qkv: nn.Linear, heads: int, rows: slice = slice(None)) -> torch.Tensor:
+        r"""Kim et al.'s values :math:`X A_h W^{V,h} + b^{V,h}`, with :math:`A_h = W^{Q,h} W^{Q,h\top}/\sqrt{d}`.
+
+        Computed from the tied query ``q`` (B, heads, N, d) of the tied ``qkv`` projection (rows ``[q; v]``):
+        :math:`X W^{Q,h} = q_h - b^{Q,h}`, so the values are :math:`(q_h - b^{Q,h}) W^{Q,h\top} W^{V,h} / \sqrt d`
+        plus the value bias. ``rows`` selects a channel range of q and v (a CSwin branch).
+        """
+        d = q.shape[-1]
+        dim = qkv.weight.shape[1]
+        w = qkv.weight.view(2, dim, dim)[:, rows].reshape(2, heads, d, dim)
+        value_map = w[0] @ w[1].transpose(-1, -2) / math.sqrt(d)  # (heads, d, d)
+        if qkv.bias is None:
+            return q @ value_map
+        b = qkv.bias.view(2, dim)[:, rows].reshape(2, heads, 1, d)
+        return (q - b[0]) @ value_map + b[1]
 
     def forward(self, q, k, v, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.kind == "scsa":

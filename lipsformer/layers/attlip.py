@@ -15,6 +15,8 @@ import math
 import torch
 from torch import nn
 
+from .windows import window_partition, window_reverse
+
 
 def _scores(x: torch.Tensor, weight: torch.Tensor, heads: int):
     """Projected tokens V (..., H, N, d_h) and scores S (..., H, N, N) of the potential."""
@@ -107,3 +109,34 @@ class AttLip(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, eta={self.eta}, steps={self.train_steps}/{self.eval_steps}"
+
+
+class AttLipMixer(nn.Module):
+    """AttLip as a LipsBlock token mixer on (B, H, W, C), the ``attn="attlip"`` choice of both families.
+
+    The channels are split evenly over ``windows`` (Swin: one window shape; CSwin: vertical then horizontal
+    stripes, or the whole map); each group of tokens goes through its branch's :class:`AttLip`. The mixer
+    returns ``prox(x) - x``, so the block's weighted residual ``x + alpha * (prox(x) - x)`` moves from ``x``
+    toward ``prox(x)``. ``I - prox`` is firmly non-expansive like ``prox``, so the mixer is 1-Lipschitz.
+    """
+
+    def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20):
+        super().__init__()
+        nb = len(windows)
+        if dim % nb or heads % nb:
+            raise ValueError(f"dim {dim} and heads {heads} must divide over {nb} window shapes")
+        self.windows = [tuple(w) for w in windows]
+        self.branches = nn.ModuleList(
+            AttLip(dim // nb, heads // nb, eta, train_steps, eval_steps) for _ in self.windows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        parts = x.chunk(len(self.windows), dim=-1)
+        outs = []
+        for part, window, layer in zip(parts, self.windows, self.branches):
+            tokens = window_partition(part, window)
+            outs.append(window_reverse(layer(tokens) - tokens, window, H, W))
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+
+    def extra_repr(self) -> str:
+        return f"windows={self.windows}"

@@ -17,7 +17,7 @@ from .estimate import jacobian_norm
 
 
 def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.4g}"
+    return "inf" if math.isinf(x) else f"{x:.2f}"
 
 
 def measure(model, names, input_size, iters: int = 20, seed: int = 0) -> dict:
@@ -71,13 +71,13 @@ def main(argv=None) -> int:
         return 2
     report = lipschitz_report(model)
     name = model.pretrained_cfg.get("architecture", args.model)
-    print(f"{name}: certified Lipschitz bounds (l2)")
-    print(f"{'part':<12} {'bound':>12}")
+    print(f"{name}: certified Lipschitz bounds (l2), as log10")
+    print(f"{'part':<12} {'log10 bound':>12}")
     for part, bound in report.stages():
         print(f"{part:<12} {_fmt(bound):>12}")
     dominant = report.dominant()
-    print(f"network bound (eq. 19, eval): {_fmt(report.bound)}")
-    print(f"expected bound with DropPath (eq. 21, train): {_fmt(report.train_expected_bound)}")
+    print(f"network bound (eq. 19, eval): 10^{_fmt(report.log10_bound)}")
+    print(f"expected bound with DropPath (eq. 21, train): 10^{_fmt(report.log10_train_expected_bound)}")
     print(f"largest residual factor: {dominant.name} = {_fmt(dominant.lip)} ({dominant.note or 'conv / MLP'})")
     measured = {}
     if args.measure:
@@ -91,8 +91,9 @@ def main(argv=None) -> int:
             print(f"measured Jacobian norm of {n}: {value:.4g} (a lower bound)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model=name, bound=report.bound, train_expected_bound=report.train_expected_bound,
-                           stages=dict(report.stages()), measured=measured,
+            json.dump(dict(model=name, log10_bound=report.log10_bound,
+                           log10_train_expected_bound=report.log10_train_expected_bound,
+                           log10_stages=dict(report.stages()), measured=measured,
                            rows=[vars(r) for r in report.rows]), f, indent=2)
     if args.plot:
         _plot(report, args.plot, name)

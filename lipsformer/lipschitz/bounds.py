@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionKernel, CenterNorm
+from ..layers import AttentionKernel, AttLipMixer, CenterNorm
 from ..layers.block import LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
@@ -153,48 +153,58 @@ def lambert_phi_inverse(y: float) -> float:
     return x
 
 
-def kim_l2_bound(attn: nn.Module, n: int) -> float:
-    r"""Kim et al. Theorem 3.2, :math:`\ell_2` form, for :class:`~lipsformer.layers.attention.KimL2Attention`:
+def kim_heads_bound(w_q: torch.Tensor, w_v: torch.Tensor, n: int) -> float:
+    r"""Kim et al. Theorem 3.2, :math:`\ell_2` form, without the final :math:`\|W^O\|_2`, for heads whose
+    (d, D) query and value rows are ``w_q[h]``, ``w_v[h]``:
+    :math:`\frac{\sqrt N}{\sqrt{D/H}} (4\phi^{-1}(N-1) + 1) \sqrt{\sum_h \|W^{Q,h}\|_2^2 \|W^{V,h}\|_2^2}`."""
+    d = w_q.shape[1]
+    heads = math.sqrt(sum((matrix_norm(a) * matrix_norm(b)) ** 2 for a, b in zip(w_q, w_v)))
+    return math.sqrt(n) / math.sqrt(d) * (4 * lambert_phi_inverse(n - 1) + 1) * heads
 
-    :math:`\frac{\sqrt N}{\sqrt{D/H}} (4\phi^{-1}(N-1) + 1) \sqrt{\sum_h \|W^{Q,h}\|_2^2 \|W^{V,h}\|_2^2}\, \|W^O\|_2`.
-    """
+
+def kim_l2_bound(attn: nn.Module, n: int) -> float:
+    """Theorem 3.2 for :class:`~lipsformer.layers.attention.KimL2Attention` on ``n`` tokens."""
     d = attn.q.weight.shape[1] // attn.heads
-    wq = attn.q.weight.detach().view(attn.heads, d, -1)
-    wv = attn.v.weight.detach().view(attn.heads, d, -1)
-    heads = math.sqrt(sum((matrix_norm(a) * matrix_norm(b)) ** 2 for a, b in zip(wq, wv)))
-    return math.sqrt(n) / math.sqrt(d) * (4 * lambert_phi_inverse(n - 1) + 1) * heads * matrix_norm(attn.proj.weight)
+    w_q = attn.q.weight.detach().view(attn.heads, d, -1)
+    w_v = attn.v.weight.detach().view(attn.heads, d, -1)
+    return kim_heads_bound(w_q, w_v, n) * matrix_norm(attn.proj.weight)
 
 
 def attlip_bound() -> float:
     """AttLip (AttLip Theorem 4): a proximal step of a convex potential is firmly non-expansive, so 1 for any
-    weights, eta and N (up to the solver's tolerance)."""
+    weights, eta and N (up to the solver's tolerance); so is ``I - prox``, the mixer of :class:`AttLipMixer`."""
     return 1.0
 
 
-def attention_heads_bound(kernel: AttentionKernel, qkv_weight: torch.Tensor, heads: int, n: int) -> Tuple[float, str]:
+def attention_heads_bound(kernel: AttentionKernel, qkv_weight: torch.Tensor, heads: int, n: int,
+                          position_bias: bool = False) -> Tuple[float, str]:
     """``sqrt(sum_h Lip(head_h)^2)``: the Lipschitz bound of the concatenated heads of one token group.
 
     Returns the bound and a note. Dot-product attention is not Lipschitz (Kim Theorem 3.1); L2 attention is
-    proven Lipschitz only with tied weights and Kim's extra A_h factor (Theorem 3.2), which this layer does
-    not apply; SCSA with unnormalised v (the released code) is outside Theorem 1 and grows with the input scale.
+    Lipschitz with tied weights and the A_h factor (Kim Theorem 3.2; ``tied_qk=True``), a theorem proven without a
+    logit bias; SCSA with unnormalised v (the released code) is outside Theorem 1 and grows with the input scale.
     """
+    dim = qkv_weight.shape[1]
+    w = qkv_weight.detach().view(kernel.num_proj, heads, -1, dim)
     if kernel.kind == "dot":
         return INF, "dot-product attention is not Lipschitz (Kim Thm 3.1)"
     if kernel.kind == "l2":
-        return INF, "L2 attention without Kim's A_h factor has no proven bound (Kim Thm 3.2 needs it)"
+        if not kernel.kim:
+            return INF, "untied L2 attention is not Lipschitz (Kim Lemma F.1): set tied_qk=True"
+        if position_bias:
+            return INF, "a relative position bias is outside Kim Thm 3.2"
+        return kim_heads_bound(w[0], w[-1], n), f"Kim Thm 3.2, N={n}"
     if kernel.nu is None:
         return INF, "SCSA with unnormalised v (released default) is outside Theorem 1: set v_norm=True"
-    dim = qkv_weight.shape[1]
-    q_w, k_w, v_w = qkv_weight.detach().view(kernel.num_proj, heads, -1, dim).unbind(0)
     tau = abs(float(kernel.tau))
-    per_head = [scsa_bound(q_w[h], k_w[h], v_w[h], n, tau, kernel.nu, kernel.eps) for h in range(heads)]
+    per_head = [scsa_bound(w[0, h], w[1, h], w[2, h], n, tau, kernel.nu, kernel.eps) for h in range(heads)]
     return math.sqrt(sum(b * b for b in per_head)), f"LipsFormer Thm 1, N={n}"
 
 
 def window_attention_bound(attn: nn.Module) -> Tuple[float, str]:
     """Swin windows: windows are independent, so the bound is that of one window of ``N`` tokens, then proj."""
     n = attn.window[0] * attn.window[1]
-    heads, note = attention_heads_bound(attn.kernel, attn.qkv.weight, attn.num_heads, n)
+    heads, note = attention_heads_bound(attn.kernel, attn.qkv.weight, attn.num_heads, n, position_bias=True)
     return heads * matrix_norm(attn.proj.weight), note
 
 
@@ -233,37 +243,51 @@ class LipschitzReport:
     rows: List[Row] = field(default_factory=list)
 
     @property
-    def bound(self) -> float:
-        """LipsFormer eq. 19: the product of every layer's bound (evaluation, DropPath off)."""
-        return math.prod(r.lip for r in self.rows)
+    def log10_bound(self) -> float:
+        """LipsFormer eq. 19 in log10: the product of every layer's bound (evaluation, DropPath off); infinite
+        only when some layer has no finite bound (logs keep deep models from overflowing a float)."""
+        return sum(math.log10(r.lip) for r in self.rows)
 
     @property
-    def train_expected_bound(self) -> float:
-        """LipsFormer eq. 21: the expected bound with DropPath on, each branch kept with probability 1-p.
+    def log10_train_expected_bound(self) -> float:
+        """LipsFormer eq. 21 in log10: the expected bound with DropPath on, each branch kept with probability 1-p.
 
         timm's DropPath divides a kept branch by 1-p (``scale_by_keep``), which cancels the expected
-        reduction: then this equals :attr:`bound`. The paper's eq. 21 assumes no rescaling.
+        reduction: then this equals :attr:`log10_bound`. The paper's eq. 21 assumes no rescaling.
         """
-        out = 1.0
+        out = 0.0
         for r in self.rows:
             if r.branch is None or not r.drop_path:
-                out *= r.lip
+                out += math.log10(r.lip)
                 continue
             keep = 1.0 - r.drop_path
             kept = r.alpha * r.branch / (keep if r.scale_by_keep else 1.0)
-            out *= keep * (1.0 + kept) + r.drop_path
+            out += math.log10(keep * (1.0 + kept) + r.drop_path)
         return out
 
+    @property
+    def bound(self) -> float:
+        """The network bound (eq. 19); ``inf`` also when it exceeds the float range (see :attr:`log10_bound`)."""
+        return _power10(self.log10_bound)
+
+    @property
+    def train_expected_bound(self) -> float:
+        return _power10(self.log10_train_expected_bound)
+
     def stages(self) -> List[Tuple[str, float]]:
-        """Product of the bounds per top-level part (patch_embed, stages.i, norm, head)."""
+        """log10 of the product of the bounds per top-level part (patch_embed, stages.i, norm, head)."""
         out = {}
         for r in self.rows:
             key = ".".join(r.name.split(".")[:2]) if r.name.startswith("stages.") else r.name.split(".")[0]
-            out[key] = out.get(key, 1.0) * r.lip
+            out[key] = out.get(key, 0.0) + math.log10(r.lip)
         return list(out.items())
 
     def dominant(self) -> Row:
         return max((r for r in self.rows if r.branch is not None), key=lambda r: r.lip)
+
+
+def _power10(x: float) -> float:
+    return 10.0 ** x if x < 308 else INF
 
 
 def _residual_row(name: str, residual: WeightedResidual, branch: float, note: str = "") -> Row:
@@ -289,7 +313,9 @@ def conv_blocks_rows(name: str, convs: ConvBlocks, hw: Tuple[int, int]) -> List[
 
 def block_rows(name: str, block: LipsBlock, hw: Tuple[int, int]) -> List[Row]:
     rows = conv_blocks_rows(f"{name}.convs", block.convs, hw)
-    if hasattr(block.attn, "window"):
+    if isinstance(block.attn, AttLipMixer):
+        attn, note = attlip_bound(), "AttLip Thm 4: I - prox is firmly non-expansive"
+    elif hasattr(block.attn, "window"):
         attn, note = window_attention_bound(block.attn)
     else:
         attn, note = cross_shaped_attention_bound(block.attn, hw)

@@ -40,18 +40,18 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
         if isinstance(m, AttentionKernel) and isinstance(m.tau, torch.Tensor) and tau_max is not None:
             m.tau.clamp_(1e-6, tau_max)
     report = lipschitz_report(model)
-    before = report.bound
-    if before <= target:
-        return dict(bound=before, bound_before=before, alpha_scale=1.0)
-    fixed = math.prod(r.lip for r in report.rows if r.branch is None)
+    before = report.log10_bound
+    if before <= math.log10(target):
+        return dict(bound=report.bound, bound_before=report.bound, alpha_scale=1.0)
+    fixed = sum(math.log10(r.lip) for r in report.rows if r.branch is None)
     residual = [r for r in report.rows if r.branch is not None]
-    if not math.isfinite(before) or fixed > target:
+    if not math.isfinite(before) or fixed > math.log10(target):
         why = ("a layer has no finite bound (" + "; ".join(sorted({r.note for r in residual if r.note})) + ")"
-               if not math.isfinite(before) else f"the layers outside residuals alone give {fixed:.4g}")
+               if not math.isfinite(before) else f"the layers outside residuals alone give 1e{fixed:.1f}")
         raise BoundUnreachable(f"cannot keep the Lipschitz bound under {target:g}: {why}")
 
     def log_bound(s: float) -> float:
-        return math.log(fixed) + sum(math.log1p(s * r.alpha * r.branch) for r in residual)
+        return fixed * math.log(10) + sum(math.log1p(s * r.alpha * r.branch) for r in residual)
 
     aim = math.log(target) + math.log1p(-1e-4)  # margin for the alphas' float32 rounding
     lo, hi = 0.0, 1.0
@@ -60,4 +60,4 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
         lo, hi = (mid, hi) if log_bound(mid) <= aim else (lo, mid)
     for r in residual:
         model.get_submodule(r.name).alpha.mul_(lo)
-    return dict(bound=math.exp(log_bound(lo)), bound_before=before, alpha_scale=lo)
+    return dict(bound=math.exp(log_bound(lo)), bound_before=report.bound, alpha_scale=lo)

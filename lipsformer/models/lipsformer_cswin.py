@@ -17,7 +17,7 @@ from timm.layers import to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, AttLipMixer, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
@@ -63,6 +63,8 @@ class CrossShapedAttention(nn.Module):
             Bw, N, _ = windows.shape
             proj = windows.view(Bw, N, P, self.branch_heads, -1).permute(2, 0, 3, 1, 4)
             q, k, v = self.kernel.split(proj)
+            if self.kernel.kim:
+                v = self.kernel.kim_values(q, self.qkv, self.branch_heads, slice(b * (C // nb), (b + 1) * (C // nb)))
             out = self.kernel(q, k, v).transpose(1, 2).reshape(Bw, N, -1)
             v_map = windows.view(Bw, window[0], window[1], P, -1)[..., -1, :].permute(0, 3, 1, 2)
             out = out + lepe(v_map).flatten(2).transpose(1, 2)
@@ -95,8 +97,9 @@ class LipsFormerCSwin(LipsFormerBase):
             :class:`lipsformer.models.LipsFormerSwin`.
         split_size: stripe width per stage; a stage whose size equals its split size, and the
             last stage, use full attention (released rule); every other stage must divide by it.
-        norm, attn, tau, learn_tau, v_norm, nu, tied_qk, init, conv_blocks, fused_attn: the
-            Lipschitz choices, as for the Swin family (tau defaults to 12, the released value).
+        norm, attn, tau, learn_tau, v_norm, nu, tied_qk, init, conv_blocks, fused_attn, attlip_eta,
+            attlip_steps: the Lipschitz choices, as for the Swin family (tau defaults to 12, the released
+            value); with ``attn="attlip"`` each stripe branch is an AttLip block on its half of the channels.
         alpha_init: initial residual weights. The released CSwin code initialises every residual
             weight to 0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is
             never used), so 0.2 is the default; ``None`` means ``1 / sum(depths)`` as for Swin.
@@ -129,6 +132,8 @@ class LipsFormerCSwin(LipsFormerBase):
             init: str = "spectral",
             conv_blocks: str = "D",
             fused_attn: bool = True,
+            attlip_eta: float = 1.0,
+            attlip_steps: Tuple[int, int] = (2, 20),
     ):
         super().__init__()
         if not len(depths) == len(num_heads) == len(split_size):
@@ -143,6 +148,9 @@ class LipsFormerCSwin(LipsFormerBase):
             if not full and (res[0] % split or res[1] % split):
                 raise ValueError(f"stage {i} resolution {res} is not divisible by split size {split}; "
                                  f"choose split_size and img_size so that every stage divides")
+            if attn == "attlip":
+                windows = [res] if full else [(res[0], split), (split, res[1])]
+                return lambda: AttLipMixer(dim, num_heads[i], windows, attlip_eta, *attlip_steps)
             return lambda: CrossShapedAttention(dim, num_heads[i], res, split, full=full, qkv_bias=qkv_bias,
                                                 proj_drop=proj_drop_rate, kernel=AttentionKernel(attn, **kernel))
 

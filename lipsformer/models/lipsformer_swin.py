@@ -14,7 +14,7 @@ from timm.layers import to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, AttLipMixer, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
@@ -60,6 +60,8 @@ class WindowAttention(nn.Module):
         Bw, N, _ = windows.shape
         qkv = self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = self.kernel.split(qkv)
+        if self.kernel.kim:
+            v = self.kernel.kim_values(q, self.qkv, self.num_heads)
         out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2).reshape(Bw, N, C)
         out = self.proj_drop(self.proj(out))
         return window_reverse(out, self.window, H, W)
@@ -93,8 +95,10 @@ class LipsFormerSwin(LipsFormerBase):
         drop_rate: classifier dropout; proj_drop_rate: dropout after MLP and attention projections.
         drop_path_rate: stochastic depth, linear over blocks, the same inside a block.
         norm: ``center`` | ``layer`` | ``none`` (Table 3).
-        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3); tau, learn_tau, v_norm, nu, tied_qk: see
-            :class:`lipsformer.layers.AttentionKernel`.
+        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip``; tau, learn_tau, v_norm, nu, tied_qk: see
+            :class:`lipsformer.layers.AttentionKernel` (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form).
+        attlip_eta, attlip_steps: ``attn="attlip"``: proximal step and descent steps (training, evaluation);
+            see :class:`lipsformer.layers.AttLipMixer`.
         alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released).
         init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
         conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3).
@@ -128,6 +132,8 @@ class LipsFormerSwin(LipsFormerBase):
             init: str = "spectral",
             conv_blocks: str = "D",
             fused_attn: bool = True,
+            attlip_eta: float = 1.0,
+            attlip_steps: Tuple[int, int] = (2, 20),
     ):
         super().__init__()
         if len(depths) != len(num_heads):
@@ -140,6 +146,8 @@ class LipsFormerSwin(LipsFormerBase):
             if res[0] % window[0] or res[1] % window[1]:
                 raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
                                  f"choose window_size and img_size so that every stage divides")
+            if attn == "attlip":
+                return lambda: AttLipMixer(dim, num_heads[i], [window], attlip_eta, *attlip_steps)
             return lambda: WindowAttention(dim, num_heads[i], window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
                                            kernel=AttentionKernel(attn, **kernel))
 
