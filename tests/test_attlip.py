@@ -68,3 +68,22 @@ def test_module_uses_fewer_steps_while_training_and_is_differentiable():
     assert torch.allclose(layer(x).detach(), attlip_prox(x, layer.weight.detach(), H, steps=20))
     with pytest.raises(ValueError, match="eta must be positive"):
         AttLip(C, eta=0)
+
+
+def test_attlip_in_both_families_uses_the_configured_solver():
+    import timm
+
+    from conftest import TINY, family
+    from lipsformer.layers import AttLipMixer
+    for name in ("lipsformer_swin_t", "lipsformer_cswin_t"):
+        model = timm.create_model(name, **TINY[family(name)], attn="attlip", attlip_eta=0.5, attlip_steps=(1, 7),
+                                  attlip_tol=1e-9)
+        mixers = [m for m in model.modules() if isinstance(m, AttLipMixer)]
+        assert len(mixers) == 5
+        layer = mixers[0].branches[0]
+        assert (layer.eta, layer.train_steps, layer.eval_steps, layer.tol) == (0.5, 1, 7, 1e-9)
+        x = torch.randn(2, 3, 32, 32)
+        model.train()
+        model(x).sum().backward()
+        assert layer.weight.grad is not None
+    assert [m.windows for m in mixers] == [[(8, 1), (1, 8)], [(4, 2), (2, 4)], [(2, 2)], [(2, 2)], [(1, 1)]]

@@ -120,14 +120,15 @@ class AttLipMixer(nn.Module):
     toward ``prox(x)``. ``I - prox`` is firmly non-expansive like ``prox``, so the mixer is 1-Lipschitz.
     """
 
-    def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20):
+    def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
+                 tol: float = 1e-6):
         super().__init__()
         nb = len(windows)
         if dim % nb or heads % nb:
             raise ValueError(f"dim {dim} and heads {heads} must divide over {nb} window shapes")
         self.windows = [tuple(w) for w in windows]
         self.branches = nn.ModuleList(
-            AttLip(dim // nb, heads // nb, eta, train_steps, eval_steps) for _ in self.windows)
+            AttLip(dim // nb, heads // nb, eta, train_steps, eval_steps, tol) for _ in self.windows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, H, W, C = x.shape

@@ -98,7 +98,7 @@ class LipsFormerCSwin(LipsFormerBase):
         split_size: stripe width per stage; a stage whose size equals its split size, and the
             last stage, use full attention (released rule); every other stage must divide by it.
         norm, attn, tau, learn_tau, v_norm, nu, tied_qk, init, conv_blocks, fused_attn, attlip_eta,
-            attlip_steps: the Lipschitz choices, as for the Swin family (tau defaults to 12, the released
+            attlip_steps, attlip_tol: the Lipschitz choices, as for the Swin family (tau defaults to 12, the released
             value); with ``attn="attlip"`` each stripe branch is an AttLip block on its half of the channels.
         alpha_init: initial residual weights. The released CSwin code initialises every residual
             weight to 0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is
@@ -134,6 +134,7 @@ class LipsFormerCSwin(LipsFormerBase):
             fused_attn: bool = True,
             attlip_eta: float = 1.0,
             attlip_steps: Tuple[int, int] = (2, 20),
+            attlip_tol: float = 1e-6,
     ):
         super().__init__()
         if not len(depths) == len(num_heads) == len(split_size):
@@ -150,7 +151,7 @@ class LipsFormerCSwin(LipsFormerBase):
                                  f"choose split_size and img_size so that every stage divides")
             if attn == "attlip":
                 windows = [res] if full else [(res[0], split), (split, res[1])]
-                return lambda: AttLipMixer(dim, num_heads[i], windows, attlip_eta, *attlip_steps)
+                return lambda: AttLipMixer(dim, num_heads[i], windows, attlip_eta, *attlip_steps, attlip_tol)
             return lambda: CrossShapedAttention(dim, num_heads[i], res, split, full=full, qkv_bias=qkv_bias,
                                                 proj_drop=proj_drop_rate, kernel=AttentionKernel(attn, **kernel))
 

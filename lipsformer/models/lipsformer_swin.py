@@ -97,7 +97,8 @@ class LipsFormerSwin(LipsFormerBase):
         norm: ``center`` | ``layer`` | ``none`` (Table 3).
         attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip``; tau, learn_tau, v_norm, nu, tied_qk: see
             :class:`lipsformer.layers.AttentionKernel` (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form).
-        attlip_eta, attlip_steps: ``attn="attlip"``: proximal step and descent steps (training, evaluation);
+        attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
+            evaluation) and solver tolerance;
             see :class:`lipsformer.layers.AttLipMixer`.
         alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released).
         init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
@@ -134,6 +135,7 @@ class LipsFormerSwin(LipsFormerBase):
             fused_attn: bool = True,
             attlip_eta: float = 1.0,
             attlip_steps: Tuple[int, int] = (2, 20),
+            attlip_tol: float = 1e-6,
     ):
         super().__init__()
         if len(depths) != len(num_heads):
@@ -147,7 +149,7 @@ class LipsFormerSwin(LipsFormerBase):
                 raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
                                  f"choose window_size and img_size so that every stage divides")
             if attn == "attlip":
-                return lambda: AttLipMixer(dim, num_heads[i], [window], attlip_eta, *attlip_steps)
+                return lambda: AttLipMixer(dim, num_heads[i], [window], attlip_eta, *attlip_steps, attlip_tol)
             return lambda: WindowAttention(dim, num_heads[i], window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
                                            kernel=AttentionKernel(attn, **kernel))
 
