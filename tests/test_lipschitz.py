@@ -222,6 +222,10 @@ def test_keep_bound_projects_to_the_target_with_the_smallest_uniform_alpha_shrin
     assert target * 0.999 <= after <= target  # shrunk no more than needed
     assert float(model.stages[0].blocks[0].norm2.weight.abs().max()) <= 1.0
     assert keep_bound(model, target)["alpha_scale"] == 1.0  # already inside: untouched
+    with torch.no_grad():
+        model.stages[2].blocks[0].mlp.fc1.weight.mul_(5.0)
+    keep_bound(model, target, weight_max=1.0)
+    assert all(matrix_norm(m.weight) <= 1.0 + 1e-6 for m in model.modules() if isinstance(m, nn.Linear))
     with pytest.raises(BoundUnreachable, match="unnormalised v"):
         keep_bound(timm.create_model("lipsformer_swin_t", **TINY["swin"]), 1e6)
 

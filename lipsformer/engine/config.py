@@ -64,6 +64,7 @@ class TrainConfig:
     # bound keeping (lipsformer.lipschitz.constraints): keep the certified network bound under a target
     lipschitz_target: Optional[float] = None  # None: off
     lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
+    lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
     lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
 
     def __post_init__(self):

@@ -154,7 +154,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     accelerator.init_trackers("lipsformer")
     log = _Log(accelerator, out / "metrics.jsonl")
     if cfg.lipschitz_target is not None:
-        keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max)
+        keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max,
+                   weight_max=cfg.lipschitz_weight_max)
     last_good = resume_from
 
     for epoch in range(state.epoch, cfg.epochs):
@@ -207,7 +208,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
                     window_bad = False
                 state.step += 1
                 if cfg.lipschitz_target is not None and state.step % cfg.lipschitz_every_steps == 0:
-                    keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max)
+                    keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max,
+                               weight_max=cfg.lipschitz_weight_max)
                 scheduler.step_update(state.step)
                 if ema is not None:
                     ema.update(accelerator.unwrap_model(model), step=state.step)

@@ -5,12 +5,15 @@ After an optimizer step, :func:`keep_bound` projects the parameters the bound de
 
 1. CenterNorm gammas are clipped to ``[-gamma_max, gamma_max]`` (eq. 2's bound is ``D/(D-1) max|gamma|``);
 2. a learnable tau is clipped to ``(0, tau_max]`` (Theorem 1 grows with tau);
-3. if the network bound (eq. 19) is still above the target, every residual weight alpha is multiplied by one
+3. with ``weight_max``, every Linear weight whose spectral norm exceeds it is scaled back to it (eq. 5's
+   spectral normalisation, kept through training rather than only at initialisation);
+4. if the network bound (eq. 19) is still above the target, every residual weight alpha is multiplied by one
    common factor ``s`` in (0, 1), the largest for which the bound meets the target (bisection): eq. 19 is
    increasing in each max|alpha|, so this is the smallest uniform shrink that works.
 
-Weight matrices are left free: their spectral norms enter the bound through the residual branches, which the
-alpha shrink already pays for.
+Without ``weight_max`` the weights are left free: their spectral norms enter the bound through the residual
+branches, which the alpha shrink pays for. Convolutions are never rescaled (their operator norm depends on the
+input size).
 """
 import math
 from typing import Optional
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from ..layers import AttentionKernel, CenterNorm
-from .bounds import lipschitz_report
+from .bounds import lipschitz_report, matrix_norm
 
 
 class BoundUnreachable(ValueError):
@@ -28,7 +31,7 @@ class BoundUnreachable(ValueError):
 
 @torch.no_grad()
 def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max: Optional[float] = None,
-               iters: int = 60) -> dict:
+               weight_max: Optional[float] = None, iters: int = 60) -> dict:
     """Project ``model``'s parameters so that its certified network bound is at most ``target``.
 
     Returns ``bound`` (after projection), ``bound_before`` (after clipping gamma and tau, before shrinking
@@ -39,6 +42,10 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
             m.weight.clamp_(-gamma_max, gamma_max)
         if isinstance(m, AttentionKernel) and isinstance(m.tau, torch.Tensor) and tau_max is not None:
             m.tau.clamp_(1e-6, tau_max)
+        if isinstance(m, nn.Linear) and weight_max is not None:
+            norm = matrix_norm(m.weight)
+            if norm > weight_max:
+                m.weight.mul_(weight_max / norm)
     report = lipschitz_report(model)
     before = report.log10_bound
     if before <= math.log10(target):
