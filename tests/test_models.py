@@ -252,3 +252,15 @@ def test_checkpoint_for_another_configuration_is_refused(tmp_path):
     torch.save(lipsformer_swin.released_state_dict(tiny("lipsformer_swin_t")), path)
     with pytest.raises(CheckpointError, match=r"released\.pth does not fit .*unexpected keys \(15\): .*dw2"):
         tiny("lipsformer_swin_t", conv_blocks="C", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_models_trace_in_one_graph_and_export_with_equal_outputs(name):
+    """torch.compile sees each family as a single graph (no breaks), and torch.export gives the same logits."""
+    model = tiny(name).eval()
+    x = torch.randn(2, 3, 32, 32)
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_break_count, explained.graph_count) == (0, 1)
+    exported = torch.export.export(model, (x,))
+    with torch.no_grad():
+        assert torch.allclose(exported.module()(x), model(x), atol=1e-6)
