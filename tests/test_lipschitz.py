@@ -145,7 +145,9 @@ def test_dot_product_attention_jacobian_grows_without_limit():
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 def test_network_bound_is_the_product_and_covers_the_measured_network(name):
     model = timm.create_model(name, **TINY[family(name)], v_norm=True, fused_attn=False).double().eval()
-    report = lipschitz_report(model)
+    report = lipschitz_report(model, (3, 32, 32))
+    with pytest.raises(ValueError, match=r"built for, \(3, 32, 32\); build it with img_size=\(64, 64\)"):
+        lipschitz_report(model, (3, 64, 64))
     assert report.bound == pytest.approx(math.prod(r.lip for r in report.rows))
     assert report.log10_bound == pytest.approx(math.log10(report.bound))
     assert math.isfinite(report.bound)

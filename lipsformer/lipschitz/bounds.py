@@ -336,10 +336,15 @@ def downsample_rows(name: str, down: nn.Module, hw: Tuple[int, int]) -> List[Row
 
 
 @torch.no_grad()
-def lipschitz_report(model: nn.Module) -> LipschitzReport:
+def lipschitz_report(model: nn.Module, input_size: Optional[Tuple[int, int, int]] = None) -> LipschitzReport:
     """Every layer's certified bound and the network bound (eq. 19; eq. 21 with DropPath) of a LipsFormer
-    at its built input size. Inputs and outputs are measured in the l2 norm of the whole tensor."""
+    at its input size (C, H, W), which is fixed when the model is built: ``input_size`` only checks it.
+    Inputs and outputs are measured in the l2 norm of the whole tensor."""
     embed: PatchEmbed = model.patch_embed
+    built = (embed.proj.in_channels, *embed.img_size)
+    if input_size is not None and tuple(input_size) != built:
+        raise ValueError(f"input_size {tuple(input_size)} differs from the size the model was built for, {built}; "
+                         f"build it with img_size={tuple(input_size[1:])} to bound it at that size")
     rows = [Row("patch_embed.proj", conv_bound(embed.proj, embed.img_size)),
             Row("patch_embed.norm", norm_bound(embed.norm))]
     hw = embed.grid_size
