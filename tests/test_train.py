@@ -145,8 +145,9 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
 
 
-def test_killed_run_resumes_to_bit_identical_weights(tmp_path):
-    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
+    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1, workers=workers)
     reference = tmp_path / "reference"
     run_train("--config", str(config), "--output-dir", str(reference))
 
