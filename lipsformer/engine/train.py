@@ -1,4 +1,5 @@
 """The training loop: Accelerate for devices and precision, timm for the recipe's parts."""
+import functools
 import json
 import logging
 import math
@@ -153,9 +154,11 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
     log = _Log(accelerator, out / "metrics.jsonl")
+    keep = None
     if cfg.lipschitz_target is not None:
-        keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max,
-                   weight_max=cfg.lipschitz_weight_max)
+        keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
+                                 cfg.lipschitz_gamma_max, weight_max=cfg.lipschitz_weight_max)
+        keep()
     last_good = resume_from
 
     for epoch in range(state.epoch, cfg.epochs):
@@ -207,9 +210,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
                     state.skipped_steps += 1
                     window_bad = False
                 state.step += 1
-                if cfg.lipschitz_target is not None and state.step % cfg.lipschitz_every_steps == 0:
-                    keep_bound(accelerator.unwrap_model(model), cfg.lipschitz_target, cfg.lipschitz_gamma_max,
-                               weight_max=cfg.lipschitz_weight_max)
+                if keep is not None and state.step % cfg.lipschitz_every_steps == 0:
+                    keep()
                 scheduler.step_update(state.step)
                 if ema is not None:
                     ema.update(accelerator.unwrap_model(model), step=state.step)
@@ -234,7 +236,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         state.epoch, state.batch_in_epoch = epoch + 1, 0
         row = dict(epoch=epoch + 1, train_loss=loss_sum / max(loss_n, 1), bad_samples=n_failed, train_samples=n_seen,
                    processes=num_processes, skipped_steps=state.skipped_steps, seconds=time.time() - t0)
-        if cfg.lipschitz_target is not None:
+        if keep is not None:
             row["lipschitz_bound"] = lipschitz_report(accelerator.unwrap_model(model)).bound
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             metrics = evaluate(model, val_loader, accelerator)

@@ -27,19 +27,17 @@ EXACT_MAX_DIM = 4096
 def matrix_norm(weight: torch.Tensor, iters: int = 100) -> float:
     """Largest singular value of a 2-D weight (LipsFormer eq. 1: Lip of an affine map).
 
-    Power iteration gives the estimate; matrices whose smaller side is at most ``EXACT_MAX_DIM`` are then
-    checked exactly by SVD, which is what is returned (certified). Larger ones return the power-iteration
-    value, a lower estimate that converges to the norm.
+    Matrices whose smaller side is at most ``EXACT_MAX_DIM`` get an exact SVD (certified); larger ones get
+    power iteration, a lower estimate that converges to the norm.
     """
     w = weight.detach().double().flatten(1)
+    if min(w.shape) <= EXACT_MAX_DIM:
+        return float(torch.linalg.matrix_norm(w, ord=2))
     v = torch.randn(w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))
     for _ in range(iters):
         v = w.T @ (w @ v)
         v = v / v.norm().clamp_min(1e-300)
-    estimate = float((w @ v).norm())
-    if min(w.shape) <= EXACT_MAX_DIM:
-        return float(torch.linalg.matrix_norm(w, ord=2))
-    return estimate
+    return float((w @ v).norm())
 
 
 def conv_operator_norm(conv: nn.Conv2d, input_hw: Tuple[int, int], iters: int = 200) -> float:
@@ -52,11 +50,11 @@ def conv_operator_norm(conv: nn.Conv2d, input_hw: Tuple[int, int], iters: int = 
     kw = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
     x = torch.randn(1, conv.in_channels, *input_hw, dtype=w.dtype, generator=torch.Generator().manual_seed(0))
     out_hw = F.conv2d(x, w, **kw).shape[-2:]
+    # the transpose must give back the input size exactly: add what the stride rounded away
+    extra = tuple(s - ((o - 1) * st - 2 * p + d * (k - 1) + 1) for s, o, st, p, d, k in
+                  zip(input_hw, out_hw, conv.stride, conv.padding, conv.dilation, conv.kernel_size))
     for _ in range(iters):
-        y = F.conv2d(x, w, **kw)
-        extra = [s - ((o - 1) * st - 2 * p + d * (k - 1) + 1) for s, o, st, p, d, k in
-                 zip(input_hw, out_hw, conv.stride, conv.padding, conv.dilation, conv.kernel_size)]
-        x = F.conv_transpose2d(y, w, output_padding=tuple(extra), **kw)
+        x = F.conv_transpose2d(F.conv2d(x, w, **kw), w, output_padding=extra, **kw)
         x = x / x.norm().clamp_min(1e-300)
     return float(F.conv2d(x, w, **kw).norm())
 

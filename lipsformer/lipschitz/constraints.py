@@ -57,14 +57,14 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
                if not math.isfinite(before) else f"the layers outside residuals alone give 1e{fixed:.1f}")
         raise BoundUnreachable(f"cannot keep the Lipschitz bound under {target:g}: {why}")
 
-    def log_bound(s: float) -> float:
-        return fixed * math.log(10) + sum(math.log1p(s * r.alpha * r.branch) for r in residual)
+    def log10_bound(s: float) -> float:  # eq. 19 with every alpha scaled by s
+        return fixed + sum(math.log10(1.0 + s * r.alpha * r.branch) for r in residual)
 
-    aim = math.log(target) + math.log1p(-1e-4)  # margin for the alphas' float32 rounding
+    aim = math.log10(target) + math.log10(1.0 - 1e-4)  # margin for the alphas' float32 rounding
     lo, hi = 0.0, 1.0
     for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if log_bound(mid) <= aim else (lo, mid)
+        lo, hi = (mid, hi) if log10_bound(mid) <= aim else (lo, mid)
     for r in residual:
         model.get_submodule(r.name).alpha.mul_(lo)
-    return dict(bound=math.exp(log_bound(lo)), bound_before=report.bound, alpha_scale=lo)
+    return dict(bound=10.0 ** log10_bound(lo), bound_before=report.bound, alpha_scale=lo)
