@@ -14,10 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Optional, Tuple
 
+import timm
 import torch
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from timm.models import save_for_hf
 
 # A run folder of ours (train.py output) and timm's local hf-hub folder.
 RUN_CONFIG, RUN_WEIGHTS, RUN_EMA_WEIGHTS = "config.yaml", "last.safetensors", "last_ema.safetensors"
@@ -175,8 +177,6 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     The model name and its arguments come from the run / export config when there is one; ``model`` must
     agree with it. A released-layout file is converted by the family's ``checkpoint_filter_fn``.
     """
-    import timm
-
     file, meta = resolve_checkpoint(path, use_ema)
     if model and meta.get("model") and model != meta["model"]:
         raise CheckpointError(f"{path} was made by {meta['model']}, not {model}")
@@ -201,8 +201,6 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
 def export(model: torch.nn.Module, out_dir, source: str = "") -> Path:
     """Write ``model`` as timm's hub folder (``model.safetensors`` + ``config.json``), loadable with
     ``timm.create_model("local-dir:OUT")`` or ``pretrained_cfg_overlay=dict(file=OUT/model.safetensors)``."""
-    from timm.models import save_for_hf
-
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")

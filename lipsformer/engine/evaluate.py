@@ -3,8 +3,13 @@ import csv
 import time
 from typing import List, Sequence
 
+import timm
 import torch
+from accelerate import Accelerator
 from torch.utils.data import DataLoader
+
+from ..data import EvalDataset, create_loader_transform, eval_samples
+from ..weights import create_from_checkpoint
 
 TOPK = 5
 
@@ -101,12 +106,6 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
                    workers: int = 4, model_args=None):
     """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
     config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``."""
-    import timm
-    from accelerate import Accelerator
-
-    from ..data import EvalDataset, create_loader_transform, eval_samples
-    from ..weights import create_from_checkpoint
-
     if (checkpoint is None) == (not pretrained):
         raise ValueError("pass exactly one of --checkpoint PATH and --pretrained")
     if pretrained and use_ema:

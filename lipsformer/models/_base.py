@@ -216,22 +216,21 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
     checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau.
     """
     state_dict = unwrap_state_dict(state_dict)
-    if not any(k.startswith(released_marker) for k in state_dict):
-        check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
-        return state_dict
-    ours = model.state_dict()
-    has_pw = any(k.endswith("convs.pw.weight") for k in ours)
-    out = {}
-    for key, value in state_dict.items():
-        new = rename(key)
-        if new is None or (".convs.pw." in new and not has_pw):
-            continue
-        out[new] = value
-    for name, value in ours.items():
-        if name.endswith(".tau") and name not in out:
-            out[name] = value.detach().clone()
-    check_state_dict(out, model, weights_source(model.pretrained_cfg))
-    return out
+    if any(k.startswith(released_marker) for k in state_dict):
+        ours = model.state_dict()
+        has_pw = any(k.endswith("convs.pw.weight") for k in ours)
+        converted = {}
+        for key, value in state_dict.items():
+            new = rename(key)
+            if new is None or (".convs.pw." in new and not has_pw):
+                continue
+            converted[new] = value
+        for name, value in ours.items():
+            if name.endswith(".tau") and name not in converted:
+                converted[name] = value.detach().clone()
+        state_dict = converted
+    check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
+    return state_dict
 
 
 def create_model(model_cls, variant: str, pretrained: bool, **kwargs):
