@@ -47,6 +47,28 @@ def make_folder(root: Path, train_per_class=(6, 6, 6, 6), val_per_class=(3, 3, 3
     return root
 
 
+def make_wds(folder: Path, root: Path, shards: int = 2) -> Path:
+    """The image folder as webdataset shards (``.jpg`` + ``.cls``) with timm's ``_info.json``."""
+    import webdataset as wds
+    root.mkdir(parents=True)
+    classes = sorted(p.name for p in (folder / "train").iterdir())
+    splits = {}
+    for split in ("train", "val"):
+        files = sorted((folder / split).glob("*/*.jpg"))
+        names, lengths = [], []
+        for k in range(shards):
+            part = files[k::shards]
+            names.append(f"{split}-{k:04d}.tar")
+            lengths.append(len(part))
+            with wds.TarWriter(str(root / names[-1])) as sink:
+                for f in part:
+                    sink.write({"__key__": f"{f.parent.name}_{f.stem}", "jpg": f.read_bytes(),
+                                "cls": classes.index(f.parent.name)})
+        splits[split] = dict(name=split, num_samples=len(files), filenames=names, shard_lengths=lengths)
+    (root / "_info.json").write_text(json.dumps(dict(splits=splits)))
+    return root
+
+
 def write_config(tmp_path: Path, **overrides) -> Path:
     cfg = dict(TINY_RUN, data_dir=str(make_folder(tmp_path / "data")), output_dir=str(tmp_path / "run"))
     cfg.update(overrides)
@@ -222,13 +244,47 @@ def test_non_finite_steps_can_be_skipped_and_counted(tmp_path):
     assert summary["step"] == 6
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, *args, nodes=1, procs=2, cwd=ROOT):
+    """Run ``script`` on ``nodes`` x ``procs`` CPU processes; several nodes are simulated on this host."""
+    launcher = str(Path(PY).with_name("torchrun"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    port = _free_port()
+    cmds = [[launcher, "--nnodes", str(nodes), "--node_rank", str(n), "--nproc_per_node", str(procs),
+             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
+            for n in range(nodes)]
+    running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+               for c in cmds]
+    for proc in running:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+
+
+def test_each_rank_draws_different_samples_every_epoch(tmp_path):
+    config = write_config(tmp_path, global_batch=4, batch_size=2)
+    torchrun(ROOT / "tests" / "rank_probe.py", config, tmp_path)
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for epoch in ("train_0", "train_1"):
+        a, b = ranks[0][epoch], ranks[1][epoch]
+        assert len(a) == len(b) == 12
+        assert not set(a) & set(b)  # disjoint ...
+        assert sorted(a + b) == list(range(24))  # ... and together every training image once
+    assert ranks[0]["train_0"] != ranks[0]["train_1"]  # reshuffled each epoch
+    val = ranks[0]["val"] + ranks[1]["val"]
+    assert set(val) == set(range(11)) and len(val) == 12  # 11 images: one padded repeat, dropped when scored
+
+
 def test_two_processes_split_the_data_and_count_val_once(tmp_path):
-    torchrun = Path(PY).with_name("torchrun")
     config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2)
     run = tmp_path / "run"
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(ROOT / "train.py"), "--config", str(config)],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(ROOT / "train.py", "--config", config)
     epoch = [r for r in read_metrics(run) if r["kind"] == "epoch"][0]
     assert epoch["processes"] == 2
     assert epoch["val_count"] == 11  # odd: the padded duplicate is not counted
@@ -236,6 +292,31 @@ def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000004", "step_000000006"]
     assert len(list((run / "checkpoints" / "step_000000006").glob("random_states_*.pkl"))) == 2  # one per rank
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+    # The same run on two "nodes" of one process each (two torchrun launches on this host) ends identical.
+    torchrun(ROOT / "train.py", "--config", config, "--output-dir", tmp_path / "nodes", nodes=2, procs=1)
+    one, two = load_file(str(run / "last.safetensors")), load_file(str(tmp_path / "nodes" / "last.safetensors"))
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert [r for r in read_metrics(tmp_path / "nodes") if r["kind"] == "epoch"][0]["processes"] == 2
+
+
+@pytest.mark.parametrize("source", ["hfds", "wds"])
+def test_hugging_face_and_webdataset_sources_train_and_evaluate_every_image(tmp_path, source):
+    from lipsformer.engine.train import train
+    folder = make_folder(tmp_path / "folder")
+    if source == "hfds":  # a local folder through Hugging Face datasets (imagefolder: val/ becomes "validation")
+        data = [f"dataset=hfds/{folder}", f"data_dir={tmp_path / 'hf_cache'}", "val_split=validation"]
+    else:
+        data = ["dataset=wds/tiny", f"data_dir={make_wds(folder, tmp_path / 'shards')}"]
+    cfg = load_config(write_config(tmp_path), ["epochs=1", *data])
+    summary = train(cfg)
+    epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
+    assert epoch["train_samples"] == 24 and summary["step"] == 6
+    assert epoch["val_count"] == 11
+    assert np.isfinite(epoch["train_loss"])
+    # mid-epoch resume: the first batches are read again and skipped
+    resumed = train(cfg, resume=str(Path(cfg.output_dir) / "checkpoints" / "step_000000004"))
+    assert resumed["step"] == 6
 
 
 def test_bf16_mixed_precision_trains_on_cpu(tmp_path):

@@ -68,11 +68,12 @@ class SafeImageDataset(Dataset):
         return img, -1 if target is None else target, ""
 
 
-def collate_skip_failed(batch: List[Tuple[Any, int, str]]):
-    """Collate to ``(images, targets, failed_paths)``; failed samples are replaced by copies of good ones
-    from the same batch, so the batch keeps its size (mixup needs an even one)."""
-    good = [(img, t) for img, t, _ in batch if img is not None]
-    failed = [p for img, _, p in batch if img is None]
+def collate_skip_failed(batch: List[Tuple[Any, ...]]):
+    """Collate ``(image, target, path)`` samples (or ``(image, target)`` from streamed datasets, whose readers
+    skip bad records themselves) to ``(images, targets, failed_paths)``; failed samples are replaced by copies
+    of good ones from the same batch, so the batch keeps its size (mixup needs an even one)."""
+    good = [(s[0], s[1]) for s in batch if s[0] is not None]
+    failed = [s[2] for s in batch if s[0] is None]
     if not good:
         return None, None, failed
     good += [good[i % len(good)] for i in range(len(batch) - len(good))]

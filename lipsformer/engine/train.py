@@ -10,6 +10,7 @@ from typing import Optional
 import timm
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from safetensors.torch import save_file
 from timm.data import Mixup
@@ -17,7 +18,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
@@ -43,21 +44,39 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
                              img_size=cfg.img_size, **cfg.model_kwargs)
 
 
-def _loaders(cfg: TrainConfig, model, num_processes: int):
+def create_accelerator(cfg: TrainConfig) -> Accelerator:
+    cpu = not torch.cuda.is_available()  # Accelerate needs cpu=True to run several CPU processes (gloo)
+    accum = cfg.accumulation_steps(PartialState(cpu=cpu).num_processes)
+    return Accelerator(
+        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, log_with="tensorboard",
+        project_dir=cfg.output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+
+
+def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
+    """Train and val loaders, each process holding its own part of the data.
+
+    Map-style data (folders, ``hfds/``) go through Accelerate's seedable sampler, sharded per process.
+    Streamed data (``wds/``, ``hfids/``, ``tfds/``) shard themselves by process and loader worker (timm's
+    readers), so Accelerate only moves their batches to the device.
+    """
     if not cfg.data_dir and not cfg.dataset:
         raise ValueError("no data: set data_dir (a folder with train/ and val/) or dataset (hfds/..., wds/...)")
-    train_tf = create_loader_transform(model, is_training=True, cfg=cfg)
-    val_tf = create_loader_transform(model, is_training=False, cfg=cfg)
-    train_ds = create_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, train_tf, is_training=True,
-                              batch_size=cfg.batch_size * num_processes, seed=cfg.seed)
-    val_ds = create_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, val_tf, batch_size=cfg.batch_size)
-    # A generator of their own keeps the loaders from drawing on the global RNG (DropPath, mixup) whenever an
-    # iterator starts, which a resumed run does at a different moment.
-    common = dict(num_workers=cfg.workers, collate_fn=collate_skip_failed, persistent_workers=False,
-                  generator=torch.Generator().manual_seed(cfg.seed))
-    train = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **common)
-    val = DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, **common)
-    return train, val
+    loaders = []
+    for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
+        transform = create_loader_transform(model, is_training=training, cfg=cfg)
+        ds = create_dataset(cfg.dataset, cfg.data_dir, split, transform, is_training=training,
+                            batch_size=cfg.batch_size, seed=cfg.seed)
+        common = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, collate_fn=collate_skip_failed,
+                      drop_last=training)
+        if isinstance(ds, IterableDataset):
+            loaders.append(DataLoaderShard(ds, device=accelerator.device, **common))
+            continue
+        # A generator of its own keeps the loader from drawing on the global RNG (DropPath, mixup) whenever an
+        # iterator starts, which a resumed run does at a different moment.
+        loaders.append(accelerator.prepare_data_loader(DataLoader(
+            ds, shuffle=training, generator=torch.Generator().manual_seed(cfg.seed), **common)))
+    return loaders
 
 
 def _criterion(cfg: TrainConfig):
@@ -108,14 +127,10 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path."""
     out = Path(cfg.output_dir)
-    cpu = not torch.cuda.is_available()  # Accelerate needs cpu=True to run several CPU processes (gloo)
-    num_processes = PartialState(cpu=cpu).num_processes
-    accum = cfg.accumulation_steps(num_processes)
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
         raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
-    accelerator = Accelerator(
-        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, log_with="tensorboard",
-        project_dir=str(out), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+    accelerator = create_accelerator(cfg)
+    num_processes, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
 
     resume_from = None
     if resume == "auto":
@@ -134,10 +149,10 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     set_seed(cfg.seed)
     model = build_model(cfg)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
-    train_loader, val_loader = _loaders(cfg, model, num_processes)
+    train_loader, val_loader = build_loaders(cfg, model, accelerator)
     optimizer = create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
                                     eps=cfg.eps)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    model, optimizer = accelerator.prepare(model, optimizer)
     updates_per_epoch = math.ceil(len(train_loader) / accum)
     scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
                                   warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,

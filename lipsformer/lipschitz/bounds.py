@@ -141,7 +141,7 @@ def scsa_bound(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, n: int, 
 
 
 def lambert_phi_inverse(y: float) -> float:
-    """The inverse of Kim et al.'s :math:`\phi(x) = x e^{x+1}` on x > 0 (Newton's method)."""
+    r"""The inverse of Kim et al.'s :math:`\phi(x) = x e^{x+1}` on x > 0 (Newton's method)."""
     x = math.log1p(y)
     for _ in range(100):
         step = (x * math.exp(x + 1) - y) / ((x + 1) * math.exp(x + 1))
