@@ -37,6 +37,9 @@ def main(argv=None) -> int:
         return 2
     try:
         summary = train(cfg, resume=args.resume)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except (TrainingDiverged, TooManyBadSamples, FileExistsError, BoundUnreachable) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3

@@ -20,9 +20,10 @@ from lipsformer.engine.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+TINY_MODEL = dict(img_size=32, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2)
 TINY_RUN = dict(
     model="lipsformer_swin_t", num_classes=4, img_size=32, crop_pct=1.0, drop_path=0.1,
-    model_kwargs=dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2),
+    model_kwargs={k: v for k, v in TINY_MODEL.items() if k != "img_size"},
     workers=0, epochs=2, global_batch=4, batch_size=4, lr=1e-3, aa=None, reprob=0.0, mixup=0.8, cutmix=1.0,
     ema_decay=0.9, mixed_precision="no", checkpoint_every_steps=2, keep_last=2, log_every_steps=1)
 
@@ -97,6 +98,7 @@ def read_metrics(run: Path):
     ("mixed_precision=fp8", "mixed_precision must be one of"),
     ("batch_size=0", "batch_size must be at least 1"),
     ("on_nonfinite=ignore", "on_nonfinite must be one of"),
+    ("ema_decay=1.0", "ema_decay must be in [0, 1)"),
 ])
 def test_config_rejects_bad_keys_and_types_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -279,6 +281,39 @@ def test_each_rank_draws_different_samples_every_epoch(tmp_path):
     assert ranks[0]["train_0"] != ranks[0]["train_1"]  # reshuffled each epoch
     val = ranks[0]["val"] + ranks[1]["val"]
     assert set(val) == set(range(11)) and len(val) == 12  # 11 images: one padded repeat, dropped when scored
+
+
+def test_ema_follows_timm_model_ema_v3_and_refuses_another_model():
+    import timm
+    from timm.utils import ModelEmaV3
+    from lipsformer.engine.ema import ShardEma
+    model = timm.create_model("lipsformer_swin_t", num_classes=4, **TINY_MODEL)
+    ours, theirs = ShardEma(model, 0.9), ModelEmaV3(model, decay=0.9)
+    for step in range(1, 4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ours.update(model, step)
+        theirs.update(model, step=step)
+    assert all(torch.equal(a, b) for a, b in zip(ours.average, theirs.module.parameters()))
+    x = torch.randn(2, 3, 32, 32)
+    weights = [p.clone() for p in model.parameters()]
+    model.eval()
+    with ours.applied(model):
+        assert torch.equal(model(x), theirs.module(x))
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # own weights restored
+    other = timm.create_model("lipsformer_swin_t", num_classes=5, **TINY_MODEL)
+    with pytest.raises(ValueError, match="no longer match"):
+        ours.update(other, 4)
+    with pytest.raises(ValueError, match="does not match"):
+        ShardEma(other, 0.9).load_state_dict(ours.state_dict())
+
+
+def test_ema_of_fsdp_shards_matches_the_whole_model_ema(tmp_path):
+    """FSDP2 (``fully_shard``) on two CPU processes: Accelerate runs FSDP on GPUs only, so the EMA's sharded
+    path is checked directly against an unsharded twin (see tests/fsdp_ema_probe.py)."""
+    torchrun(ROOT / "tests" / "fsdp_ema_probe.py", tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank_0.ok", "rank_1.ok"]
 
 
 def test_two_processes_split_the_data_and_count_val_once(tmp_path):

@@ -79,6 +79,8 @@ class TrainConfig:
                     "lipschitz_every_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay must be in [0, 1) (0 or null: no EMA), got {self.ema_decay}")
         if self.lipschitz_target is not None and self.lipschitz_target <= 0:
             raise ConfigError(f"lipschitz_target must be positive, got {self.lipschitz_target}")
 

@@ -1,4 +1,5 @@
 """The training loop: Accelerate for devices and precision, timm for the recipe's parts."""
+import contextlib
 import functools
 import json
 import logging
@@ -11,13 +12,12 @@ import timm
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from safetensors.torch import save_file
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
-from timm.utils import ModelEmaV3
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
@@ -25,7 +25,8 @@ from ..data import collate_skip_failed, create_dataset, create_loader_transform
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
 from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
+from .ema import ShardEma
 from .evaluate import evaluate
 
 _logger = logging.getLogger(__name__)
@@ -131,6 +132,12 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
     accelerator = create_accelerator(cfg)
     num_processes, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
+        raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
+                          "(use DDP, or leave lipschitz_target unset)")
+    if cfg.ema_decay and accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ConfigError("the EMA under FSDP needs FSDP2 (fsdp_version: 2 in the accelerate config), whose "
+                          "parameters are DTensor shards; or set ema_decay: null")
 
     resume_from = None
     if resume == "auto":
@@ -157,7 +164,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
                                   warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,
                                   t_in_epochs=False)
-    ema = ModelEmaV3(accelerator.unwrap_model(model), decay=cfg.ema_decay) if cfg.ema_decay else None
+    ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
     mixup, criterion = _criterion(cfg)
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
@@ -229,7 +236,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
                     keep()
                 scheduler.step_update(state.step)
                 if ema is not None:
-                    ema.update(accelerator.unwrap_model(model), step=state.step)
+                    ema.update(model, state.step)
                 lr = optimizer.param_groups[0]["lr"]
                 speed = imgs / max(time.time() - t0, 1e-9)
                 bar.set_postfix(loss=f"{loss_sum / max(loss_n, 1):.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
@@ -258,15 +265,16 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
             row.update(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
             candidates = {"model": metrics["top1"]}
             if ema is not None:
-                ema_metrics = evaluate(ema.module, val_loader, accelerator)
+                with ema.applied(model):
+                    ema_metrics = evaluate(model, val_loader, accelerator)
                 row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
                 candidates["ema"] = ema_metrics["top1"]
             which = max(candidates, key=candidates.get)
             if candidates[which] > state.best_top1:
                 state.best_top1 = candidates[which]
                 row["best"] = which
-                best = ema.module.state_dict() if which == "ema" else accelerator.get_state_dict(model)
-                _save_weights(accelerator, best, out / "best.safetensors")
+                with ema.applied(model) if which == "ema" else contextlib.nullcontext():
+                    _save_weights(accelerator, accelerator.get_state_dict(model), out / "best.safetensors")
             accelerator.print(f"epoch {epoch + 1}: top-1 {metrics['top1']:.2f}"
                               + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
         log("epoch", state.step, **row)
@@ -274,7 +282,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
 
     _save_weights(accelerator, accelerator.get_state_dict(model), out / "last.safetensors")
     if ema is not None:
-        _save_weights(accelerator, ema.module.state_dict(), out / "last_ema.safetensors")
+        with ema.applied(model):
+            _save_weights(accelerator, accelerator.get_state_dict(model), out / "last_ema.safetensors")
     accelerator.end_training()
     summary = dict(output_dir=str(out), checkpoint=str(last_good), best_top1=state.best_top1, step=state.step,
                    skipped_steps=state.skipped_steps, curves=str(out / "curves.png"))
