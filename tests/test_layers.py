@@ -194,3 +194,72 @@ def test_kim_values_are_x_a_h_w_v_plus_bias():
         w_v = qkv.weight[dim + h * d: dim + (h + 1) * d].T
         expected = x @ (w_q @ w_q.T / d ** 0.5) @ w_v + qkv.bias[dim + h * d: dim + (h + 1) * d]
         assert torch.allclose(values[h], expected, atol=1e-12)
+
+
+# -- GELU fused with its consumer (memory) ------------------------------------------------------------
+def _saved_storages(fn, *inputs):
+    """Distinct storages autograd keeps for backward while ``fn`` runs, parameters excluded."""
+    seen = set()
+
+    def pack(t):
+        seen.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return out, seen
+
+
+def test_gelu_linear_and_scaled_gelu_gradients_are_exact_and_keep_only_the_input():
+    from lipsformer.layers.gelu import gelu_linear, scaled_gelu
+    u = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(gelu_linear, (u, w, b))
+    assert torch.autograd.gradcheck(gelu_linear, (u, w, None))
+    assert torch.autograd.gradcheck(scaled_gelu, (u, s))
+    torch.testing.assert_close(gelu_linear(u, w, b), F.linear(F.gelu(u), w, b), rtol=0, atol=0)
+    torch.testing.assert_close(scaled_gelu(u, s), F.gelu(u) * s, rtol=0, atol=0)
+    # autograd alone keeps GELU's input and output; the fused ops keep the input only
+    for fused, plain in ((lambda: gelu_linear(u, w, b), lambda: F.linear(F.gelu(u), w, b)),
+                         (lambda: scaled_gelu(u, s), lambda: F.gelu(u) * s)):
+        assert len(_saved_storages(fused)[1] - {w.untyped_storage().data_ptr(), s.untyped_storage().data_ptr()}) == 1
+        assert len(_saved_storages(plain)[1] - {w.untyped_storage().data_ptr(), s.untyped_storage().data_ptr()}) == 2
+
+
+def test_gelu_linear_under_bf16_autocast_matches_autograd_and_returns_float32_grads():
+    from lipsformer.layers.gelu import gelu_linear
+    u = torch.randn(4, 7, 8, requires_grad=True)
+    lin = nn.Linear(8, 16)
+    grads = []
+    for fn in (lambda: gelu_linear(u, lin.weight, lin.bias), lambda: lin(F.gelu(u))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn()
+        assert out.dtype == torch.bfloat16
+        grads.append(torch.autograd.grad(out.float().square().sum(), (u, lin.weight, lin.bias)))
+    for fused, plain in zip(*grads):
+        assert fused.dtype == plain.dtype == torch.float32
+        torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_models_with_fused_gelus_train_like_the_plain_ops(name, monkeypatch):
+    """Same loss and gradients as with the plain ops (``_records_grad`` off routes every call to them)."""
+    import timm
+
+    from lipsformer.layers import gelu
+    from conftest import TINY, family
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.0, **TINY[family(name)]).double().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+
+    def grads():
+        model.zero_grad()
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    fused = grads()
+    monkeypatch.setattr(gelu, "_records_grad", lambda *t: False)
+    plain = grads()
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

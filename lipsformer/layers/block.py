@@ -4,8 +4,19 @@ from timm.layers import Mlp
 from torch import nn
 
 from .conv_blocks import ConvBlocks
+from .gelu import gelu_linear
 from .norm import create_norm
 from .residual import WeightedResidual
+
+
+class GeluMlp(Mlp):
+    """timm's Mlp (``fc1``, GELU, ``fc2``), with the GELU fused into ``fc2`` (:func:`gelu_linear`) unless a
+    dropout sits between them, so backward keeps the hidden layer once instead of twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.drop1.p > 0:
+            return super().forward(x)
+        return self.drop2(gelu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias))
 
 
 class LipsBlock(nn.Module):
@@ -28,7 +39,7 @@ class LipsBlock(nn.Module):
         self.attn = attn
         self.res_attn = WeightedResidual(dim, alpha_init, drop_path)
         self.norm1 = create_norm(norm, dim) if attn_norm else nn.Identity()
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.mlp = GeluMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
         self.res_mlp = WeightedResidual(dim, alpha_init, drop_path)
         self.norm2 = create_norm(norm, dim)
 

@@ -1,8 +1,8 @@
 """The convolution blocks that open every LipsFormer block (LipsFormer Fig. 1, Table 3)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .gelu import gelu_linear
 from .residual import WeightedResidual
 
 CONV_BLOCKS = ("A", "B", "C", "D")
@@ -50,12 +50,12 @@ class ConvBlocks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dw1 is None:
             return x
-        y = self.dw1(_nchw(x))
-        if self.pw is not None:
-            y = self.pw(F.gelu(y))
-        x = self.res1(x, F.gelu(_nhwc(y)))
+        y = _nhwc(self.dw1(_nchw(x)))
+        if self.pw is not None:  # the 1x1 convolution as the matmul over channels it is, fused with its GELU
+            y = gelu_linear(y, self.pw.weight.flatten(1), self.pw.bias)
+        x = self.res1(x, y, gelu=True)
         if self.dw2 is not None:
-            x = self.res2(x, F.gelu(_nhwc(self.dw2(_nchw(x)))))
+            x = self.res2(x, _nhwc(self.dw2(_nchw(x))), gelu=True)
         return x
 
     def extra_repr(self) -> str:

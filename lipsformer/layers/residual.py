@@ -3,6 +3,8 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
+from .gelu import scaled_gelu
+
 
 class WeightedResidual(nn.Module):
     r"""``x + DropPath(alpha * f(x))`` with a learnable per-channel ``alpha`` (channels last).
@@ -17,5 +19,7 @@ class WeightedResidual(nn.Module):
         self.alpha = nn.Parameter(torch.full((dim,), float(alpha_init)))
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
-        return x + self.drop_path(fx * self.alpha)
+    def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx))`` (fused: the
+        GELU's output is recomputed in backward rather than kept)."""
+        return x + self.drop_path(scaled_gelu(fx, self.alpha) if gelu else fx * self.alpha)

@@ -1,0 +1,74 @@
+"""GELU fused with the operation that consumes it, keeping only the pre-activation for backward.
+
+Autograd would keep both the GELU's input (for its derivative) and its output (for the weight gradient of the
+next layer, or the gradient of a residual weight). These functions keep the input alone and recompute the GELU
+in backward, one elementwise pass, which saves a whole activation per use: the 4C-wide MLP hidden layer, and
+three C-wide tensors in every conv block. The forward values are those of ``F.gelu`` followed by the plain op.
+
+Under autocast the forward's matmul runs in the autocast dtype; backward works in the gradient's dtype and
+returns gradients in each input's own dtype, as autograd does through autocast's casts.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad_out.to(u.dtype), u)
+
+
+class _GeluLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, weight, bias):
+        ctx.save_for_backward(u, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(F.gelu(u), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        u, weight = ctx.saved_tensors
+        grad_u = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_u = _gelu_grad(grad @ weight.to(grad.dtype), u)
+        if ctx.needs_input_grad[1]:
+            h = F.gelu(u).to(grad.dtype)
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_u, grad_w, grad_b
+
+
+class _ScaledGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, scale):
+        ctx.save_for_backward(u, scale)
+        return F.gelu(u) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        u, scale = ctx.saved_tensors
+        grad_u = _gelu_grad(grad * scale, u) if ctx.needs_input_grad[0] else None
+        grad_scale = None
+        if ctx.needs_input_grad[1]:
+            grad_scale = (grad * F.gelu(u)).reshape(-1, scale.numel()).sum(0).view_as(scale).to(scale.dtype)
+        return grad_u, grad_scale
+
+
+def _records_grad(*tensors) -> bool:
+    """Whether autograd will record the op; without it the plain ops run (and tracers such as fvcore see them)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(F.gelu(u), weight, bias)``, saving only ``u`` (and the weight) for backward."""
+    if not _records_grad(u, weight, bias):
+        return F.linear(F.gelu(u), weight, bias)
+    return _GeluLinear.apply(u, weight, bias)
+
+
+def scaled_gelu(u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(u) * scale`` with a per-channel (last dimension) ``scale``, saving only ``u`` for backward."""
+    if not _records_grad(u, scale):
+        return F.gelu(u) * scale
+    return _ScaledGelu.apply(u, scale)
