@@ -99,9 +99,10 @@ def test_l2_attention_equals_kim_eq8(fused):
 def test_attention_kernel_tied_qk_projects_two_and_shares_q():
     kernel = AttentionKernel("l2", tied_qk=True)
     assert kernel.num_proj == 2
-    qv = torch.randn(2, 1, 3, 4, 8)
+    qv = torch.randn(2, 5, 2, 3, 8)  # (B, N, P, heads, d)
     q, k, v = kernel.split(qv)
-    assert torch.equal(q, qv[0]) and torch.equal(k, qv[0]) and torch.equal(v, qv[1])
+    assert q.shape == (2, 3, 5, 8)
+    assert torch.equal(q, qv[:, :, 0].transpose(1, 2)) and k is q and torch.equal(v, qv[:, :, 1].transpose(1, 2))
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -109,10 +109,14 @@ class AttentionKernel(nn.Module):
         return 2 if self.tied_qk else 3
 
     def split(self, qkv: torch.Tensor):
-        """Split a (P, ...) stack of projections into q, k, v (k is q when tied)."""
-        if self.tied_qk:
-            return qkv[0], qkv[0], qkv[1]
-        return qkv[0], qkv[1], qkv[2]
+        """q, k, v of shape (B, heads, N, d) from projections laid out (B, N, P, heads, d) (k is q when tied).
+
+        ``unbind`` over that layout makes backward stack the three gradients straight into the projection's
+        (B, N, P * heads * d) layout: indexing would fill a zero tensor of the whole stack per part, and a
+        (P, B, heads, N, d) permutation would need one more copy back.
+        """
+        parts = [t.transpose(1, 2) for t in qkv.unbind(2)]
+        return (parts[0], parts[0], parts[1]) if self.tied_qk else tuple(parts)
 
     @property
     def kim(self) -> bool:

@@ -58,11 +58,10 @@ class CrossShapedAttention(nn.Module):
         P, nb = self.kernel.num_proj, len(self.windows)
         qkv = self.qkv(x).view(B, H, W, P, nb, C // nb)
         outs = []
-        for b, (window, lepe) in enumerate(zip(self.windows, self.lepe)):
-            windows = window_partition(qkv[..., b, :].reshape(B, H, W, -1), window)  # (Bw, N, P * Cb)
+        for b, (part, window, lepe) in enumerate(zip(qkv.unbind(4), self.windows, self.lepe)):
+            windows = window_partition(part.reshape(B, H, W, -1), window)  # (Bw, N, P * Cb)
             Bw, N, _ = windows.shape
-            proj = windows.view(Bw, N, P, self.branch_heads, -1).permute(2, 0, 3, 1, 4)
-            q, k, v = self.kernel.split(proj)
+            q, k, v = self.kernel.split(windows.view(Bw, N, P, self.branch_heads, -1))
             if self.kernel.kim:
                 v = self.kernel.kim_values(q, self.qkv, self.branch_heads, slice(b * (C // nb), (b + 1) * (C // nb)))
             out = self.kernel(q, k, v).transpose(1, 2).reshape(Bw, N, -1)

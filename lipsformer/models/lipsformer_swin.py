@@ -58,8 +58,7 @@ class WindowAttention(nn.Module):
         B, H, W, C = x.shape
         windows = window_partition(x, self.window)
         Bw, N, _ = windows.shape
-        qkv = self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = self.kernel.split(qkv)
+        q, k, v = self.kernel.split(self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1))
         if self.kernel.kim:
             v = self.kernel.kim_values(q, self.qkv, self.num_heads)
         out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2).reshape(Bw, N, C)
