@@ -222,6 +222,11 @@ def test_gelu_linear_and_scaled_gelu_gradients_are_exact_and_keep_only_the_input
     assert torch.autograd.gradcheck(scaled_gelu, (u, s))
     torch.testing.assert_close(gelu_linear(u, w, b), F.linear(F.gelu(u), w, b), rtol=0, atol=0)
     torch.testing.assert_close(scaled_gelu(u, s), F.gelu(u) * s, rtol=0, atol=0)
+    # under torch.func (the Lipschitz estimators' jvp / vjp) the plain ops run, with exact derivatives
+    tangent = torch.randn_like(u)
+    for fused, plain in ((lambda t: gelu_linear(t, w, b), lambda t: F.linear(F.gelu(t), w, b)),
+                         (lambda t: scaled_gelu(t, s), lambda t: F.gelu(t) * s)):
+        torch.testing.assert_close(torch.func.jvp(fused, (u,), (tangent,)), torch.func.jvp(plain, (u,), (tangent,)))
     # autograd alone keeps GELU's input and output; the fused ops keep the input only
     for fused, plain in ((lambda: gelu_linear(u, w, b), lambda: F.linear(F.gelu(u), w, b)),
                          (lambda: scaled_gelu(u, s), lambda: F.gelu(u) * s)):

@@ -264,3 +264,21 @@ def test_models_trace_in_one_graph_and_export_with_equal_outputs(name):
     exported = torch.export.export(model, (x,))
     with torch.no_grad():
         assert torch.allclose(exported.module()(x), model(x), atol=1e-6)
+    # training mode too: the fused GELU functions and DropPath trace without breaks
+    explained = torch._dynamo.explain(tiny(name, drop_path_rate=0.1).train())(x)
+    assert (explained.graph_break_count, explained.graph_count) == (0, 1)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_export_runs_in_onnxruntime_with_equal_logits(name, dynamo, tmp_path):
+    """timm's own ONNX exporter (TorchScript or torch.export based); onnxruntime gives the model's logits."""
+    ort = pytest.importorskip("onnxruntime")
+    from timm.utils.onnx import onnx_export
+    model = tiny(name).eval()
+    path = tmp_path / "model.onnx"
+    onnx_export(model, str(path), input_size=(3, 32, 32), batch_size=2, use_dynamo=dynamo, check=True)
+    x = torch.randn(2, 3, 32, 32)
+    (logits,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input0": x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(logits), model(x), rtol=1e-4, atol=1e-5)

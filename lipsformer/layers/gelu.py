@@ -51,13 +51,15 @@ class _ScaledGelu(torch.autograd.Function):
         grad_u = _gelu_grad(grad * scale, u) if ctx.needs_input_grad[0] else None
         grad_scale = None
         if ctx.needs_input_grad[1]:
-            grad_scale = (grad * F.gelu(u)).reshape(-1, scale.numel()).sum(0).view_as(scale).to(scale.dtype)
+            grad_scale = (grad * F.gelu(u)).sum_to_size(scale.shape).to(scale.dtype)
         return grad_u, grad_scale
 
 
 def _records_grad(*tensors) -> bool:
-    """Whether autograd will record the op; without it the plain ops run (and tracers such as fvcore see them)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd will record the op for a backward pass. Otherwise, and under torch.func transforms
+    (``jvp`` would need a custom rule, which torch.compile cannot trace), the plain ops run."""
+    return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+            and not torch._C._are_functorch_transforms_active())
 
 
 def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
