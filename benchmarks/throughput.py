@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py [--models lipsformer_swin_t lipsformer_cswin_t] [--baseline swin_tiny_patch4_window7_224]
         [--device cpu|cuda] [--batch 16] [--train-batch 8] [--amp no|bf16|fp16] [--channels-last] [--compile]
-        [--reps 5] [--grad-checkpointing] [--json out.json]
+        [--reps 5] [--grad-checkpointing] [--json out.json] [--profile 15]
 
 Models and baseline run interleaved (model, baseline, model, ...) for ``--reps`` rounds; each figure is the median.
 Printed: img/s, the ratio to the baseline, the achieved GFLOP/s (img/s x fvcore GFLOPs per image) and its ratio
@@ -70,6 +70,21 @@ def train_time(model, x, device, amp, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def profile_train_step(model, x, device, amp, top: int) -> str:
+    """The ``top`` operators of one training step by their own time (where a model spends it)."""
+    from torch.profiler import ProfilerActivity, profile
+    target = torch.zeros(x.shape[0], dtype=torch.long, device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        with autocast(device, amp):
+            loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        sync(device)
+    model.zero_grad(set_to_none=True)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=top)
+
+
 def train_memory(model, x, device, amp) -> float:
     """MB: peak allocated on CUDA; on CPU the bytes autograd saves for backward in one training step."""
     target = torch.zeros(x.shape[0], dtype=torch.long, device=device)
@@ -114,6 +129,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2, help="timed iterations per repetition")
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N costliest operators of one training step of each model")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = args.device
@@ -151,10 +168,11 @@ def main() -> None:
             model.train()
             row.update(train_img_s=args.train_batch / statistics.median(t["train"]),
                        train_ratio=statistics.median(base["train"]) / statistics.median(t["train"]),
-                       train_memory_mb=train_memory(model, x_train, device, args.amp))
+                       train_memory_mb=train_memory(model, x_inf, device, args.amp))
         rows.append(row)
     base_row = rows[0]
-    desc = (f"{device}, {torch.get_num_threads()} threads, amp={args.amp}, batch {args.batch} (train {args.train_batch}), "
+    desc = (f"{device}, {torch.get_num_threads()} threads, amp={args.amp}, batch {args.batch} (train step "
+            f"{args.train_batch}; training memory at {args.batch}), "
             f"{args.img_size}px, channels_last={args.channels_last}, compile={args.compile}, "
             f"grad_checkpointing={args.grad_checkpointing}, {args.reps} reps x {args.iters} iters, medians")
     print(desc)
@@ -170,6 +188,9 @@ def main() -> None:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(setup=desc, rows=rows), indent=2))
+    for name, model in models.items() if args.profile else ():
+        print(f"\n{name}: one training step, batch {args.train_batch}")
+        print(profile_train_step(model.train(), x_train, device, args.amp, args.profile))
 
 
 if __name__ == "__main__":
