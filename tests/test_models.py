@@ -271,6 +271,7 @@ def test_models_trace_in_one_graph_and_export_with_equal_outputs(name):
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 @pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
 def test_onnx_export_runs_in_onnxruntime_with_equal_logits(name, dynamo, tmp_path):
     """timm's own ONNX exporter (TorchScript or torch.export based); onnxruntime gives the model's logits."""
     ort = pytest.importorskip("onnxruntime")
