@@ -378,9 +378,12 @@ def test_hugging_face_and_webdataset_sources_train_and_evaluate_every_image(tmp_
     assert resumed["step"] == 6
 
 
-def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
+def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path):
     from lipsformer.engine.train import train
     cfg = load_config(write_config(tmp_path), ["epochs=1", "mixed_precision=bf16"])
     summary = train(cfg)
     assert summary["step"] == 6 and summary["skipped_steps"] == 0
     assert all(v.dtype == torch.float32 for v in load_file(str(Path(cfg.output_dir) / "last.safetensors")).values())
+    proc = run_train("--config", str(write_config(tmp_path / "fp16")), "--set", "mixed_precision=fp16", check=False)
+    assert proc.returncode == 2 and "fp16 needs a GPU" in proc.stderr
+    assert not (tmp_path / "fp16" / "run").exists()  # refused before anything was written

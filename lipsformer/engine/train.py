@@ -47,6 +47,9 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
     cpu = not torch.cuda.is_available()  # Accelerate needs cpu=True to run several CPU processes (gloo)
+    if cpu and cfg.mixed_precision == "fp16":
+        raise ConfigError("mixed_precision fp16 needs a GPU: on CPU Accelerate would quietly train in fp32; "
+                          "use bf16 or no")
     accum = cfg.accumulation_steps(PartialState(cpu=cpu).num_processes)
     return Accelerator(
         cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, log_with="tensorboard",
