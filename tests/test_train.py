@@ -157,6 +157,8 @@ def test_one_epoch_on_folder_data_steps_the_optimizer_and_writes_everything(tmp_
     import timm
     fresh = timm.create_model("lipsformer_swin_t", num_classes=4, img_size=32, **TINY_RUN["model_kwargs"])
     assert not torch.equal(weights["head.fc.weight"], fresh.state_dict()["head.fc.weight"])
+    ema = load_file(str(run / "last_ema.safetensors"))  # the average, not the last weights
+    assert ema.keys() == weights.keys() and not torch.equal(ema["head.fc.weight"], weights["head.fc.weight"])
 
 
 def test_existing_run_is_not_overwritten_without_resume(tmp_path):
