@@ -285,26 +285,29 @@ def test_each_rank_draws_different_samples_every_epoch(tmp_path):
     assert set(val) == set(range(11)) and len(val) == 12  # 11 images: one padded repeat, dropped when scored
 
 
-def test_ema_follows_timm_model_ema_v3_and_refuses_another_model():
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "resnet10t"])  # resnet10t: BatchNorm buffers
+def test_ema_follows_timm_model_ema_v3_and_refuses_another_model(name):
     import timm
     from timm.utils import ModelEmaV3
     from lipsformer.engine.ema import ShardEma
-    model = timm.create_model("lipsformer_swin_t", num_classes=4, **TINY_MODEL)
+    model = timm.create_model(name, num_classes=4, **(TINY_MODEL if name.startswith("lipsformer") else {}))
     ours, theirs = ShardEma(model, 0.9), ModelEmaV3(model, decay=0.9)
+    x = torch.randn(2, 3, 32, 32)
     for step in range(1, 4):
         with torch.no_grad():
+            model.train()(x)  # moves BatchNorm statistics
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         ours.update(model, step)
         theirs.update(model, step=step)
-    assert all(torch.equal(a, b) for a, b in zip(ours.average, theirs.module.parameters()))
-    x = torch.randn(2, 3, 32, 32)
+    expected = [*theirs.module.parameters(), *(b for b in theirs.module.buffers() if b.is_floating_point())]
+    assert len(ours.average) == len(expected) and all(torch.equal(a, b) for a, b in zip(ours.average, expected))
     weights = [p.clone() for p in model.parameters()]
     model.eval()
     with ours.applied(model):
         assert torch.equal(model(x), theirs.module(x))
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # own weights restored
-    other = timm.create_model("lipsformer_swin_t", num_classes=5, **TINY_MODEL)
+    other = timm.create_model(name, num_classes=5, **(TINY_MODEL if name.startswith("lipsformer") else {}))
     with pytest.raises(ValueError, match="no longer match"):
         ours.update(other, 4)
     with pytest.raises(ValueError, match="does not match"):

@@ -7,7 +7,8 @@ swaps it into the live model (``with ema.applied(model):``), so the model's own 
 ``accelerator.get_state_dict`` do the gathering. The update follows ModelEmaV3 without warmup: the first
 update copies, later ones keep ``decay`` of the average.
 
-Buffers are not averaged. The LipsFormer models have no trained buffers, only constant position indices.
+Floating-point buffers (BatchNorm statistics, for timm models trained with train.py) are averaged alongside the
+parameters, as ModelEmaV3 does; integer buffers are left to the model.
 """
 import contextlib
 from typing import Dict, List
@@ -37,17 +38,22 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _averaged(model: torch.nn.Module) -> List[torch.Tensor]:
+    """The tensors the EMA follows: parameters (sharded ones as shards), then floating-point buffers."""
+    _reshard(model)
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    return [p.detach() for p in model.parameters()] + [b.detach() for b in buffers]
+
+
 class ShardEma:
     def __init__(self, model: torch.nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
         self.decay = decay
-        _reshard(model)
-        self.average: List[torch.Tensor] = [p.detach().clone() for p in model.parameters()]
+        self.average: List[torch.Tensor] = [t.clone() for t in _averaged(model)]
 
     def _params(self, model) -> List[torch.Tensor]:
-        _reshard(model)
-        params = [p.detach() for p in model.parameters()]
+        params = _averaged(model)
         if len(params) != len(self.average) or any(p.shape != a.shape for p, a in zip(params, self.average)):
             raise ValueError("the model's parameters no longer match the ones this EMA was made from")
         return [_local(p) for p in params]
