@@ -50,9 +50,10 @@ class WindowAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def position_bias(self) -> torch.Tensor:
+        """(1, heads, N, N): four dimensions, which CPU's fused SDPA kernel needs (it refuses a 3-d mask)."""
         n = self.window[0] * self.window[1]
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        return bias.view(n, n, self.num_heads).permute(2, 0, 1)
+        return bias.view(n, n, self.num_heads).permute(2, 0, 1).unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, H, W, C = x.shape
@@ -61,7 +62,8 @@ class WindowAttention(nn.Module):
         q, k, v = self.kernel.split(self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1))
         if self.kernel.kim:
             v = self.kernel.kim_values(q, self.qkv, self.num_heads)
-        out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2).reshape(Bw, N, C)
+        out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        out = out.view(Bw, N, C)
         out = self.proj_drop(self.proj(out))
         return window_reverse(out, self.window, H, W)
 
