@@ -5,9 +5,11 @@
 Both models come from the same code and the same digits recipe (configs/demo_digits.yaml, no warmup);
 the counterpart switches the Lipschitz choices off: norm=layer, attn=dot, init=trunc_normal, alpha_init=1.0.
 Writes stability.json (per-run loss curves, final top-1, divergence) and stability.png, and prints a table.
+Each run's folder under ``--out`` is replaced when the benchmark runs again.
 """
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +29,7 @@ def run(variant: str, seed: int, args) -> dict:
     from lipsformer.engine.train import TrainingDiverged, train
 
     out = Path(args.out) / f"{variant}_seed{seed}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, as make demo does
     cfg = load_config(ROOT / "configs" / "demo_digits.yaml", [
         f"seed={seed}", f"lr={args.lr}", f"epochs={args.epochs}", f"output_dir={out}", f"data_dir={args.data}",
         "log_every_steps=1", "checkpoint_every_steps=100000", "keep_last=1"])
