@@ -52,7 +52,8 @@ class ShardEma:
         self.decay = decay
         self.average: List[torch.Tensor] = [t.clone() for t in _averaged(model)]
 
-    def _params(self, model) -> List[torch.Tensor]:
+    def _local_tracked(self, model) -> List[torch.Tensor]:
+        """This process's part of each tensor the EMA follows, checked against the ones it was made from."""
         params = _averaged(model)
         if len(params) != len(self.average) or any(p.shape != a.shape for p, a in zip(params, self.average)):
             raise ValueError("the model's parameters no longer match the ones this EMA was made from")
@@ -62,12 +63,12 @@ class ShardEma:
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Fold in the weights after optimizer step ``step`` (1-based)."""
         average = [_local(a) for a in self.average]
-        torch._foreach_lerp_(average, self._params(model), 1.0 if step <= 1 else 1.0 - self.decay)
+        torch._foreach_lerp_(average, self._local_tracked(model), 1.0 if step <= 1 else 1.0 - self.decay)
 
     @contextlib.contextmanager
     def applied(self, model: torch.nn.Module):
         """Within the block ``model`` holds the averaged weights; its own are restored afterwards."""
-        params = self._params(model)
+        params = self._local_tracked(model)
         own = [p.clone() for p in params]
         with torch.no_grad():
             torch._foreach_copy_(params, [_local(a) for a in self.average])

@@ -62,8 +62,10 @@ class WindowAttention(nn.Module):
         q, k, v = self.kernel.split(self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1))
         if self.kernel.kim:
             v = self.kernel.kim_values(q, self.qkv, self.num_heads)
-        out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2).clone(memory_format=torch.contiguous_format)
-        out = out.view(Bw, N, C)
+        out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2)
+        # an explicit copy, not reshape: the fused CPU kernel's output makes reshape trace as a view, which the
+        # torch.export-based ONNX exporter then replays on an unfused, differently laid out output and fails
+        out = out.clone(memory_format=torch.contiguous_format).view(Bw, N, C)
         out = self.proj_drop(self.proj(out))
         return window_reverse(out, self.window, H, W)
 
