@@ -127,7 +127,29 @@ def test_weighted_residual_scales_branch_per_channel():
     res = WeightedResidual(4, alpha_init=0.25)
     x, fx = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
     torch.testing.assert_close(res(x, fx), x + 0.25 * fx)
+    torch.testing.assert_close(res(x, fx, gelu=True), x + 0.25 * F.gelu(fx))
     assert res.alpha.shape == (4,)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_weighted_residual_drop_path_is_timms_with_the_same_random_draws(gelu):
+    """The per-sample mask folded into alpha is timm's DropPath on the branch: same seed, same samples dropped,
+    same output and gradients; in eval mode nothing is dropped."""
+    from timm.layers import drop_path
+    res = WeightedResidual(6, alpha_init=0.3, drop_path=0.5).double().train()
+    x = torch.randn(16, 3, 3, 6, dtype=torch.float64, requires_grad=True)
+    fx = torch.randn(16, 3, 3, 6, dtype=torch.float64, requires_grad=True)
+    branch = F.gelu(fx) if gelu else fx
+    outs = []
+    for fn in (lambda: res(x, fx, gelu=gelu), lambda: x + drop_path(res.alpha * branch, 0.5, training=True)):
+        torch.manual_seed(3)
+        out = fn()
+        outs.append((out, *torch.autograd.grad(out.sin().sum(), (x, fx, res.alpha))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+    dropped = (outs[0][0] - x).abs().sum((1, 2, 3)) == 0
+    assert 0 < dropped.sum() < 16  # some samples kept, some dropped
+    torch.testing.assert_close(res.eval()(x, fx, gelu=gelu), x + res.alpha * branch)
 
 
 def test_conv_blocks_d_equals_released_formula():
@@ -211,27 +233,31 @@ def _saved_storages(fn, *inputs):
     return out, seen
 
 
-def test_gelu_linear_and_scaled_gelu_gradients_are_exact_and_keep_only_the_input():
-    from lipsformer.layers.gelu import gelu_linear, scaled_gelu
+def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_input():
+    from lipsformer.layers.gelu import gelu_linear, gelu_residual
     u = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     s = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    s_sample = torch.randn(2, 1, 1, 5, dtype=torch.float64, requires_grad=True)  # alpha with a DropPath mask
     assert torch.autograd.gradcheck(gelu_linear, (u, w, b))
     assert torch.autograd.gradcheck(gelu_linear, (u, w, None))
-    assert torch.autograd.gradcheck(scaled_gelu, (u, s))
+    assert torch.autograd.gradcheck(gelu_residual, (x, u, s))
+    assert torch.autograd.gradcheck(gelu_residual, (x, u, s_sample))
     torch.testing.assert_close(gelu_linear(u, w, b), F.linear(F.gelu(u), w, b), rtol=0, atol=0)
-    torch.testing.assert_close(scaled_gelu(u, s), F.gelu(u) * s, rtol=0, atol=0)
+    torch.testing.assert_close(gelu_residual(x, u, s), x + F.gelu(u) * s)
     # under torch.func (the Lipschitz estimators' jvp / vjp) the plain ops run, with exact derivatives
     tangent = torch.randn_like(u)
     for fused, plain in ((lambda t: gelu_linear(t, w, b), lambda t: F.linear(F.gelu(t), w, b)),
-                         (lambda t: scaled_gelu(t, s), lambda t: F.gelu(t) * s)):
+                         (lambda t: gelu_residual(x, t, s), lambda t: x + F.gelu(t) * s)):
         torch.testing.assert_close(torch.func.jvp(fused, (u,), (tangent,)), torch.func.jvp(plain, (u,), (tangent,)))
     # autograd alone keeps GELU's input and output; the fused ops keep the input only
+    params = {t.untyped_storage().data_ptr() for t in (w, s)}
     for fused, plain in ((lambda: gelu_linear(u, w, b), lambda: F.linear(F.gelu(u), w, b)),
-                         (lambda: scaled_gelu(u, s), lambda: F.gelu(u) * s)):
-        assert len(_saved_storages(fused)[1] - {w.untyped_storage().data_ptr(), s.untyped_storage().data_ptr()}) == 1
-        assert len(_saved_storages(plain)[1] - {w.untyped_storage().data_ptr(), s.untyped_storage().data_ptr()}) == 2
+                         (lambda: gelu_residual(x, u, s), lambda: x + F.gelu(u) * s)):
+        assert len(_saved_storages(fused)[1] - params) == 1
+        assert len(_saved_storages(plain)[1] - params) == 2
 
 
 def test_gelu_linear_under_bf16_autocast_matches_autograd_and_returns_float32_grads():

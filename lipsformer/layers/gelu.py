@@ -39,20 +39,22 @@ class _GeluLinear(torch.autograd.Function):
         return grad_u, grad_w, grad_b
 
 
-class _ScaledGelu(torch.autograd.Function):
+class _GeluResidual(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, scale):
+    def forward(ctx, x, u, scale):
         ctx.save_for_backward(u, scale)
-        return F.gelu(u) * scale
+        ctx.x_dtype = x.dtype
+        return torch.addcmul(x, F.gelu(u), scale)
 
     @staticmethod
     def backward(ctx, grad):
         u, scale = ctx.saved_tensors
-        grad_u = _gelu_grad(grad * scale, u) if ctx.needs_input_grad[0] else None
+        grad_x = grad.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_u = _gelu_grad(grad * scale, u) if ctx.needs_input_grad[1] else None
         grad_scale = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[2]:
             grad_scale = (grad * F.gelu(u)).sum_to_size(scale.shape).to(scale.dtype)
-        return grad_u, grad_scale
+        return grad_x, grad_u, grad_scale
 
 
 def _records_grad(*tensors) -> bool:
@@ -69,8 +71,9 @@ def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return _GeluLinear.apply(u, weight, bias)
 
 
-def scaled_gelu(u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(u) * scale`` with a per-channel (last dimension) ``scale``, saving only ``u`` for backward."""
-    if not _records_grad(u, scale):
-        return F.gelu(u) * scale
-    return _ScaledGelu.apply(u, scale)
+def gelu_residual(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x + F.gelu(u) * scale`` (one ``addcmul``), ``scale`` broadcasting over ``u``, saving only ``u`` (and the
+    small ``scale``) for backward."""
+    if not _records_grad(x, u, scale):
+        return torch.addcmul(x, F.gelu(u), scale)
+    return _GeluResidual.apply(x, u, scale)

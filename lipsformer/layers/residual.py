@@ -3,7 +3,7 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .gelu import scaled_gelu
+from .gelu import gelu_residual
 
 
 class WeightedResidual(nn.Module):
@@ -20,6 +20,12 @@ class WeightedResidual(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-        """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx))`` (fused: the
-        GELU's output is recomputed in backward rather than kept)."""
-        return x + self.drop_path(scaled_gelu(fx, self.alpha) if gelu else fx * self.alpha)
+        """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx))``.
+
+        One ``addcmul`` pass: DropPath's per-sample mask (drawn by timm's DropPath, from the same random
+        stream) is folded into ``alpha``, and the GELU's output is recomputed in backward rather than kept.
+        """
+        scale = self.alpha
+        if self.training and isinstance(self.drop_path, DropPath):
+            scale = scale * self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1)))
+        return gelu_residual(x, fx, scale) if gelu else torch.addcmul(x, fx, scale)
