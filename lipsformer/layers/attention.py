@@ -69,6 +69,14 @@ def l2_attention(q, k, v, bias=None, fused: bool = True):
     return _softmax_attention(q, k, v, 2.0 / math.sqrt(d), bias, fused)
 
 
+def kim_value_map(wq: torch.Tensor, wv: torch.Tensor, heads: int) -> torch.Tensor:
+    r"""Kim et al.'s per-head value map :math:`W^{Q,h\top} W^{V,h} / \sqrt{d}`, (heads, d, d), from query and
+    value weights of shape (heads * d, D) (heads stacked by rows, as ``nn.Linear`` keeps them): the values
+    :math:`X A_h W^{V,h}` are then ``q_h @ map_h`` with :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt d`."""
+    wq, wv = wq.reshape(heads, -1, wq.shape[-1]), wv.reshape(heads, -1, wv.shape[-1])
+    return wq @ wv.transpose(-1, -2) / math.sqrt(wq.shape[1])
+
+
 class AttentionKernel(nn.Module):
     """The Lipschitz choice of an attention layer, with its scalars; the layer owns q, k, v.
 
@@ -131,13 +139,12 @@ class AttentionKernel(nn.Module):
         :math:`X W^{Q,h} = q_h - b^{Q,h}`, so the values are :math:`(q_h - b^{Q,h}) W^{Q,h\top} W^{V,h} / \sqrt d`
         plus the value bias. ``rows`` selects a channel range of q and v (a CSwin branch).
         """
-        d = q.shape[-1]
         dim = qkv.weight.shape[1]
-        w = qkv.weight.view(2, dim, dim)[:, rows].reshape(2, heads, d, dim)
-        value_map = w[0] @ w[1].transpose(-1, -2) / math.sqrt(d)  # (heads, d, d)
+        w = qkv.weight.view(2, dim, dim)[:, rows]
+        value_map = kim_value_map(w[0], w[1], heads)
         if qkv.bias is None:
             return q @ value_map
-        b = qkv.bias.view(2, dim)[:, rows].reshape(2, heads, 1, d)
+        b = qkv.bias.view(2, dim)[:, rows].reshape(2, heads, 1, -1)
         return (q - b[0]) @ value_map + b[1]
 
     def forward(self, q, k, v, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -178,10 +185,6 @@ class KimL2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
-        d = C // self.heads
-        q = self.q(x).view(B, N, self.heads, d).transpose(1, 2)  # (B, H, N, d)
-        wq = self.q.weight.view(self.heads, d, C)
-        wv = self.v.weight.view(self.heads, d, C)
-        value_map = wq @ wv.transpose(-1, -2) / math.sqrt(d)  # (H, d, d): W^{Q,h T} W^{V,h} / sqrt(D/H)
-        out = l2_attention(q, q, q @ value_map, fused=self.fused)
+        q = self.q(x).view(B, N, self.heads, -1).transpose(1, 2)  # (B, H, N, d)
+        out = l2_attention(q, q, q @ kim_value_map(self.q.weight, self.v.weight, self.heads), fused=self.fused)
         return self.proj(out.transpose(1, 2).reshape(B, N, C))
