@@ -260,6 +260,18 @@ def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_inp
         assert len(_saved_storages(plain)[1] - params) == 2
 
 
+def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
+    """torch.compile decides itself what backward keeps; the custom functions would only slow its tracing."""
+    from lipsformer.layers.gelu import gelu_linear, gelu_residual
+    u, x = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    w, s = torch.randn(5, 4), torch.randn(4)
+    assert "Gelu" in type(gelu_linear(u, w).grad_fn).__name__
+    assert "Gelu" in type(gelu_residual(x, u, s).grad_fn).__name__
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert type(gelu_linear(u, w).grad_fn).__name__ == "MmBackward0"
+    assert type(gelu_residual(x, u, s).grad_fn).__name__ == "AddcmulBackward0"
+
+
 def test_gelu_linear_under_bf16_autocast_matches_autograd_and_returns_float32_grads():
     from lipsformer.layers.gelu import gelu_linear
     u = torch.randn(4, 7, 8, requires_grad=True)

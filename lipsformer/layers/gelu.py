@@ -58,10 +58,12 @@ class _GeluResidual(torch.autograd.Function):
 
 
 def _records_grad(*tensors) -> bool:
-    """Whether autograd will record the op for a backward pass. Otherwise, and under torch.func transforms
-    (``jvp`` would need a custom rule, which torch.compile cannot trace), the plain ops run."""
+    """Whether autograd will record the op for a backward pass, outside torch.func and torch.compile; otherwise
+    the plain ops run. Under torch.func transforms ``jvp`` would need a custom rule, which torch.compile cannot
+    trace. Under torch.compile the compiler's partitioner chooses what backward keeps whichever form it traces
+    (a compiled Swin-T step kept the same bytes either way), and the plain ops compile faster."""
     return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling())
 
 
 def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
