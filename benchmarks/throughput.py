@@ -143,7 +143,9 @@ def main() -> None:
             model.set_grad_checkpointing(True)
         if args.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        models[name] = torch.compile(model) if args.compile else model
+        # static shapes, as in training with a fixed batch: each (batch, grad mode) pair gets its own graph, where
+        # automatic dynamic shapes would turn the batch symbolic once inference (16) and training (8) both ran
+        models[name] = torch.compile(model, dynamic=False) if args.compile else model
     fmt = dict(memory_format=torch.channels_last) if args.channels_last else {}
     x_inf = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device).contiguous(**fmt)
     x_train = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device).contiguous(**fmt)
