@@ -1,0 +1,53 @@
+"""benchmarks/throughput.py: its output, and the memory targets of issue 7, which are deterministic (bytes saved
+for backward do not depend on the machine's speed)."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _throughput():
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_prints_a_table_and_writes_json_against_the_baseline(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--models", "lipsformer_swin_t",
+                           "--reps", "1", "--iters", "1", "--batch", "2", "--train-batch", "2", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["swin_tiny_patch4_window7_224", "lipsformer_swin_t"]
+    assert [round(r["gflops"], 2) for r in rows] == [4.51, 4.98]  # fvcore, as `python -m lipsformer.flops`
+    assert rows[0]["infer_ratio"] == rows[0]["train_ratio"] == 1.0
+    for r in rows:
+        assert r["infer_img_s"] > 0 and r["train_img_s"] > 0 and r["train_memory_mb"] > 0
+        assert r["infer_gflop_s"] == pytest.approx(r["infer_img_s"] * r["gflops"])
+    assert "lipsformer_swin_t" in proc.stdout and "per-FLOP" in proc.stdout
+
+
+def test_training_memory_targets_at_batch_16():
+    """<= 1.3x swin_tiny's without gradient checkpointing, <= 0.6x with it (224 px, fp32, CPU)."""
+    train_memory = _throughput().train_memory
+    x = torch.randn(16, 3, 224, 224)
+    mb = {}
+    for name, checkpointing in (("swin_tiny_patch4_window7_224", False), ("lipsformer_swin_t", False),
+                                ("lipsformer_swin_t", True)):
+        model = timm.create_model(name).train()
+        if checkpointing:
+            model.set_grad_checkpointing(True)
+        mb[name, checkpointing] = train_memory(model, x, "cpu", "no")
+    base = mb["swin_tiny_patch4_window7_224", False]
+    assert mb["lipsformer_swin_t", False] / base == pytest.approx(2238 / 1735, abs=0.01)  # README table
+    assert mb["lipsformer_swin_t", False] <= 1.3 * base
+    assert mb["lipsformer_swin_t", True] <= 0.6 * base
