@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if not result.pop("is_main_process"):
         return 0
     excluded = f", {result['excluded']} without ReaL labels left out" if result["excluded"] else ""
-    print(f"{result['model']} on {result['dataset']}: top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
+    print(f"{result['model']} on {args.data_dir} ({result['dataset']}): top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
           f"({result['count']} of {result['images']} images scored{excluded}; {result['seconds']:.1f} s, "
           f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))")
     if args.predictions:

@@ -155,7 +155,7 @@ def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
     assert (one["processes"], two["processes"]) == (1, 2)
     assert one["count"] == two["count"] == one["images"] == 13
     assert (one["top1"], one["top5"]) == (two["top1"], two["top5"])
-    assert "top-1" in stdout and "13 of 13 images" in stdout
+    assert f"on {tmp_path / 'v2'} (imagenet_v2): top-1" in stdout and "13 of 13 images" in stdout
     assert [(r["path"], r["targets"], r["top1"], r["top5"]) for r in rows_one] == \
            [(r["path"], r["targets"], r["top1"], r["top5"]) for r in rows_two]
     assert all(abs(float(a["prob1"]) - float(b["prob1"])) < 1e-5 for a, b in zip(rows_one, rows_two))
