@@ -2,16 +2,18 @@
 from .attention import ATTENTIONS, AttentionKernel, dot_attention, l2_attention, l2_normalize, scsa
 from .attlip import AttLip, AttLipMixer
 from .block import LipsBlock
-from .conv_blocks import CONV_BLOCKS, ConvBlocks
+from .conv_blocks import ACTS, CONV_BLOCKS, ConvBlocks, create_act
+from .groupsort import GroupSort, group_sort
 from .init import INITS, init_weights, spectral_norm_of
 from .norm import NORMS, CenterNorm, create_norm
 from .options import LipschitzOptions
 from .patch_embed import PatchEmbed
-from .residual import WeightedResidual
+from .residual import RESIDUALS, ConvexResidual, WeightedResidual, create_residual
 from .windows import window_partition, window_reverse
 
 __all__ = [
     "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
     "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "spectral_norm_of", "LipschitzOptions", "NORMS", "CenterNorm",
     "create_norm", "PatchEmbed", "WeightedResidual", "window_partition", "window_reverse",
+    "ACTS", "create_act", "GroupSort", "group_sort", "RESIDUALS", "ConvexResidual", "create_residual",
 ]

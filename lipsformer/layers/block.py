@@ -3,10 +3,10 @@ import torch
 from timm.layers import Mlp
 from torch import nn
 
-from .conv_blocks import ConvBlocks
+from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
 from .norm import create_norm
-from .residual import WeightedResidual
+from .residual import create_residual
 
 
 class GeluMlp(Mlp):
@@ -29,18 +29,24 @@ class LipsBlock(nn.Module):
 
     ``attn`` is the family's token mixer (Swin windows or CSwin stripes). ``attn_norm=False``
     drops :math:`N_1`, as the released CSwin code does (CenterNorm only after the MLP).
+    ``act`` (``gelu`` | ``groupsort``) is the MLP's and conv blocks' activation; ``residual`` (``add`` | ``convex``)
+    chooses :class:`~lipsformer.layers.residual.WeightedResidual` or
+    :class:`~lipsformer.layers.residual.ConvexResidual` for every residual of the block.
     """
 
     def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4.0, norm: str = "center",
                  conv_blocks: str = "D", alpha_init: float = 0.1, drop_path: float = 0.0, drop: float = 0.0,
-                 attn_norm: bool = True):
+                 attn_norm: bool = True, act: str = "gelu", residual: str = "add"):
         super().__init__()
-        self.convs = ConvBlocks(dim, conv_blocks, alpha_init, drop_path)
+        self.convs = ConvBlocks(dim, conv_blocks, alpha_init, drop_path, act=act, residual=residual)
         self.attn = attn
-        self.res_attn = WeightedResidual(dim, alpha_init, drop_path)
+        self.res_attn = create_residual(residual, dim, alpha_init, drop_path)
         self.norm1 = create_norm(norm, dim) if attn_norm else nn.Identity()
-        self.mlp = GeluMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
-        self.res_mlp = WeightedResidual(dim, alpha_init, drop_path)
+        if act == "gelu":
+            self.mlp = GeluMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        else:
+            self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=lambda: create_act(act), drop=drop)
+        self.res_mlp = create_residual(residual, dim, alpha_init, drop_path)
         self.norm2 = create_norm(norm, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

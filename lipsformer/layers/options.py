@@ -29,6 +29,10 @@ class LipschitzOptions:
         fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
         attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
             evaluation) and solver tolerance; see :class:`lipsformer.layers.AttLipMixer`.
+        residual: ``add`` (LipsFormer's ``x + alpha f(x)``, bound ``1 + max|alpha| Lip(f)``) | ``convex``
+            (``(1 - a) x + a f(x)`` with one scalar ``a`` in [0, 1]: 1-Lipschitz when ``f`` is;
+            :class:`lipsformer.layers.residual.ConvexResidual`).
+        act: ``gelu`` (LipsFormer) | ``groupsort`` (MaxMin, 1-Lipschitz) in the MLPs and conv blocks.
     """
 
     norm: str = "center"
@@ -45,6 +49,8 @@ class LipschitzOptions:
     attlip_eta: float = 1.0
     attlip_steps: Tuple[int, int] = (2, 20)
     attlip_tol: float = 1e-6
+    residual: str = "add"
+    act: str = "gelu"
 
     @classmethod
     def from_kwargs(cls, owner: str, defaults: Mapping, options: Optional["LipschitzOptions"] = None,
@@ -72,4 +78,5 @@ class LipschitzOptions:
 
     def block_kwargs(self, alpha_init: float) -> dict:
         """The :class:`lipsformer.layers.LipsBlock` arguments these options set (``alpha_init`` resolved)."""
-        return dict(norm=self.norm, conv_blocks=self.conv_blocks, alpha_init=alpha_init)
+        return dict(norm=self.norm, conv_blocks=self.conv_blocks, alpha_init=alpha_init, act=self.act,
+                    residual=self.residual)

@@ -1,9 +1,12 @@
-"""Weighted residual shortcut (LipsFormer Sec. 4.1.3, Table 1)."""
+"""Residual shortcuts: LipsFormer's weighted residual (Sec. 4.1.3, Table 1) and a convex combination that is
+1-Lipschitz whenever its branch is."""
 import torch
 from timm.layers import DropPath
 from torch import nn
 
 from .gelu import gelu_residual
+
+RESIDUALS = ("add", "convex")
 
 
 class WeightedResidual(nn.Module):
@@ -29,3 +32,38 @@ class WeightedResidual(nn.Module):
         if self.training and isinstance(self.drop_path, DropPath):
             scale = scale * self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1)))
         return gelu_residual(x, fx, scale) if gelu else torch.addcmul(x, fx, scale)
+
+
+class ConvexResidual(nn.Module):
+    r"""``(1 - a) x + a f(x)`` with one learnable scalar ``a`` (``alpha``, kept in [0, 1] by
+    :func:`lipsformer.lipschitz.constraints.keep_bound`).
+
+    By the triangle inequality :math:`\mathrm{Lip} \le |1 - a| + |a|\,\mathrm{Lip}(f)`, which is at most 1 for
+    :math:`a \in [0, 1]` and :math:`\mathrm{Lip}(f) \le 1`: stacking such residuals never compounds, unlike
+    :class:`WeightedResidual`'s :math:`1 + \alpha\,\mathrm{Lip}(f)`. The weight is one scalar on purpose: with
+    per-channel weights :math:`a_c` the same argument only gives :math:`\max_c|1 - a_c| + \max_c|a_c|\,\mathrm{Lip}(f)`,
+    above 1 as soon as the weights differ. DropPath (per sample, timm's) sets ``a`` to 0 for dropped samples,
+    and rescales the kept ones by ``1/(1-p)`` as timm does.
+    """
+
+    def __init__(self, dim: int, alpha_init: float, drop_path: float = 0.0):
+        super().__init__()
+        if not 0.0 <= alpha_init <= 1.0:
+            raise ValueError(f"a convex residual needs alpha_init in [0, 1], got {alpha_init}")
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
+        scale = self.alpha.to(x.dtype)
+        if self.training and isinstance(self.drop_path, DropPath):
+            scale = scale * self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1)))
+        return torch.addcmul(x, fx - x, scale)
+
+
+def create_residual(kind: str, dim: int, alpha_init: float, drop_path: float = 0.0) -> nn.Module:
+    """``add``: LipsFormer's ``x + alpha * f(x)`` (per-channel alpha); ``convex``: ``(1 - a) x + a f(x)``."""
+    if kind == "add":
+        return WeightedResidual(dim, alpha_init, drop_path)
+    if kind == "convex":
+        return ConvexResidual(dim, alpha_init, drop_path)
+    raise ValueError(f"residual must be one of {RESIDUALS}, got {kind!r}")
