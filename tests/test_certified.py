@@ -45,3 +45,96 @@ def test_certifiable_options_build_and_run(name):
     assert not any(isinstance(m, torch.nn.GELU) for m in model.modules())
     out = model(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 3) and torch.isfinite(out).all()
+
+
+# -- the Lipschitz-margin loss -------------------------------------------------------------------------
+def test_margin_loss_lowers_the_true_logit_by_sqrt2_L_eps():
+    from timm.loss import SoftTargetCrossEntropy
+
+    from lipsformer.engine.margin import LipschitzMarginLoss, margin_criterion
+
+    logits, target = torch.randn(5, 4), torch.tensor([0, 3, 1, 1, 2])
+    ce = torch.nn.CrossEntropyLoss()
+    loss = LipschitzMarginLoss(ce, eps=0.25, bound=2.0)
+    assert loss.margin == pytest.approx(math.sqrt(2) * 2.0 * 0.25)
+    shifted = logits.clone()
+    shifted[torch.arange(5), target] -= math.sqrt(2) * 0.5
+    assert loss(logits, target) == pytest.approx(float(ce(shifted, target)), rel=1e-6)
+    assert loss(logits, target) > ce(logits, target)  # harder: the margin must be earned
+    # by hand for one sample: -log softmax of the lowered true logit
+    z = logits[0] - math.sqrt(2) * 0.5 * torch.nn.functional.one_hot(target[0], 4)
+    assert LipschitzMarginLoss(ce, 0.25, 2.0)(logits[:1], target[:1]) == pytest.approx(
+        float(torch.logsumexp(z, 0) - z[0]), rel=1e-6)
+    # soft targets (mixup): each logit lowered by the margin times its target weight
+    soft = torch.softmax(torch.randn(5, 4), -1)
+    st = SoftTargetCrossEntropy()
+    assert LipschitzMarginLoss(st, 0.25, 2.0)(logits, soft) == pytest.approx(
+        float(st(logits - math.sqrt(2) * 0.5 * soft, soft)), rel=1e-6)
+    assert margin_criterion(ce, 0.0, None) is ce  # off
+    with pytest.raises(ValueError, match="eps must be a finite number"):
+        LipschitzMarginLoss(ce, -1.0)
+
+
+# -- bound keeping -----------------------------------------------------------------------------------
+def dense_operator_norm(conv: torch.nn.Conv2d, hw) -> float:
+    """The conv's operator norm on (C, H, W) from its dense matrix (one column per input pixel of a group; groups
+    are independent blocks), by the eigenvalues of its Gram matrix: independent of the bound code's DFT and power
+    iteration."""
+    if conv.stride == conv.kernel_size and conv.padding == (0, 0):
+        # non-overlapping patches: the operator is the direct sum of one map per patch, the same norm on 2x2 patches
+        hw = (2 * conv.kernel_size[0], 2 * conv.kernel_size[1])
+    g = conv.groups
+    cin = conv.in_channels // g
+    n = cin * hw[0] * hw[1]
+    basis = torch.eye(n, dtype=torch.float64).view(n, cin, *hw)
+    w = conv.weight.detach().double()
+    out = 0.0
+    for part in w.chunk(g, 0):
+        m = torch.nn.functional.conv2d(basis, part, None, conv.stride, conv.padding, conv.dilation).flatten(1)
+        gram = m @ m.T if m.shape[0] <= m.shape[1] else m.T @ m
+        out = max(out, float(torch.linalg.eigvalsh(gram)[-1]) ** 0.5)
+    return out
+
+
+def certifiable(name, **kw):
+    args = dict(TINY[family(name)], init="xavier", residual="convex", act="groupsort", norm="none", attn="attlip",
+                alpha_init=0.5, drop_path_rate=0.0, num_classes=4, attlip_steps=(1, 20))
+    return timm.create_model(name, **dict(args, **kw))
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_keep_bound_keeps_convs_linears_and_convex_weights_at_their_limits(name):
+    from lipsformer.lipschitz import conv_bound, lipschitz_report
+    from lipsformer.lipschitz.constraints import conv_input_sizes, keep_bound
+
+    model = certifiable(name)
+    sizes = conv_input_sizes(model)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    for step in range(2):  # a large step, then keeping
+        torch.nn.functional.cross_entropy(model(x) * 10, y).backward()
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        model.zero_grad()
+        with torch.no_grad():  # as after a much larger one: norms past 1, convex weights out of [0, 1] both ways
+            for n, p in model.named_parameters():
+                if n.endswith("weight") and p.ndim > 1:
+                    p.mul_(3.0)
+                if n.endswith("alpha"):
+                    p.fill_(1.5 if len(n) % 2 else -0.5)
+        before = {c: dense_operator_norm(c, hw) for c, hw in sizes.items()}
+        assert max(before.values()) > 2.0
+        info = keep_bound(model, 1e6, weight_max=1.0, conv_max=1.0)
+        for conv, hw in sizes.items():
+            dense = dense_operator_norm(conv, hw)
+            assert dense <= 1.0 + 1e-5, (conv, dense)
+            if before[conv] > 1.0 and conv.stride == conv.kernel_size:
+                assert dense == pytest.approx(1.0, abs=1e-5)  # non-overlapping patches: exact bound, kept at 1
+            elif before[conv] > 1.0:  # stride 1, zero padding: the certified (circular) bound is kept at 1
+                assert conv_bound(conv, hw) == pytest.approx(1.0, abs=1e-6)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                assert torch.linalg.matrix_norm(m.weight.double(), ord=2) <= 1.0 + 1e-5
+            if isinstance(m, ConvexResidual):
+                assert 0.0 <= float(m.alpha.detach()) <= 1.0
+        assert {float(m.alpha.detach()) for m in model.modules() if isinstance(m, ConvexResidual)} == {0.0, 1.0}
+        assert info["alpha_scale"] == 1.0 and info["bound"] <= 1.0 + 1e-6
+        assert lipschitz_report(model).bound == pytest.approx(info["bound"])

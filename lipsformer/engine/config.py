@@ -66,6 +66,10 @@ class TrainConfig:
     lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
     lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
     lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
+    lipschitz_conv_max: Optional[float] = None  # Conv2d scaled back to this operator norm at its input size (None: free)
+    # Lipschitz-margin loss (Tsuzuku et al. 2018; lipsformer.engine.margin): the true logit lowered by sqrt(2) L eps
+    margin_eps: float = 0.0  # 0: off
+    margin_bound: Optional[float] = None  # L: a fixed value, or None for the bound kept by lipschitz_target
 
     def __post_init__(self):
         checks = {
@@ -83,6 +87,16 @@ class TrainConfig:
             raise ConfigError(f"ema_decay must be in [0, 1) (0 or null: no EMA), got {self.ema_decay}")
         if self.lipschitz_target is not None and self.lipschitz_target <= 0:
             raise ConfigError(f"lipschitz_target must be positive, got {self.lipschitz_target}")
+        for key in ("lipschitz_conv_max", "margin_bound"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be positive (or null), got {getattr(self, key)}")
+        if not 0.0 <= self.margin_eps < float("inf"):
+            raise ConfigError(f"margin_eps must be a number >= 0 (0: off), got {self.margin_eps}")
+        if self.margin_eps and self.margin_bound is None and self.lipschitz_target is None:
+            raise ConfigError("margin_eps with margin_bound: null follows the bound kept by lipschitz_target; "
+                              "set lipschitz_target, or a fixed margin_bound")
+        if self.lipschitz_conv_max is not None and self.lipschitz_target is None:
+            raise ConfigError("lipschitz_conv_max is applied when the bound is kept: set lipschitz_target too")
 
     def accumulation_steps(self, num_processes: int) -> int:
         """Gradient accumulation derived from the global batch; it must divide exactly."""

@@ -14,7 +14,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from safetensors.torch import save_file
-from timm.data import Mixup
+from timm.data import Mixup, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
@@ -28,6 +28,7 @@ from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_check
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
 from .evaluate import evaluate
+from .margin import follow_bound, margin_criterion
 
 _logger = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
                                   t_in_epochs=False)
     ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
     mixup, criterion = _criterion(cfg)
+    criterion = margin_criterion(criterion, cfg.margin_eps, cfg.margin_bound)
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
     if resume_from is not None:
@@ -182,7 +184,10 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     keep = None
     if cfg.lipschitz_target is not None:
         keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
-                                 cfg.lipschitz_gamma_max, weight_max=cfg.lipschitz_weight_max)
+                                 cfg.lipschitz_gamma_max, weight_max=cfg.lipschitz_weight_max,
+                                 conv_max=cfg.lipschitz_conv_max)
+        if cfg.margin_eps and cfg.margin_bound is None:
+            keep = follow_bound(keep, criterion, 1.0 / min(resolve_data_config({}, model=accelerator.unwrap_model(model))["std"]))
         keep()
     last_good = resume_from
 

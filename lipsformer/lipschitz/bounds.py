@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, CenterNorm
+from ..layers import AttentionKernel, AttLipMixer, CenterNorm, ConvexResidual, GroupSort
 from ..layers.block import LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
@@ -104,14 +104,30 @@ def norm_bound(norm: nn.Module) -> float:
     raise TypeError(f"no Lipschitz bound for norm {type(norm).__name__}")
 
 
-def residual_bound(residual: WeightedResidual, branch: float) -> float:
-    """Weighted residual ``x + alpha * f(x)``: ``1 + max|alpha| * Lip(f)`` (LipsFormer eq. 4)."""
-    return 1.0 + float(residual.alpha.detach().abs().max()) * branch
+def residual_bound(residual: nn.Module, branch: float) -> float:
+    """Weighted residual ``x + alpha * f(x)``: ``1 + max|alpha| * Lip(f)`` (LipsFormer eq. 4).
+    Convex residual ``(1 - a) x + a f(x)``: ``max|1 - a| + max|a| Lip(f)`` (triangle inequality; one scalar a)."""
+    if isinstance(residual, ConvexResidual):
+        a = residual.alpha.detach().double()
+        return float((1.0 - a).abs().max()) + float(a.abs().max()) * branch
+    if isinstance(residual, WeightedResidual):
+        return 1.0 + float(residual.alpha.detach().abs().max()) * branch
+    raise TypeError(f"no Lipschitz bound for residual {type(residual).__name__}")
+
+
+def act_bound(act: Optional[nn.Module]) -> float:
+    """An activation's largest slope: GELU 1.1289 (``None``: the fused GELU of the default path); GroupSort 1
+    (Anil et al. 2019: a permutation of the coordinates on each region where the order is fixed)."""
+    if act is None or isinstance(act, nn.GELU):
+        return gelu_bound()
+    if isinstance(act, GroupSort):
+        return 1.0
+    raise TypeError(f"no Lipschitz bound for activation {type(act).__name__}")
 
 
 def mlp_bound(mlp: nn.Module) -> float:
-    """timm's Mlp: fc2 . GELU . fc1 (dropout is the identity at evaluation)."""
-    return matrix_norm(mlp.fc2.weight) * gelu_bound() * matrix_norm(mlp.fc1.weight)
+    """timm's Mlp: fc2 . act . fc1 (dropout is the identity at evaluation)."""
+    return matrix_norm(mlp.fc2.weight) * act_bound(mlp.act) * matrix_norm(mlp.fc1.weight)
 
 
 # -- attention ----------------------------------------------------------------------------------------
@@ -288,7 +304,7 @@ def _power10(x: float) -> float:
     return 10.0 ** x if x < 308 else INF
 
 
-def _residual_row(name: str, residual: WeightedResidual, branch: float, note: str = "") -> Row:
+def _residual_row(name: str, residual: nn.Module, branch: float, note: str = "") -> Row:
     drop = residual.drop_path
     return Row(name, residual_bound(residual, branch), branch, float(residual.alpha.detach().abs().max()),
                float(getattr(drop, "drop_prob", 0.0)), bool(getattr(drop, "scale_by_keep", True)), note)
@@ -299,7 +315,7 @@ def conv_blocks_rows(name: str, convs: ConvBlocks, hw: Tuple[int, int]) -> List[
     rows = []
     if convs.dw1 is None:
         return rows
-    g = gelu_bound()
+    g = act_bound(convs.act)
     branch = g * conv_bound(convs.dw1, hw)
     if convs.pw is not None:
         branch *= g * conv_bound(convs.pw, hw)

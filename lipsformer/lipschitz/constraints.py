@@ -7,22 +7,31 @@ After an optimizer step, :func:`keep_bound` projects the parameters the bound de
 2. a learnable tau is clipped to ``(0, tau_max]`` (Theorem 1 grows with tau);
 3. with ``weight_max``, every Linear weight whose spectral norm exceeds it is scaled back to it (eq. 5's
    spectral normalisation, kept through training rather than only at initialisation);
+3b. with ``conv_max``, every Conv2d whose certified operator norm at its input size (found by one forward pass
+   of a zero image at the model's input size, then cached) exceeds it is scaled back to it
+   (:func:`~lipsformer.lipschitz.bounds.conv_bound`: the operator, padding and stride included, not the kernel);
+3c. the weight of every :class:`~lipsformer.layers.ConvexResidual` is clipped to [0, 1], where the residual is
+   a convex combination (1-Lipschitz when its branch is);
 4. if the network bound (eq. 19) is still above the target, every residual weight alpha is multiplied by one
    common factor ``s`` in (0, 1), the largest for which the bound meets the target (bisection): eq. 19 is
    increasing in each max|alpha|, so this is the smallest uniform shrink that works.
 
 Without ``weight_max`` the weights are left free: their spectral norms enter the bound through the residual
-branches, which the alpha shrink pays for. Convolutions are never rescaled (their operator norm depends on the
-input size).
+branches, which the alpha shrink pays for; likewise convolutions without ``conv_max``. Convex residuals are not
+shrunk in step 4 (their bound ``|1 - a| + a Lip(f)`` is not increasing in ``a`` when ``Lip(f) < 1``).
 """
 import math
-from typing import Optional
+import weakref
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..layers import AttentionKernel, CenterNorm
-from .bounds import lipschitz_report, matrix_norm
+from ..layers import AttentionKernel, CenterNorm, ConvexResidual
+from .bounds import conv_bound, lipschitz_report, matrix_norm
+
+# each convolution's input (H, W) in the model it was measured in (weak: dropped with the model)
+_CONV_INPUT_HW: "weakref.WeakKeyDictionary[nn.Conv2d, Tuple[int, int]]" = weakref.WeakKeyDictionary()
 
 
 class BoundUnreachable(ValueError):
@@ -30,14 +39,54 @@ class BoundUnreachable(ValueError):
 
 
 @torch.no_grad()
+def conv_input_sizes(model: nn.Module, input_size: Optional[Tuple[int, int, int]] = None) -> Dict[nn.Conv2d, Tuple[int, int]]:
+    """The input (H, W) of every Conv2d of ``model``, recorded by hooks during one forward pass of a zero image of
+    ``input_size`` (C, H, W; default: a LipsFormer's ``patch_embed`` size) in evaluation mode; cached per conv."""
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if all(c in _CONV_INPUT_HW for c in convs):
+        return {c: _CONV_INPUT_HW[c] for c in convs}
+    if input_size is None:
+        embed = model.patch_embed
+        input_size = (embed.proj.in_channels, *embed.img_size)
+    handles = [c.register_forward_pre_hook(lambda m, args: _CONV_INPUT_HW.__setitem__(m, tuple(args[0].shape[-2:])))
+               for c in convs]
+    was_training = model.training
+    param = next(model.parameters())
+    try:
+        model.eval()
+        model(torch.zeros(1, *input_size, dtype=param.dtype, device=param.device))
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    names = {c: n for n, c in model.named_modules() if isinstance(c, nn.Conv2d)}
+    for c in convs:
+        if c not in _CONV_INPUT_HW:
+            # a 1x1 conv that the model applies as a matmul over channels: its norm is the same at every size
+            if tuple(c.kernel_size) == (1, 1) and tuple(c.padding) == (0, 0) and tuple(c.stride) == (1, 1):
+                _CONV_INPUT_HW[c] = (1, 1)
+            else:
+                raise ValueError(f"convolution {names[c]} was not called in a forward pass, so its input size, "
+                                 f"which its operator norm depends on, is unknown")
+    return {c: _CONV_INPUT_HW[c] for c in convs}
+
+
+@torch.no_grad()
 def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max: Optional[float] = None,
-               weight_max: Optional[float] = None, iters: int = 60) -> dict:
+               weight_max: Optional[float] = None, iters: int = 60, conv_max: Optional[float] = None) -> dict:
     """Project ``model``'s parameters so that its certified network bound is at most ``target``.
 
     Returns ``bound`` (after projection), ``bound_before`` (after clipping gamma and tau, before shrinking
     alpha) and ``alpha_scale`` (1.0 when nothing shrank).
     """
+    if conv_max is not None:
+        for conv, hw in conv_input_sizes(model).items():
+            norm = conv_bound(conv, hw)
+            if norm > conv_max:
+                conv.weight.mul_(conv_max / norm)
     for m in model.modules():
+        if isinstance(m, ConvexResidual):
+            m.alpha.clamp_(0.0, 1.0)
         if isinstance(m, CenterNorm):
             m.weight.clamp_(-gamma_max, gamma_max)
         if isinstance(m, AttentionKernel) and isinstance(m.tau, torch.Tensor) and tau_max is not None:
@@ -50,10 +99,13 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
     before = report.log10_bound
     if before <= math.log10(target):
         return dict(bound=report.bound, bound_before=report.bound, alpha_scale=1.0)
-    fixed = sum(math.log10(r.lip) for r in report.rows if r.branch is None)
-    residual = [r for r in report.rows if r.branch is not None]
+    def shrinks(r) -> bool:  # a weighted residual x + alpha f(x), whose alpha step 4 scales
+        return r.branch is not None and not isinstance(model.get_submodule(r.name), ConvexResidual)
+
+    fixed = sum(math.log10(r.lip) for r in report.rows if not shrinks(r))
+    residual = [r for r in report.rows if shrinks(r)]
     if not math.isfinite(before) or fixed > math.log10(target):
-        why = ("a layer has no finite bound (" + "; ".join(sorted({r.note for r in residual if r.note})) + ")"
+        why = ("a layer has no finite bound (" + "; ".join(sorted({r.note for r in report.rows if r.note})) + ")"
                if not math.isfinite(before) else f"the layers outside residuals alone give 1e{fixed:.1f}")
         raise BoundUnreachable(f"cannot keep the Lipschitz bound under {target:g}: {why}")
 

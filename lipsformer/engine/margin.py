@@ -1,0 +1,64 @@
+"""Lipschitz-margin training (Tsuzuku, Sato & Sugiyama, "Lipschitz-Margin Training", NeurIPS 2018).
+
+A classifier with l2 Lipschitz bound L whose logit margin at x exceeds sqrt(2) L eps keeps its prediction under
+every perturbation of norm at most eps. Training for that margin: the true-class logit is lowered by
+sqrt(2) L eps before the usual loss (for softmax losses the same as raising every other logit by it, their
+Algorithm 1), so the loss only stops pushing once the margin is certified at eps.
+"""
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LipschitzMarginLoss(nn.Module):
+    """``criterion(logits - sqrt(2) * bound * eps * onehot(target), target)``.
+
+    ``target`` may be class indices or soft targets (mixup / cutmix, label smoothing): then each logit is
+    lowered by ``sqrt(2) * bound * eps`` times its target probability. ``bound`` is a fixed target, or the
+    current certified bound of the model (set by :func:`follow_bound` whenever the bound is kept); both in the
+    pixel space ``eps`` is measured in (the input normalisation's ``1 / std`` included).
+    """
+
+    def __init__(self, criterion: Callable, eps: float, bound: float = 1.0):
+        super().__init__()
+        if eps < 0 or not math.isfinite(eps):
+            raise ValueError(f"the margin's eps must be a finite number >= 0, got {eps}")
+        self.criterion, self.eps, self.bound = criterion, float(eps), float(bound)
+
+    @property
+    def margin(self) -> float:
+        return math.sqrt(2.0) * self.bound * self.eps
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        weights = target.to(logits.dtype) if target.is_floating_point() else F.one_hot(target, logits.shape[-1]).to(
+            logits.dtype)
+        return self.criterion(logits - self.margin * weights, target)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps:g}, bound={self.bound:g}"
+
+
+def follow_bound(keep: Callable[[], dict], criterion: LipschitzMarginLoss, input_scale: float = 1.0) -> Callable[[], dict]:
+    """``keep`` (a :func:`lipsformer.lipschitz.constraints.keep_bound` call) that also hands the bound it kept to
+    the margin loss, so the margin is sqrt(2) L eps with L the model's current certified bound in pixel space:
+    the model's bound times ``input_scale``, the input normalisation's ``1 / min(std)``."""
+
+    def kept() -> dict:
+        info = keep()
+        if not math.isfinite(info["bound"]):
+            raise ValueError("the Lipschitz-margin loss needs a finite certified bound; this model has none "
+                             "(set margin_bound to a fixed value, or use layers with finite bounds)")
+        criterion.bound = info["bound"] * input_scale
+        return info
+
+    return kept
+
+
+def margin_criterion(criterion: Callable, eps: float, bound: Optional[float]) -> Callable:
+    """``criterion`` wrapped in :class:`LipschitzMarginLoss` when ``eps > 0`` (``bound=None``: followed, start 1)."""
+    if not eps:
+        return criterion
+    return LipschitzMarginLoss(criterion, eps, 1.0 if bound is None else bound)
