@@ -1,0 +1,279 @@
+"""Certified robustness on digits: certifiable LipsFormer-Swin and -CSwin against a 1-Lipschitz CNN (issue 17).
+
+    python benchmarks/certified.py [--epochs 15] [--attack-images 120] [--out output/certified]
+
+All three models are trained by the same loop (``lipsformer.engine.train``) on the same images (scikit-learn's
+digits at 32x32, pixels in [0, 1]) for the same epochs with the same Lipschitz-margin loss: the LipsFormers from
+configs/certified_digits.yaml and configs/certified_digits_cswin.yaml, the CNN from the Swin config with the model
+swapped for :class:`LipschitzCNN` (registered with timm here; orthogonally parametrised non-overlapping convolutions,
+GroupSort, an orthogonal head: 1-Lipschitz by construction, so its margin loss uses L = 1). Then, on the 360
+held-out digits, in pixel space:
+
+- the certified bound L, computed from the trained weights (``lipschitz_report`` for the LipsFormers, the product of
+  the layers' exact operator norms for the CNN), the normalisation's 1/std included;
+- clean accuracy; certified accuracy at eps 0.1 / 0.25 / 0.5 (correct with margin > sqrt(2) L eps, Tsuzuku et al.);
+- accuracy under an l2 PGD attack at the same eps on the first ``--attack-images`` images (random start plus
+  ``--restarts`` more, ``--pgd-steps`` steps; every image counts as broken if any run changes its prediction), beside
+  the certified accuracy on the same images: certified <= attacked <= clean must hold;
+- a measured lower bound of L: the largest difference quotient ||f(x + d) - f(x)|| / ||d|| found by projected gradient
+  ascent (``lipsformer.lipschitz.maximize_difference_quotient``) from a few held-out images.
+
+Writes ``certified.json`` and prints a markdown table. Each run's folder under ``--out`` is replaced.
+"""
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EPS = (0.1, 0.25, 0.5)
+
+
+# -- the 1-Lipschitz CNN baseline ---------------------------------------------------------------------
+def _orthogonal_linear(n_in: int, n_out: int, bias: bool = True) -> nn.Linear:
+    return nn.utils.parametrizations.orthogonal(nn.Linear(n_in, n_out, bias=bias))
+
+
+class PatchConv(nn.Module):
+    """A stride = kernel convolution whose reshaped kernel (out, in * k * k) is orthogonal (torch's orthogonal
+    parametrisation): the patches do not overlap, so the operator norm is exactly the kernel matrix's, 1."""
+
+    def __init__(self, c_in: int, c_out: int, k: int):
+        super().__init__()
+        self.shape, self.k = (c_out, c_in, k, k), k
+        self.lin = _orthogonal_linear(c_in * k * k, c_out)
+
+    def forward(self, x):
+        return F.conv2d(x, self.lin.weight.view(self.shape), self.lin.bias, stride=self.k)
+
+
+class LipschitzCNN(nn.Module):
+    """Patchify 4x4, then 2x2 stride-2 convs (all orthogonal), MaxMin GroupSort after each, flatten, orthogonal
+    head: every layer has l2 operator norm 1, GroupSort is 1-Lipschitz, flattening is an isometry."""
+
+    def __init__(self, num_classes: int = 10, in_chans: int = 3, img_size: int = 32, widths=(64, 128, 256), **_):
+        super().__init__()
+        self.pretrained_cfg = dict(input_size=(in_chans, img_size, img_size), mean=(0.5,) * 3, std=(1.0,) * 3,
+                                   crop_pct=1.0, interpolation="bicubic")
+        layers, c = [], in_chans
+        for i, w in enumerate(widths):
+            layers.append(PatchConv(c, w, 4 if i == 0 else 2))
+            c = w
+        self.convs = nn.ModuleList(layers)
+        side = img_size // (4 * 2 ** (len(widths) - 1))
+        self.head = _orthogonal_linear(c * side * side, num_classes)
+
+    def forward(self, x):
+        from lipsformer.layers import group_sort
+        for conv in self.convs:
+            x = group_sort(conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(x.flatten(1))
+
+    def lipschitz_bound(self) -> float:
+        """The product of the layers' exact norms, from the weights (GroupSort and flatten: 1)."""
+        from lipsformer.lipschitz import matrix_norm
+        out = matrix_norm(self.head.weight)
+        for conv in self.convs:
+            out *= matrix_norm(conv.lin.weight)
+        return out
+
+
+def register_cnn() -> None:
+    """``timm.create_model("lipschitz_cnn")``, so the training loop builds the baseline as it builds ours."""
+    import timm
+    from timm.models import register_model
+
+    if timm.is_model("lipschitz_cnn"):
+        return
+
+    @register_model
+    def lipschitz_cnn(pretrained=False, **kwargs):
+        kwargs.pop("drop_path_rate", None)
+        return LipschitzCNN(**kwargs)
+
+
+# -- certificates and attacks (radius = margin / (sqrt(2) L), Tsuzuku et al. 2018) ------------------------
+class PixelModel(nn.Module):
+    """The model on pixels in [0, 1]: the input normalisation inside, so perturbations are in pixel space."""
+
+    def __init__(self, model, mean, std):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return self.model((x - self.mean) / self.std)
+
+
+def margins(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """True logit minus the largest other one (negative when misclassified)."""
+    true = logits.gather(1, labels[:, None])[:, 0]
+    other = logits.scatter(1, labels[:, None], -math.inf).amax(1)
+    return true - other
+
+
+def certified_radius(logits, labels, bound: float) -> torch.Tensor:
+    """Per-image l2 radius within which the prediction cannot change; 0 where misclassified."""
+    if not math.isfinite(bound):
+        return torch.zeros(len(labels))
+    return (margins(logits, labels) / (math.sqrt(2.0) * bound)).clamp_min(0.0)
+
+
+def pgd_l2(f, x, y, eps: float, steps: int, restarts: int, seed: int = 0) -> torch.Tensor:
+    """True where some l2 PGD run (random start in the ball, steps of 2.5 eps / steps on the margin, pixels kept
+    in [0, 1]) changes the prediction."""
+    gen = torch.Generator().manual_seed(seed)
+    broken = torch.zeros(len(y), dtype=torch.bool)
+    for _ in range(restarts + 1):
+        d = torch.randn(x.shape, generator=gen)
+        d = d * (eps * torch.rand(len(x), 1, 1, 1, generator=gen) / d.flatten(1).norm(dim=1).view(-1, 1, 1, 1))
+        for _ in range(steps):
+            d.requires_grad_(True)
+            loss = -margins(f((x + d).clamp(0, 1)), y).sum()
+            (g,) = torch.autograd.grad(loss, d)
+            with torch.no_grad():
+                d = d + 2.5 * eps / steps * g / g.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1)
+                d = d * (eps / d.flatten(1).norm(dim=1).clamp_min(eps)).view(-1, 1, 1, 1)
+                d = (x + d).clamp(0, 1) - x
+        with torch.no_grad():
+            broken |= f(x + d).argmax(1) != y
+    return broken
+
+
+def load_images(folder: Path):
+    from PIL import Image
+    xs, ys = [], []
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    for c, name in enumerate(classes):
+        for f in sorted((folder / name).iterdir()):
+            xs.append(np.asarray(Image.open(f).convert("RGB"), dtype=np.float32) / 255.0)
+            ys.append(c)
+    return torch.from_numpy(np.stack(xs)).permute(0, 3, 1, 2).contiguous(), torch.tensor(ys)
+
+
+# -- runs ---------------------------------------------------------------------------------------------
+RUNS = {
+    "LipsFormer-Swin (certifiable)": ("certified_digits.yaml", []),
+    "LipsFormer-CSwin (certifiable)": ("certified_digits_cswin.yaml", []),
+    "1-Lipschitz CNN": ("certified_digits.yaml", ["model=lipschitz_cnn", "model_kwargs={}", "lipschitz_target=null",
+                                                 "lipschitz_weight_max=null", "lipschitz_conv_max=null",
+                                                 "margin_bound=1.0"]),
+}
+
+
+def train_run(name: str, args):
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+
+    from lipsformer.engine.config import load_config
+    from lipsformer.engine.train import build_model, train
+
+    config, extra = RUNS[name]
+    out = Path(args.out) / config.replace(".yaml", "") if "CNN" not in name else Path(args.out) / "cnn"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = load_config(ROOT / "configs" / config, [f"epochs={args.epochs}", f"output_dir={out}",
+                                                  f"data_dir={args.data}", f"eval_every_epochs={args.epochs}",
+                                                  *extra, *args.set])
+    try:
+        summary = train(cfg)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    model = build_model(cfg)
+    model.load_state_dict(load_file(str(out / "last.safetensors")))
+    return model.eval(), cfg, summary
+
+
+def model_bound(model) -> float:
+    from lipsformer.lipschitz import lipschitz_report
+    if isinstance(model, LipschitzCNN):
+        return model.lipschitz_bound()
+    return lipschitz_report(model).bound
+
+
+def evaluate_run(name: str, model, args, xv, yv) -> dict:
+    from timm.data import resolve_data_config
+
+    from lipsformer.lipschitz import maximize_difference_quotient
+
+    data = resolve_data_config({}, model=model)
+    f = PixelModel(model, data["mean"], data["std"]).eval()
+    bound = model_bound(model) / min(data["std"])  # pixel space: the normalisation's 1/std counts
+    with torch.no_grad():
+        logits = torch.cat([f(x) for x in xv.split(120)])
+    correct = logits.argmax(1) == yv
+    radius = certified_radius(logits, yv, bound)
+    row = dict(model=name, bound=bound, clean=100 * correct.float().mean().item(),
+               median_radius_correct=float(radius[correct].median()) if correct.any() else 0.0)
+    n = args.attack_images
+    for eps in EPS:
+        row[f"certified@{eps}"] = 100 * (radius > eps).float().mean().item()
+        broken = pgd_l2(f, xv[:n], yv[:n], eps, args.pgd_steps, args.restarts)
+        attacked = correct[:n] & ~broken
+        row[f"attacked@{eps}"] = 100 * attacked.float().mean().item()
+        row[f"certified_subset@{eps}"] = 100 * (radius[:n] > eps).float().mean().item()
+        row[f"clean_subset"] = 100 * correct[:n].float().mean().item()
+        # soundness: a certified image must never be broken
+        row[f"certified_but_broken@{eps}"] = int(((radius[:n] > eps) & broken).sum())
+    lower = 0.0
+    for i in range(args.quotient_images):
+        r = maximize_difference_quotient(lambda x: f(x[None])[0], xv[i], radius=0.5, steps=args.quotient_steps,
+                                         lr=0.1, seed=i)
+        lower = max(lower, r["lower_bound"])
+    row["measured_lower"] = lower
+    row["bound_over_lower"] = bound / lower if lower > 0 else math.inf
+    return row
+
+
+def table(rows) -> str:
+    head = ("| model | clean | " + " | ".join(f"cert. {e}" for e in EPS) + " | "
+            + " | ".join(f"PGD {e}" for e in EPS) + " | bound L | measured lower | L / lower |")
+    lines = [head, "|" + " --- |" * (4 + 2 * len(EPS))]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['clean']:.1f} | " + " | ".join(f"{r[f'certified@{e}']:.1f}" for e in EPS)
+                     + " | " + " | ".join(f"{r[f'attacked@{e}']:.1f}" for e in EPS)
+                     + f" | {r['bound']:.4f} | {r['measured_lower']:.4f} | {r['bound_over_lower']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--data", default="output/digits")
+    parser.add_argument("--out", default="output/certified")
+    parser.add_argument("--models", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--attack-images", type=int, default=120)
+    parser.add_argument("--pgd-steps", type=int, default=10)
+    parser.add_argument("--restarts", type=int, default=1)
+    parser.add_argument("--quotient-images", type=int, default=4)
+    parser.add_argument("--quotient-steps", type=int, default=30)
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run (key=value)")
+    args = parser.parse_args(argv)
+
+    from lipsformer.data.digits import write_digits_folder
+    register_cnn()
+    write_digits_folder(args.data)
+    xv, yv = load_images(Path(args.data) / "val")
+    rows = []
+    for name in args.models:
+        model, cfg, summary = train_run(name, args)
+        rows.append(evaluate_run(name, model, args, xv, yv))
+        print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "certified.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
