@@ -138,3 +138,43 @@ def test_keep_bound_keeps_convs_linears_and_convex_weights_at_their_limits(name)
         assert {float(m.alpha.detach()) for m in model.modules() if isinstance(m, ConvexResidual)} == {0.0, 1.0}
         assert info["alpha_scale"] == 1.0 and info["bound"] <= 1.0 + 1e-6
         assert lipschitz_report(model).bound == pytest.approx(info["bound"])
+
+
+# -- the new modules' registered bounds against measured difference quotients -------------------------
+def test_convex_residual_bound_formula_and_tightness():
+    from lipsformer.lipschitz.bounds import residual_bound
+
+    res = ConvexResidual(8, alpha_init=0.3)
+    assert residual_bound(res, 1.0) == pytest.approx(1.0)  # a convex combination of 1-Lipschitz maps
+    assert residual_bound(res, 0.5) == pytest.approx(0.7 + 0.3 * 0.5)
+    assert residual_bound(res, 2.0) == pytest.approx(0.7 + 0.6)
+    with torch.no_grad():
+        res.alpha.fill_(1.4)  # outside [0, 1]: |1 - a| counts
+    assert residual_bound(res, 1.0) == pytest.approx(0.4 + 1.4)
+    # attained: f = c x gives ((1 - a) + a c) x
+    with torch.no_grad():
+        res.alpha.fill_(0.3)
+    x, d = torch.randn(4, 8), torch.randn(4, 8)
+    quotient = (res(x + d, 2.0 * (x + d)) - res(x, 2.0 * x)).norm() / d.norm()
+    assert float(quotient) == pytest.approx(residual_bound(res, 2.0), rel=1e-5)
+
+
+def test_groupsort_and_certifiable_model_bounds_cover_measured_quotients():
+    from lipsformer.lipschitz import lipschitz_report, maximize_difference_quotient
+    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.constraints import keep_bound
+
+    gs = GroupSort(2)
+    assert module_bound(gs).lip == 1.0
+    q = maximize_difference_quotient(gs, torch.randn(16), radius=0.1, steps=20)["lower_bound"]
+    assert 0.99 < q <= 1.0 + 1e-5  # norm-preserving (float32 rounding): the bound is attained
+    model = certifiable("lipsformer_swin_t", attlip_steps=(1, 10)).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("weight") and p.ndim > 1:
+                p.mul_(3.0)
+    keep_bound(model, 1.01, weight_max=1.0, conv_max=1.0)
+    bound = lipschitz_report(model).bound
+    assert bound <= 1.01
+    lower = maximize_difference_quotient(model, torch.rand(1, 3, 32, 32), radius=0.5, steps=5)["lower_bound"]
+    assert 0 < lower <= bound
