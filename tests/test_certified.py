@@ -178,3 +178,60 @@ def test_groupsort_and_certifiable_model_bounds_cover_measured_quotients():
     assert bound <= 1.01
     lower = maximize_difference_quotient(model, torch.rand(1, 3, 32, 32), radius=0.5, steps=5)["lower_bound"]
     assert 0 < lower <= bound
+
+
+# -- the config keys, through train() -----------------------------------------------------------------
+@pytest.fixture
+def _fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_margin_and_conv_keeping_keys_change_training(tmp_path, _fresh_accelerate_state):
+    import json
+
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+    from test_train import make_folder
+
+    from lipsformer.engine.config import ConfigError, load_config
+    from lipsformer.engine.train import build_model, train
+    from lipsformer.lipschitz import conv_bound
+    from lipsformer.lipschitz.constraints import conv_input_sizes
+
+    data = make_folder(tmp_path / "data", train_per_class=(2, 2, 2, 2), val_per_class=(1, 1, 1, 1))
+    base = ["model=lipsformer_swin_t", "num_classes=4", "img_size=32", "crop_pct=1.0", "drop_path=0.0",
+            "model_kwargs={embed_dim: 16, depths: [1, 1], num_heads: [2, 2], window_size: 4, attn: attlip, "
+            "attlip_steps: [1, 2], norm: none, residual: convex, act: groupsort, alpha_init: 0.1}",
+            f"data_dir={data}", "workers=0", "epochs=1", "global_batch=4", "batch_size=4", "lr=0.05", "aa=null",
+            "reprob=0.0", "mixup=0.0", "cutmix=0.0", "label_smoothing=0.0", "ema_decay=null",
+            "mixed_precision='no'", "log_every_steps=1", "checkpoint_every_steps=100", "keep_last=1"]
+
+    def run(name, *overrides):
+        cfg = load_config(None, base + [f"output_dir={tmp_path / name}", *overrides])
+        try:
+            train(cfg)
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        model = build_model(cfg)
+        model.load_state_dict(load_file(str(tmp_path / name / "last.safetensors")))
+        return next(r["loss"] for r in rows if r["kind"] == "train"), model
+
+    plain, plain_model = run("plain")
+    fixed, _ = run("fixed", "margin_eps=0.5", "margin_bound=2.0")
+    followed, kept_model = run("followed", "margin_eps=0.5", "lipschitz_target=1e6", "lipschitz_conv_max=0.5")
+    # the first step's loss: same weights, same batch; the margin sqrt(2) L eps lowers the true logit
+    assert fixed > plain and followed > plain and followed != pytest.approx(fixed)
+    sizes = conv_input_sizes(kept_model)
+    assert max(conv_bound(c, hw) for c, hw in sizes.items()) <= 0.5 + 1e-6  # kept after every step
+    assert max(conv_bound(c, hw) for c, hw in conv_input_sizes(plain_model).items()) > 0.5
+    for bad, match in ((["margin_eps=0.5"], "margin_bound: null follows the bound kept by lipschitz_target"),
+                       (["lipschitz_conv_max=1.0"], "lipschitz_conv_max is applied when the bound is kept"),
+                       (["margin_eps=-1"], "margin_eps must be a number >= 0"),
+                       (["margin_bound=0", "margin_eps=0.1"], "margin_bound must be positive")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, bad)
