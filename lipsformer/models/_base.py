@@ -5,6 +5,7 @@ optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``
 build those pieces; this class gives them the methods timm and its tools expect.
 """
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -15,8 +16,12 @@ from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq, loa
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from ..layers import LipsBlock, LipschitzOptions
+from ..layers import LipsBlock, LipschitzOptions, init_weights
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
+
+
+# True while timm builds a model whose weights it loads next (``pretrained=True``): the costly spectral init is left out.
+_WEIGHTS_WILL_LOAD: ContextVar[bool] = ContextVar("lipsformer_weights_will_load", default=False)
 
 
 class LipsStage(nn.Module):
@@ -84,6 +89,15 @@ class LipsFormerBase(nn.Module):
         self.head_hidden_size = self.num_features
         self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
                                    input_fmt="NHWC")
+
+    def _init_weights(self, mode: str) -> None:
+        """:func:`lipsformer.layers.init_weights` over the model. When the weights are about to be loaded
+        (timm's ``pretrained=True``, :func:`lipsformer.weights.create_from_checkpoint`) the spectral division is
+        left out except for the classifier, the one layer a load re-creates (another class count)."""
+        loading = _WEIGHTS_WILL_LOAD.get()
+        init_weights(self, mode, normalize=not loading)
+        if loading:
+            init_weights(self.head, mode)
 
     # -- timm face ---------------------------------------------------------------------------
     @torch.jit.ignore
@@ -251,11 +265,15 @@ def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn
     if overlay and (overlay.get("file") or overlay.get("url")):
         # timm resets custom_load for a new source; ours reads every layout safely, so keep it
         kwargs["pretrained_cfg_overlay"] = dict(overlay, custom_load=overlay.get("custom_load", True))
-    return build_model_with_cfg(
-        model_cls, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs)
+    token = _WEIGHTS_WILL_LOAD.set(bool(pretrained))
+    try:
+        return build_model_with_cfg(
+            model_cls, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+            **kwargs)
+    finally:
+        _WEIGHTS_WILL_LOAD.reset(token)
 
 
 @dataclass

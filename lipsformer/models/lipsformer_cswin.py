@@ -17,7 +17,7 @@ from timm.layers import to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, LipschitzOptions, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.windows import window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
@@ -146,7 +146,7 @@ class LipsFormerCSwin(LipsFormerBase):
                            drop_path_rate, lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=False)
         self.norm = nn.Identity()  # the released CSwin code has no final norm
         self._build_head(num_classes, global_pool, drop_rate)
-        init_weights(self, lips.init)
+        self._init_weights(lips.init)
 
     @torch.jit.ignore
     def load_pretrained(self, path: str) -> None:

@@ -14,7 +14,7 @@ from timm.layers import to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, LipschitzOptions, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.windows import window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
@@ -143,7 +143,7 @@ class LipsFormerSwin(LipsFormerBase):
                            lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=True)
         self.norm = create_norm(lips.norm, self.num_features)
         self._build_head(num_classes, global_pool, drop_rate)
-        init_weights(self, lips.init)
+        self._init_weights(lips.init)
 
     @torch.jit.ignore
     def load_pretrained(self, path: str) -> None:
