@@ -9,10 +9,10 @@ from .options import LipschitzOptions
 from .patch_embed import PatchEmbed
 from .residual import WeightedResidual
 from .spectral import largest_singular_value
-from .windows import window_partition, window_reverse
+from .windows import pad_to_multiple, window_partition, window_reverse
 
 __all__ = [
     "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
     "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "largest_singular_value", "LipschitzOptions", "NORMS", "CenterNorm",
-    "create_norm", "PatchEmbed", "WeightedResidual", "window_partition", "window_reverse",
+    "create_norm", "PatchEmbed", "WeightedResidual", "pad_to_multiple", "window_partition", "window_reverse",
 ]

@@ -66,15 +66,12 @@ class LipsFormerBase(nn.Module):
         block_kwargs.update(lipschitz.block_kwargs(alpha_init))
         patch = self.patch_embed.patch_size[0]
         stages, self.feature_info = [], []
-        dim, res = embed_dim, self.patch_embed.grid_size
-        for i, depth in enumerate(depths):
+        dim = embed_dim
+        for i, (depth, res) in enumerate(zip(depths, self._stage_resolutions(len(depths)))):
             down = nn.Identity()
             if i > 0:
-                if res[0] % 2 or res[1] % 2:
-                    raise ValueError(f"stage {i} cannot halve an odd resolution {res}; "
-                                     f"use an img_size divisible by {patch * 2 ** (len(depths) - 1)}")
                 down = downsample(dim)
-                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+                dim = dim * 2
             mixer = stage_mixer(i, dim, res)
             offset = sum(depths[:i])
             blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], **block_kwargs) for j in range(depth)]
@@ -82,6 +79,19 @@ class LipsFormerBase(nn.Module):
             self.feature_info.append(dict(num_chs=dim, reduction=patch * 2 ** i, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
         self.num_features = dim
+
+    def _stage_resolutions(self, num_stages: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Each stage's (H, W) at the size ``patch_embed`` is built for; an odd size to halve is an error."""
+        num_stages = len(self.stages) if num_stages is None else num_stages
+        patch = self.patch_embed.patch_size[0]
+        res = [self.patch_embed.grid_size]
+        for i in range(1, num_stages):
+            h, w = res[-1]
+            if h % 2 or w % 2:
+                raise ValueError(f"stage {i} cannot halve an odd resolution {(h, w)}; "
+                                 f"use an img_size divisible by {patch * 2 ** (num_stages - 1)}")
+            res.append((h // 2, w // 2))
+        return res
 
     def _build_head(self, num_classes: int, global_pool: str, drop_rate: float) -> None:
         self.num_classes = num_classes
@@ -227,14 +237,16 @@ def rename_prefix(key: str, renames, inverse: bool = False) -> str:
 
 
 def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
-                     rename: Callable[[str], Optional[str]]) -> dict:
+                     rename: Callable[[str], Optional[str]],
+                     adapt: Optional[Callable[[dict, nn.Module], dict]] = None) -> dict:
     """Our state dict from a released-layout one (raw or wrapped); one already in our layout passes through.
     Either way it is checked to fit ``model`` (:func:`lipsformer.weights.check_state_dict`).
 
     ``released_marker`` is a key prefix only the released layout has; ``rename`` maps a released key to ours,
     or to ``None`` for buffers we rebuild and modules the released code builds but never uses. The released
     code builds its 1x1 conv (``nin``) even without conv blocks: it is dropped when the model has none. Released
-    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau.
+    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau. ``adapt(state_dict, model)``
+    then fits tensors to the model's configuration (e.g. bias tables to its window size) before the check.
     """
     state_dict = unwrap_state_dict(state_dict)
     if any(k.startswith(released_marker) for k in state_dict):
@@ -250,6 +262,8 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
             if name.endswith(".tau") and name not in converted:
                 converted[name] = value.detach().clone()
         state_dict = converted
+    if adapt is not None:
+        state_dict = adapt(state_dict, model)
     check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
     return state_dict
 
