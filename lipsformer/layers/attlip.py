@@ -13,6 +13,7 @@ fewer steps while training, more at evaluation (the paper trains with 1-3 and ev
 import math
 
 import torch
+from timm.layers import register_notrace_module
 from torch import nn
 
 from .windows import pad_to_multiple, window_partition, window_reverse
@@ -111,6 +112,7 @@ class AttLip(nn.Module):
         return f"heads={self.heads}, eta={self.eta}, steps={self.train_steps}/{self.eval_steps}"
 
 
+@register_notrace_module  # reason: windows, padding and the descent's stopping test read shapes and values
 class AttLipMixer(nn.Module):
     """AttLip as a LipsBlock token mixer on (B, H, W, C), the ``attn="attlip"`` choice of both families.
 

@@ -3,12 +3,13 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import to_2tuple
+from timm.layers import register_notrace_module, to_2tuple
 from torch import nn
 
 from .norm import create_norm
 
 
+@register_notrace_module  # reason: the input-size check and the padding read the input's shape
 class PatchEmbed(nn.Module):
     """Conv(kernel = stride = ``patch_size``) + norm, (B, C, H, W) -> (B, H', W', D).
 

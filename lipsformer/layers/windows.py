@@ -3,8 +3,10 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 
+@register_notrace_function  # reason: the window count comes from the input's shape
 def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
     """(B, H, W, C) -> (B * nH * nW, wh * ww, C); windows in raster order, tokens row-major inside."""
     B, H, W, C = x.shape
@@ -13,6 +15,7 @@ def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
     return x.reshape(-1, wh * ww, C)
 
 
+@register_notrace_function  # reason: int arguments may be traced values
 def window_reverse(windows: torch.Tensor, window: Tuple[int, int], H: int, W: int) -> torch.Tensor:
     """Inverse of :func:`window_partition`: (B * nH * nW, wh * ww, C) -> (B, H, W, C)."""
     wh, ww = window
@@ -21,6 +24,7 @@ def window_reverse(windows: torch.Tensor, window: Tuple[int, int], H: int, W: in
     return x.reshape(-1, H, W, C)
 
 
+@register_notrace_function  # reason: the padding comes from the input's shape
 def pad_to_multiple(x: torch.Tensor, multiple: Tuple[int, int]) -> torch.Tensor:
     """Zero-pad (B, H, W, C) at the bottom and right so H and W divide by ``multiple``; ``x`` itself when they do.
 

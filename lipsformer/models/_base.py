@@ -49,6 +49,7 @@ class LipsFormerBase(nn.Module):
     num_features: int
     feature_info: List[dict]
     lipschitz: LipschitzOptions
+    output_fmt = "NHWC"  # forward_features' layout, as timm's Swin declares it
 
     def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
                       stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],

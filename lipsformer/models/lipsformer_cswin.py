@@ -13,7 +13,7 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-from timm.layers import to_2tuple
+from timm.layers import register_notrace_module, to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
@@ -25,6 +25,7 @@ from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, cr
 __all__ = ["LipsFormerCSwin"]
 
 
+@register_notrace_module  # reason: stripes and padding read the input's shape
 class CrossShapedAttention(nn.Module):
     """CSwin attention on (B, H, W, C) with locally-enhanced positional encoding (LePE).
 

@@ -10,7 +10,7 @@ CenterNorm, average pooling and a linear head; spectral initialisation.
 from typing import Optional, Sequence, Tuple
 
 import torch
-from timm.layers import resize_rel_pos_bias_table, to_2tuple, trunc_normal_
+from timm.layers import register_notrace_module, resize_rel_pos_bias_table, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
@@ -30,6 +30,7 @@ def relative_position_index(window: Tuple[int, int]) -> torch.Tensor:
     return (rel[..., 0] + wh - 1) * (2 * ww - 1) + (rel[..., 1] + ww - 1)
 
 
+@register_notrace_module  # reason: window partitioning and padding read the input's shape
 class WindowAttention(nn.Module):
     """Multi-head attention inside non-overlapping windows of (B, H, W, C), with relative position bias."""
 
@@ -92,6 +93,7 @@ class WindowAttention(nn.Module):
         return f"num_heads={self.num_heads}, window={self.window}"
 
 
+@register_notrace_module  # reason: padding and the 2x2 regrouping read the input's shape
 class PatchMerging(nn.Module):
     """Concatenate each 2x2 neighbourhood, norm(4C), Linear(4C, 2C, no bias): (B, H, W, C) -> (B, H/2, W/2, 2C).
 
