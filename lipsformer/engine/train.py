@@ -4,6 +4,8 @@ import functools
 import json
 import logging
 import math
+import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,18 +16,21 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
-from timm.scheduler import CosineLRScheduler
+from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
-from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
+from ..weights import CheckpointError
+from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoint, latest_checkpoint,
+                         save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
 from .evaluate import evaluate
@@ -43,8 +48,7 @@ class TooManyBadSamples(RuntimeError):
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    return timm.create_model(cfg.model, num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path,
-                             img_size=cfg.img_size, **cfg.model_kwargs)
+    return timm.create_model(cfg.model, **cfg.model_args())
 
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -183,13 +187,16 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
-    """The learning-rate schedule, stepped once per optimizer update."""
-    return CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
-                             warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,
-                             t_in_epochs=False)
+    """timm's ``sched`` schedule over ``epochs``, stepped once per optimizer update; warmup (``warmup_epochs``)
+    ramps linearly from ``min_lr`` to ``lr``."""
+    scheduler, _ = create_scheduler_v2(optimizer, cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr,
+                                       warmup_lr=cfg.min_lr, warmup_epochs=cfg.warmup_epochs,
+                                       step_on_epochs=False, updates_per_epoch=updates_per_epoch)
+    return scheduler
 
 
-def _resume_point(cfg: TrainConfig, folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
+def _resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
+    """The checkpoint to resume from (``resume="auto"``: decided once the model exists, see :func:`_verified`)."""
     if resume == "auto":
         return latest_checkpoint(folder.root)
     if resume:
@@ -202,11 +209,25 @@ def _resume_point(cfg: TrainConfig, folder: RunFolder, resume: Optional[str]) ->
     return None
 
 
+def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path], model) -> Optional[Path]:
+    """``resume_from`` once verified; with ``--resume auto`` the newest intact checkpoint, with a warning
+    naming what was wrong with each newer one."""
+    if resume_from is None:
+        return None
+    if resume != "auto":
+        verify_checkpoint(resume_from, model)
+        return resume_from
+    intact, problems = intact_checkpoint(folder.root, model)
+    if intact is None:
+        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: " + "; ".join(problems))
+    for problem in problems:
+        _logger.warning(f"--resume auto: skipped damaged checkpoint {problem}; falling back to {intact.name}")
+    return intact
+
+
 def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked."""
     folder = RunFolder(cfg.output_dir)
-    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
-        raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
     accelerator = create_accelerator(cfg)
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
@@ -214,13 +235,14 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     if cfg.ema_decay and accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ConfigError("the EMA under FSDP needs FSDP2 (fsdp_version: 2 in the accelerate config), whose "
                           "parameters are DTensor shards; or set ema_decay: null")
-    resume_from = _resume_point(cfg, folder, resume)
+    resume_from = _resume_point(folder, resume)
     if accelerator.is_main_process:
         folder.root.mkdir(parents=True, exist_ok=True)
         cfg.save(folder.config)
 
     set_seed(cfg.seed)
     model = build_model(cfg)
+    resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
     optimizer = build_optimizer(cfg, model)
@@ -232,7 +254,10 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        try:
+            accelerator.load_state(str(resume_from))
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
+            raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
         accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
                           f"batch {state.batch_in_epoch} of the epoch)")
     else:
@@ -241,7 +266,8 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     keep = None
     if cfg.lipschitz_target is not None:
         keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
-                                 cfg.lipschitz_gamma_max, weight_max=cfg.lipschitz_weight_max)
+                                 cfg.lipschitz_gamma_max, tau_max=cfg.lipschitz_tau_max,
+                                 weight_max=cfg.lipschitz_weight_max)
     run = _Run(cfg, accelerator, folder, model, optimizer, scheduler, ema, mixup, criterion, train_loader,
                val_loader, state, _Log(accelerator, folder.metrics), keep, last_good=resume_from)
     if keep is not None:
@@ -393,8 +419,16 @@ def evaluate_and_keep_best(run: _Run) -> dict:
 
 
 def _save_weights(accelerator, state_dict: dict, path: Path) -> None:
-    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed)."""
+    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed), written beside the
+    target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
-        save_file(tensors, str(path))
+        tmp = RunFolder.temporary(path)
+        try:
+            save_file(tensors, str(tmp))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SaveFailed(f"could not write {path}: {e.strerror or e}; "
+                             f"{'the previous file is intact' if path.exists() else 'nothing was written'}") from None
+        os.replace(tmp, path)
