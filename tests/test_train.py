@@ -392,3 +392,29 @@ def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path):
     proc = run_train("--config", str(write_config(tmp_path / "fp16")), "--set", "mixed_precision=fp16", check=False)
     assert proc.returncode == 2 and "fp16 needs a GPU" in proc.stderr
     assert not (tmp_path / "fp16" / "run").exists()  # refused before anything was written
+
+
+def test_unreadable_val_images_are_counted_not_scored_under_the_training_rule(tmp_path):
+    from lipsformer.engine.evaluate import TooManyBadSamples
+    from lipsformer.engine.train import train
+    config = write_config(tmp_path)
+    (Path(load_config(config).data_dir) / "val" / "class_0" / "0.jpg").write_bytes(b"")
+    cfg = load_config(config, ["epochs=1", "max_bad_fraction=0.1", "ema_decay=null"])
+    train(cfg)
+    epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
+    assert (epoch["val_count"], epoch["val_bad_samples"], epoch["bad_samples"]) == (10, 1, 0)
+
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    strict = load_config(config, ["epochs=1", "ema_decay=null", f"output_dir={tmp_path / 'strict'}"])
+    with pytest.raises(TooManyBadSamples, match=r"validation: 1 of 11 images failed.*class_0/0\.jpg"):
+        train(strict)
+
+
+def test_streamed_data_receive_the_runs_seed(tmp_path):
+    from lipsformer.data import create_dataset
+    shards = make_wds(make_folder(tmp_path / "folder"), tmp_path / "shards")
+    for seed in (3, 11):
+        ds = create_dataset("wds/tiny", str(shards), "train", None, is_training=True, batch_size=4, seed=seed)
+        assert ds.reader.common_seed == seed  # shard and sample shuffling (timm ReaderWds)

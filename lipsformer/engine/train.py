@@ -33,7 +33,7 @@ from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoin
                          save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
-from .evaluate import evaluate
+from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .run_folder import RunFolder
 
 _logger = logging.getLogger(__name__)
@@ -41,10 +41,6 @@ _logger = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient stopped the run."""
-
-
-class TooManyBadSamples(RuntimeError):
-    """More of an epoch's images failed to load than ``max_bad_fraction`` allows."""
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
@@ -329,12 +325,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     totals = accelerator.reduce(torch.tensor([float(len(meter.failed)), float(meter.seen)],
                                              device=accelerator.device), "sum")
     n_failed, n_seen = int(totals[0]), int(totals[1])
-    if n_failed:
-        _logger.warning(f"epoch {epoch}: {n_failed} of {n_seen} images could not be read, e.g. {meter.failed[:3]}")
-    if n_failed > cfg.max_bad_fraction * max(n_seen, 1):
-        raise TooManyBadSamples(
-            f"epoch {epoch}: {n_failed} of {n_seen} images failed to load (more than "
-            f"{cfg.max_bad_fraction:.0%}), e.g. {', '.join(meter.failed[:5])}; fix or remove them")
+    check_unreadable(f"epoch {epoch}", n_failed, n_seen, cfg.max_bad_fraction, meter.failed)
     row = dict(train_loss=meter.loss, bad_samples=n_failed, train_samples=n_seen,
                processes=accelerator.num_processes, skipped_steps=state.skipped_steps,
                seconds=time.time() - meter.t0)
@@ -399,12 +390,13 @@ def evaluate_and_keep_best(run: _Run) -> dict:
     """Validation top-1 / top-5 of the model (and of its EMA); the better of the two is saved as
     ``best.safetensors`` when it beats every earlier epoch. Returns the epoch row's validation figures."""
     accelerator, model, state, ema = run.accelerator, run.model, run.state, run.ema
-    metrics = evaluate(model, run.val_loader, accelerator)
-    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
+    metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
+    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"],
+               val_bad_samples=metrics["unreadable"])
     candidates = {"model": metrics["top1"]}
     if ema is not None:
         with ema.applied(model):
-            ema_metrics = evaluate(model, run.val_loader, accelerator)
+            ema_metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
         row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
         candidates["ema"] = ema_metrics["top1"]
     which = max(candidates, key=candidates.get)
