@@ -160,6 +160,18 @@ def test_one_epoch_on_folder_data_steps_the_optimizer_and_writes_everything(tmp_
     ema = load_file(str(run / "last_ema.safetensors"))  # the average, not the last weights
     assert ema.keys() == weights.keys() and not torch.equal(ema["head.fc.weight"], weights["head.fc.weight"])
 
+    # LipsFormer Figure 5: per-stage |alpha| statistics in the epoch row equal those of the saved weights
+    for i in range(4):
+        alphas = torch.cat([v.abs().flatten() for k, v in weights.items()
+                            if k.startswith(f"stages.{i}.") and k.endswith(".alpha")])
+        assert alphas.numel() == 4 * 16 * 2 ** i  # conv res1, res2, attention, MLP: one alpha per channel each
+        assert epoch[f"alpha_mean_s{i}"] == pytest.approx(alphas.mean().item(), rel=1e-6)
+        assert epoch[f"alpha_std_s{i}"] == pytest.approx(alphas.std(correction=0).item(), rel=1e-5)
+    assert epoch["alpha_std_s0"] > 0  # trained: no longer the constant 1/L
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(next(run.rglob("events.out.tfevents*")))).Reload()
+    assert {"epoch/alpha_mean_s3", "epoch/alpha_std_s3"} <= set(events.Tags()["scalars"])
+
 
 def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     from lipsformer.engine.train import train

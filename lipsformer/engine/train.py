@@ -9,7 +9,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import timm
 import torch
@@ -27,12 +27,14 @@ from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
 from ..lipschitz.bounds import lipschitz_report
+from ..layers.residual import WeightedResidual
 from ..lipschitz.constraints import keep_bound
+from ..models._base import LipsFormerBase
 from ..weights import CheckpointError
 from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoint, latest_checkpoint,
                          save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
-from .ema import ShardEma
+from .ema import ShardEma, _whole
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .run_folder import RunFolder
 
@@ -109,6 +111,24 @@ class _Log:
         self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
 
+@torch.no_grad()
+def alpha_statistics(model: torch.nn.Module) -> Dict[str, float]:
+    """Per-stage mean and standard deviation of |alpha| over every WeightedResidual alpha of the stage (all
+    channels pooled; population std), as ``alpha_mean_s{i}`` / ``alpha_std_s{i}``: LipsFormer Figure 5's
+    curves. Empty for a model that is not a LipsFormer."""
+    if not isinstance(model, LipsFormerBase):
+        return {}
+    stats = {}
+    for i, stage in enumerate(model.stages):
+        alphas = [_whole(m.alpha).detach().float().abs().flatten() for m in stage.modules()
+                  if isinstance(m, WeightedResidual)]
+        if alphas:
+            a = torch.cat(alphas)
+            stats[f"alpha_mean_s{i}"] = a.mean().item()
+            stats[f"alpha_std_s{i}"] = a.std(correction=0).item()
+    return stats
+
+
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -117,7 +137,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
     epochs = [r for r in rows if r["kind"] == "epoch"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train])
     ax1.set(xlabel="optimizer step", ylabel="train loss", yscale="log")
     for key in ("top1", "ema_top1"):
@@ -126,6 +146,15 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
             ax2.plot(*zip(*pts), marker="o", label=key)
     ax2.set(xlabel="epoch", ylabel="val top-1 (%)")
     ax2.legend()
+    stages = sorted({k.rsplit("_s", 1)[1] for r in epochs for k in r if k.startswith("alpha_mean_s")}, key=int)
+    for i in stages:  # LipsFormer Figure 5: "alpha first grows, then stabilises"
+        pts = [(r["epoch"], r[f"alpha_mean_s{i}"], r[f"alpha_std_s{i}"]) for r in epochs if f"alpha_mean_s{i}" in r]
+        x, mean, std = (torch.tensor(v, dtype=torch.float64) for v in zip(*pts))
+        ax3.plot(x, mean, marker="o", label=f"stage {i}")
+        ax3.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax3.set(xlabel="epoch", ylabel="|alpha| per stage (mean +- std)")
+    if stages:
+        ax3.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
@@ -277,6 +306,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     state, accelerator = run.state, run.accelerator
     for epoch in range(state.epoch, cfg.epochs):
         row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
+        row.update(alpha_statistics(accelerator.unwrap_model(run.model)))
         state.epoch, state.batch_in_epoch = epoch + 1, 0
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             row.update(evaluate_and_keep_best(run))
