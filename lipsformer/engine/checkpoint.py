@@ -126,15 +126,15 @@ def verify_checkpoint(folder: Path, model: torch.nn.Module) -> None:
     check_loadable(folder, model)
 
 
-def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path], List[str]]:
-    """The newest checkpoint of a run that passes :func:`verify_checkpoint`, and one line for each newer one
-    that did not (what was wrong with it). ``(None, [...])`` when there are checkpoints but none is intact."""
+def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """The newest checkpoint of a run that passes :func:`verify_checkpoint`, and ``(folder, what was wrong)`` for
+    each newer one that did not. ``(None, [...])`` when there are checkpoints but none is intact."""
     problems = []
     for folder in reversed(RunFolder(output_dir).finished_checkpoints()):
         try:
             verify_checkpoint(folder, model)
         except CheckpointError as e:
-            problems.append(f"{folder.name}: {e}")
+            problems.append((folder, str(e)))
             continue
         return folder, problems
     return None, problems
