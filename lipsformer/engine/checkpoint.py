@@ -4,7 +4,6 @@ Each checkpoint folder carries ``manifest.json``: the size and sha256 of every f
 folder is renamed into place. Resuming verifies it, and reads every file Accelerate would unpickle without
 running code, so a damaged or unsafe checkpoint is named instead of crashing (or being trusted) halfway.
 """
-import hashlib
 import json
 import logging
 import os
