@@ -106,7 +106,7 @@ def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
 def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int = 4,
                      max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> dict:
     """Score an :class:`~lipsformer.data.EvalDataset`; the result also holds each image's ranked predictions
-    (rows of unreadable images stay zero) and the paths of the images that could not be read.
+    (class -1 and probability 0 for an unreadable image) and the paths of the images that could not be read.
 
     Unreadable images are skipped and counted as training counts them; more than ``max_bad_fraction`` of
     them stops the evaluation (TooManyBadSamples, naming them). Raises when the gathered predictions do
@@ -123,7 +123,7 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
         raise RuntimeError(f"predictions cover {pred.keys.unique().numel()} distinct images in {pred.keys.numel()} "
                            f"rows with {pred.unreadable} unreadable, expected each of the {len(dataset)} images once")
     check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable)
-    classes = torch.zeros(len(dataset), pred.classes.shape[1], dtype=torch.long)
+    classes = torch.full((len(dataset), pred.classes.shape[1]), -1, dtype=torch.long)  # -1: not read
     probs = torch.zeros(len(dataset), pred.probs.shape[1])
     classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
     read = torch.ones(len(dataset), dtype=torch.bool)
@@ -138,7 +138,8 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
 
 
 def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor) -> None:
-    """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities."""
+    """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities
+    (empty for an image that could not be read)."""
     k = classes.shape[1]
     header: List[str] = ["path", "targets"]
     for i in range(1, k + 1):
@@ -149,7 +150,7 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor)
         for (image, labels), ranked, p in zip(samples, classes.tolist(), probs.tolist()):
             row = [image, " ".join(map(str, labels))]
             for c, q in zip(ranked, p):
-                row += [c, f"{q:.6f}"]
+                row += [c, f"{q:.6f}"] if c >= 0 else ["", ""]  # an unreadable image: no prediction
             writer.writerow(row)
 
 
