@@ -108,6 +108,19 @@ def run_eval(*args):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.fixture
+def eval_main():
+    """eval.py's main, in this process (no interpreter start per call)."""
+    import importlib.util
+    from accelerate.state import AcceleratorState, GradientState
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield lambda *args: module.main([str(a) for a in args])
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def test_eval_cli_certifies_attacks_and_writes_each_radius(tmp_path):
     model = certifiable()
     export(model, tmp_path / "weights")
@@ -133,15 +146,16 @@ def test_eval_cli_certifies_attacks_and_writes_each_radius(tmp_path):
     assert cert["0.001"] == pytest.approx(100 * sum(c and x > 0.001 for c, x in zip(correct, radii)) / 10)
 
 
-def test_eval_cli_rejects_bad_eps_with_one_line_and_an_infinite_bound_says_why(tmp_path):
+def test_eval_cli_rejects_bad_eps_with_one_line_and_an_infinite_bound_says_why(tmp_path, eval_main, capsys):
     data = write_folder(tmp_path / "v2", n=4)
     for flag, bad in (("--certify-eps", "-0.5"), ("--attack-eps", "x1")):
-        proc = run_eval("--checkpoint", tmp_path / "none", "--data-dir", data, "--dataset", "imagenet_v2", flag, bad)
-        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
-        assert proc.stderr.startswith(f"error: {flag} takes non-negative numbers") and repr(bad) in proc.stderr
+        assert eval_main("--checkpoint", tmp_path / "none", "--data-dir", data, "--dataset", "imagenet_v2", flag, bad) == 2
+        err = capsys.readouterr().err
+        assert err.strip().count("\n") == 0 and err.startswith(f"error: {flag} takes non-negative numbers")
+        assert repr(bad) in err
     export(timm.create_model("lipsformer_swin_t", **TINY["swin"], num_classes=4), tmp_path / "released")
-    proc = run_eval("--checkpoint", tmp_path / "released", "--data-dir", data, "--dataset", "imagenet_v2",
-                    "--workers", 0, "--certify-eps", 0.1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "nothing certifies: the certified bound is infinite: SCSA with unnormalised v" in proc.stdout
-    assert "eps 0.1: 0.000%" in proc.stdout
+    assert eval_main("--checkpoint", tmp_path / "released", "--data-dir", data, "--dataset", "imagenet_v2",
+                     "--workers", 0, "--certify-eps", 0.1) == 0
+    out = capsys.readouterr().out
+    assert "nothing certifies: the certified bound is infinite: SCSA with unnormalised v" in out
+    assert "eps 0.1: 0.000%" in out
