@@ -3,7 +3,8 @@
     python eval.py --model lipsformer_swin_t --pretrained --data-dir /data/imagenet --dataset imagenet
     python eval.py --model lipsformer_swin_t --checkpoint output/run --use-ema --data-dir /data/imagenet \\
         --dataset imagenet_real --real-labels real.json --predictions preds.csv --output results.json
-    python eval.py --checkpoint output/run --data-dir digits/val --dataset imagenet_v2 --certify-eps 0.1 0.25 0.5 --attack-eps 0.1 0.25 0.5
+    python eval.py --checkpoint output/run --data-dir digits/val --dataset imagenet_v2 \\
+        --certify-eps 0.1 0.25 0.5 --attack-eps 0.1 0.25 0.5 --predictions preds.csv
     accelerate launch eval.py ... (every image is counted once across processes)
 """
 import argparse

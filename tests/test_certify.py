@@ -34,7 +34,8 @@ def test_pixel_lipschitz_is_the_reports_bound_times_the_normalisations():
     model = certifiable()
     L = pixel_lipschitz(model)
     _, std = normalization(model)
-    assert L.network == lipschitz_report(model).bound and L.input_scale == pytest.approx(1 / 0.224, rel=1e-6)  # ImageNet std (0.229, 0.224, 0.225)
+    # ImageNet std (0.229, 0.224, 0.225): the normalisation stretches pixel distances by up to 1 / 0.224
+    assert L.network == lipschitz_report(model).bound and L.input_scale == pytest.approx(1 / 0.224, rel=1e-6)
     assert L.bound == pytest.approx(L.network / float(std.min())) and L.finite and L.reason == ""
     logits = torch.tensor([[3.0, 1.0, 0.5], [0.0, 2.0, 2.0]])
     assert certified_radius(logits, 2.0).tolist() == pytest.approx([2.0 / (math.sqrt(2) * 2.0), 0.0])
@@ -149,7 +150,8 @@ def test_eval_cli_certifies_attacks_and_writes_each_radius(tmp_path):
 def test_eval_cli_rejects_bad_eps_with_one_line_and_an_infinite_bound_says_why(tmp_path, eval_main, capsys):
     data = write_folder(tmp_path / "v2", n=4)
     for flag, bad in (("--certify-eps", "-0.5"), ("--attack-eps", "x1")):
-        assert eval_main("--checkpoint", tmp_path / "none", "--data-dir", data, "--dataset", "imagenet_v2", flag, bad) == 2
+        args = ("--checkpoint", tmp_path / "none", "--data-dir", data, "--dataset", "imagenet_v2", flag, bad)
+        assert eval_main(*args) == 2
         err = capsys.readouterr().err
         assert err.strip().count("\n") == 0 and err.startswith(f"error: {flag} takes non-negative numbers")
         assert repr(bad) in err

@@ -51,7 +51,8 @@ def normalization(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def pixel_lipschitz(model: nn.Module, report: Optional[LipschitzReport] = None) -> PixelLipschitz:
-    """``L`` of the certificate: :func:`lipschitz_report`'s bound times ``1 / min(std)`` of the model's preprocessing."""
+    """``L`` of the certificate: :func:`lipschitz_report`'s bound times ``1 / min(std)`` of the model's
+    preprocessing."""
     report = lipschitz_report(model) if report is None else report
     _, std = normalization(model)
     network = report.bound
