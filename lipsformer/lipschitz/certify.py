@@ -146,9 +146,13 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     mean, std = normalization(accelerator.unwrap_model(model))
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     model.eval()
-    keys, radii, corrects, robusts = [], [], [], []
-    for images, index in loader:
+    keys, radii, corrects, robusts, valid = [], [], [], [], []
+    for batch in loader:  # (images, index) or collate_skip_failed's (images, index, failed): stand-ins come last
+        images, index = batch[0], batch[1]
+        if images is None:
+            continue
         images = images.float()
+        read = torch.arange(len(images), device=images.device) < len(images) - (len(batch[2]) if len(batch) > 2 else 0)
         with torch.no_grad():
             logits = model(images)
         pred = logits.argmax(-1)
@@ -160,21 +164,26 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
             if bool(correct.any()):
                 fooled = pgd_l2(model, pixels[correct], pred[correct], e, mean, std, attack_steps, attack_restarts)
                 robust[correct.nonzero().squeeze(1), k] = ~fooled
-        index, radius, correct, robust = accelerator.gather_for_metrics(
-            (index.to(images.device), certified_radius(logits, L).to(images.device), correct, robust))
+        index, radius, correct, robust, read = accelerator.gather_for_metrics(
+            (index.to(images.device), certified_radius(logits, L).to(images.device), correct, robust, read))
         keys.append(index.cpu())
         radii.append(radius.cpu())
         corrects.append(correct.cpu())
         robusts.append(robust.cpu())
-    order = torch.cat(keys).argsort()
-    index, radius = torch.cat(keys)[order], torch.cat(radii)[order]
-    correct, robust = torch.cat(corrects)[order], torch.cat(robusts)[order]
+        valid.append(read.cpu())
+    read = torch.cat(valid) if valid else torch.zeros(0, dtype=torch.bool)
+    index = torch.cat(keys)[read] if keys else torch.zeros(0, dtype=torch.long)
+    radius = torch.cat(radii)[read] if radii else torch.zeros(0, dtype=torch.double)
+    correct = torch.cat(corrects)[read] if corrects else torch.zeros(0, dtype=torch.bool)
+    robust = torch.cat(robusts)[read] if robusts else torch.zeros(0, len(attack_eps), dtype=torch.bool)
     scored = torch.tensor([bool(label_sets[int(i)]) for i in index], dtype=torch.bool)
     count = max(int(scored.sum()), 1)
+    by_index = torch.zeros(len(label_sets), dtype=torch.double)  # unreadable images keep 0: nothing certified
+    by_index[index] = radius
     return dict(lipschitz=L.bound, network_bound=L.network, input_scale=L.input_scale, reason=L.reason,
                 certified=certified_accuracy(radius[scored], correct[scored], certify_eps),
                 attacked={float(e): 100.0 * float(robust[scored, k].sum()) / count for k, e in enumerate(attack_eps)},
-                count=int(scored.sum()), radius=radius)
+                count=int(scored.sum()), radius=by_index)
 
 
 def parse_eps(values: Sequence[str], flag: str) -> Tuple[float, ...]:
