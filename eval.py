@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="loader workers per process")
     parser.add_argument("--amp", nargs="?", const="bf16", default="no", choices=("bf16", "fp16"),
                         help="mixed precision (bf16 unless fp16 is given)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (static shapes)")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC convolution weights")
     parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
                         help='model arguments for a checkpoint without a config, e.g. \'{"img_size": 32}\'')
     args = parser.parse_args(argv)
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
         result, samples = evaluate_model(
             args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
             real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
-            workers=args.workers, model_args=args.model_args)
+            workers=args.workers, model_args=args.model_args, compile=args.compile, channels_last=args.channels_last)
     except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: timm, no weights
         print(f"error: {e}", file=sys.stderr)
         return 2

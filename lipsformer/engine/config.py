@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from .speed import COMPILE_MODES
+
 
 class ConfigError(ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
@@ -66,11 +68,19 @@ class TrainConfig:
     lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
     lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
     lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
+    # speed (lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding
+    compile: bool = False  # torch.compile the prepared model, static shapes
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_memory_budget: Optional[float] = None  # partitioner's activation memory budget in (0, 1]; None: 1.0
+    channels_last: bool = False  # NHWC weights and input batches
+    grad_checkpointing: bool = False  # recompute each block's activations in backward
+    tf32: bool = False  # TF32 tensor cores for fp32 matmuls / convolutions on CUDA (bf16 / fp16 runs: no effect)
 
     def __post_init__(self):
         checks = {
             "mixed_precision": ("bf16", "fp16", "no"),
             "on_nonfinite": ("stop", "skip"),
+            "compile_mode": COMPILE_MODES,
         }
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:
@@ -81,6 +91,9 @@ class TrainConfig:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1) (0 or null: no EMA), got {self.ema_decay}")
+        if self.compile_memory_budget is not None and not 0.0 < self.compile_memory_budget <= 1.0:
+            raise ConfigError(f"compile_memory_budget must be in (0, 1] (null: the compiler's default), "
+                              f"got {self.compile_memory_budget}")
         if self.lipschitz_target is not None and self.lipschitz_target <= 0:
             raise ConfigError(f"lipschitz_target must be positive, got {self.lipschitz_target}")
 

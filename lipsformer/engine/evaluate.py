@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from ..data import EvalDataset, create_loader_transform, eval_samples
 from ..weights import create_from_checkpoint
+from .speed import compile_model, prepare_model
 
 TOPK = 5
 
@@ -103,7 +104,7 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor)
 
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
-                   workers: int = 4, model_args=None):
+                   workers: int = 4, model_args=None, compile: bool = False, channels_last: bool = False):
     """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
     config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``."""
     if (checkpoint is None) == (not pretrained):
@@ -117,9 +118,13 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     else:
         model = timm.create_model(model_name, pretrained=True, **(model_args or {}))
     transform = create_loader_transform(model, is_training=False)
-    result = evaluate_dataset(model.to(accelerator.device), EvalDataset(samples, transform), accelerator,
+    model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
+    if compile:
+        compile_model(model)
+    result = evaluate_dataset(model, EvalDataset(samples, transform), accelerator,
                               batch_size, workers)
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
-                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process)
+                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
+                  compile=compile, channels_last=channels_last)
     return result, samples

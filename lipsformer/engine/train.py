@@ -28,6 +28,7 @@ from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_check
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
 from .evaluate import evaluate
+from .speed import compile_model, prepare_model, set_tf32
 
 _logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
         raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
     accelerator = create_accelerator(cfg)
+    set_tf32(cfg.tf32)
     num_processes, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
@@ -157,12 +159,14 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         cfg.save(out / "config.yaml")
 
     set_seed(cfg.seed)
-    model = build_model(cfg)
+    model = prepare_model(build_model(cfg), cfg.channels_last, cfg.grad_checkpointing)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
     optimizer = create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
                                     eps=cfg.eps)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged
+        compile_model(model, cfg.compile_mode, cfg.compile_memory_budget)
     updates_per_epoch = math.ceil(len(train_loader) / accum)
     scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
                                   warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,
