@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--grad-checkpointing", action="store_true", help="for the LipsFormer models' training step")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--iters", type=int, default=2, help="timed iterations per repetition")
+    parser.add_argument("--released", metavar="PATH",
+                        help="a checkout of IDEA-Research/LipsFormer (see compare_released.py): also time the released "
+                             "implementation of each model it has, named released:MODEL")
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -140,9 +143,15 @@ def main() -> None:
     torch.manual_seed(0)
     device = args.device
     names = [args.baseline] + [m for m in args.models if m != args.baseline]
+    if args.released:
+        from compare_released import RELEASED, build_released
+        names += [f"released:{m}" for m in args.models if m in RELEASED]
     models, gflops = {}, {}
     for name in names:
-        model = timm.create_model(name, img_size=args.img_size).to(device)
+        if name.startswith("released:"):
+            model = build_released(args.released, name.split(":", 1)[1]).to(device)
+        else:
+            model = timm.create_model(name, img_size=args.img_size).to(device)
         gflops[name] = count_flops(model, (3, args.img_size, args.img_size)) / 1e9
         model = prepare_model(model, channels_last=args.channels_last,
                               grad_checkpointing=args.grad_checkpointing and name != args.baseline)
