@@ -59,7 +59,7 @@ print(v)
 EOF
 
 stamp "GPU tests"
-timeout 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 --junitxml "$OUT/gpu_tests.xml" \
+timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 --junitxml "$OUT/gpu_tests.xml" \
   tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 
 bench() {  # bench NAME SECONDS ARGS...: one throughput.py run, its JSON and log under $OUT
@@ -71,10 +71,10 @@ bench() {  # bench NAME SECONDS ARGS...: one throughput.py run, its JSON and log
 }
 REL=()
 [ -n "$RELEASED" ] && REL=(--released "$RELEASED")
-bench tiny_eager 50 --reps 3 --iters 5 --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
-bench base_eager 40 --reps 3 --iters 3 --baseline swin_base_patch4_window7_224 --models lipsformer_swin_b
-bench tiny_compiled 170 --reps 2 --iters 5 --compile --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
-bench base_compiled 100 --reps 2 --iters 3 --compile --baseline swin_base_patch4_window7_224 \
+bench tiny_eager 45 --reps 3 --iters 5 --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
+bench base_eager 35 --reps 3 --iters 3 --baseline swin_base_patch4_window7_224 --models lipsformer_swin_b
+bench tiny_compiled 150 --reps 2 --iters 5 --compile --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
+bench base_compiled 90 --reps 2 --iters 3 --compile --baseline swin_base_patch4_window7_224 \
   --models lipsformer_swin_b
 
 stamp "report"

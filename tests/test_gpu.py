@@ -163,13 +163,11 @@ def test_compiled_forward_and_backward_without_graph_breaks(name):
     model = _model(name).to(DEVICE).train()
     compiled = torch.compile(copy.deepcopy(model), fullgraph=True, dynamic=False)  # a graph break raises
     x = torch.randn(4, 3, 64, 64, device=DEVICE)
-    for dtype in (torch.float32, torch.bfloat16):
-        eager_logits, eager_grads = _forward_backward(model, x, dtype)
-        logits, grads = _forward_backward(compiled, x, dtype)
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        assert _rel(logits, eager_logits) < tol
-        flat, ref = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, eager_grads))
-        assert _rel(flat, ref) < 10 * tol
+    eager_logits, eager_grads = _forward_backward(model, x, torch.bfloat16)  # training's precision; one compile
+    logits, grads = _forward_backward(compiled, x, torch.bfloat16)
+    assert _rel(logits, eager_logits) < 3e-2
+    flat, ref = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, eager_grads))
+    assert _rel(flat, ref) < 6e-2
     torch._dynamo.reset()
 
 
