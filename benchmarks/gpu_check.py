@@ -82,7 +82,8 @@ def requirements(wheel_dir: str) -> int:
 def report(results: str) -> int:
     """gpu.json (versions, test summary, every throughput row) and gpu.md (one table) under ``results``."""
     out = Path(results)
-    parts = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("throughput_*.json"))}
+    files = sorted(out.glob("throughput_*.json"), key=lambda p: p.stat().st_mtime)  # in the order they ran
+    parts = {p.stem: json.loads(p.read_text()) for p in files}
     tests = {}
     xml = out / "gpu_tests.xml"
     if xml.exists():
@@ -102,7 +103,7 @@ def report(results: str) -> int:
         base = part["rows"][0]
         for r in part["rows"]:
             train = (f"{r['train_img_s']:.0f} | {r['train_ratio']:.2f} | {r['train_memory_mb']:.0f} | "
-                     f"{r['train_memory_mb'] / base['train_memory_mb']:.2f}") if "train_img_s" in r else "| | |"
+                     f"{r['train_memory_mb'] / base['train_memory_mb']:.2f}") if "train_img_s" in r else " | ".join([""] * 4)
             lines.append(f"| {run.removeprefix('throughput_')} | {r['model']} | {r['gflops']:.2f} | "
                          f"{r['infer_img_s']:.0f} | {r['infer_ratio']:.2f} | {train} |")
     lines += ["", "setups:"] + [f"- {run}: {part['setup']}" for run, part in parts.items()]
