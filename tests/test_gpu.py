@@ -86,7 +86,8 @@ def test_cuda_matches_cpu_outputs_and_gradients(name, kind, dtype):
     x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _forward_backward(cpu, x, torch.float32)
     logits, grads = _forward_backward(gpu, x.to(DEVICE), dtype)
-    tol = dict(logits=1e-4, grads=1e-3) if dtype == torch.float32 else dict(logits=3e-2, grads=6e-2)
+    # bf16 keeps 8 bits of mantissa (relative rounding 4e-3) through every block; a defect errs by O(1)
+    tol = dict(logits=1e-4, grads=1e-3) if dtype == torch.float32 else dict(logits=5e-2, grads=1e-1)
     assert _rel(logits, ref_logits) < tol["logits"]
     assert grads.keys() == ref_grads.keys()
     flat, ref_flat = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, ref_grads))
@@ -165,9 +166,9 @@ def test_compiled_forward_and_backward_without_graph_breaks(name):
     x = torch.randn(4, 3, 64, 64, device=DEVICE)
     eager_logits, eager_grads = _forward_backward(model, x, torch.bfloat16)  # training's precision; one compile
     logits, grads = _forward_backward(compiled, x, torch.bfloat16)
-    assert _rel(logits, eager_logits) < 3e-2
+    assert _rel(logits, eager_logits) < 5e-2
     flat, ref = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, eager_grads))
-    assert _rel(flat, ref) < 6e-2
+    assert _rel(flat, ref) < 1e-1
     torch._dynamo.reset()
 
 
