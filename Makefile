@@ -47,5 +47,5 @@ gpu-wheels:
 	$(PYTHON) -m pip wheel --quiet --no-deps --no-build-isolation -w .whl fvcore==0.1.5.post20221221 iopath==0.1.10
 	ls .whl
 
-gpu-check:
-	bash benchmarks/gpu.sh
+gpu-check:  # make gpu-check GPU_ARGS="--released /path/to/LipsFormer"
+	bash benchmarks/gpu.sh $(GPU_ARGS)
