@@ -132,3 +132,23 @@ def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path, monkeypa
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a), name
     assert yaml.safe_load((reference / "config.yaml").read_text())["compile"] is True
+
+
+def test_eval_channels_last_scores_like_the_default(tmp_path):
+    import timm
+    from conftest import TINY
+    from test_eval import NUM_CLASSES, write_image
+
+    from lipsformer.engine.evaluate import evaluate_model
+    from lipsformer.weights import export
+    export(timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"]), tmp_path / "weights")
+    for c in range(4):
+        write_image(tmp_path / "v2" / str(c) / "a.png", c)
+    runs = {}
+    for channels_last in (False, True):
+        runs[channels_last] = evaluate_model(None, tmp_path / "v2", "imagenet_v2", checkpoint=tmp_path / "weights",
+                                             batch_size=2, workers=0, channels_last=channels_last)[0]
+        _reset_accelerate_state()
+    assert (runs[False]["channels_last"], runs[True]["channels_last"]) == (False, True)
+    assert torch.equal(runs[True]["classes"], runs[False]["classes"])
+    assert torch.allclose(runs[True]["probs"], runs[False]["probs"], atol=1e-5)
