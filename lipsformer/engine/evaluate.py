@@ -14,6 +14,7 @@ from ..data import EvalDataset, collate_skip_failed, create_loader_transform, ev
 from ..lipschitz.certify import certify_dataset
 from ..weights import create_from_checkpoint
 from .config import ConfigError, TrainConfig
+from .speed import compile_model, prepare_model
 
 TOPK = 5
 DEFAULT_MAX_BAD_FRACTION = TrainConfig.max_bad_fraction  # one threshold for training and eval.py
@@ -163,7 +164,8 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
                    workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
-                   certify_eps=(), attack_eps=(), attack_steps: int = 20, attack_restarts: int = 3):
+                   certify_eps=(), attack_eps=(), attack_steps: int = 20, attack_restarts: int = 3,
+                   compile: bool = False, channels_last: bool = False):
     """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
     config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``.
 
@@ -191,11 +193,15 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     else:
         model = timm.create_model(model_name, pretrained=True, **(model_args or {}))
     transform = create_loader_transform(model, is_training=False)
-    result = evaluate_dataset(model.to(accelerator.device), EvalDataset(samples, transform), accelerator,
+    model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
+    if compile:
+        compile_model(model)
+    result = evaluate_dataset(model, EvalDataset(samples, transform), accelerator,
                               batch_size, workers, max_bad_fraction)
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
-                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process)
+                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
+                  compile=compile, channels_last=channels_last)
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack
         loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(samples, transform), batch_size=batch_size,
                                                             shuffle=False, num_workers=workers,
