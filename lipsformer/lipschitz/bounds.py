@@ -39,31 +39,23 @@ from ..layers.block import GeluMlp, LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
 from ..layers.residual import WeightedResidual
+from ..layers.spectral import largest_singular_value
 from ..models._base import LipsFormerBase, LipsStage
 from ..models.lipsformer_cswin import ConvDownsample, CrossShapedAttention
 from ..models.lipsformer_swin import PatchMerging, WindowAttention
 
 HW = Tuple[int, int]
 INF = math.inf
-# Matrices up to this size in their smaller dimension get an exact SVD; larger ones power iteration.
-EXACT_MAX_DIM = 4096
 
 
 # -- linear maps -------------------------------------------------------------------------------------
 def matrix_norm(weight: torch.Tensor, iters: int = 100) -> float:
     """Largest singular value of a 2-D weight (LipsFormer eq. 1: Lip of an affine map).
 
-    Matrices whose smaller side is at most ``EXACT_MAX_DIM`` get an exact SVD (certified); larger ones get
-    power iteration, a lower estimate that converges to the norm.
+    :func:`lipsformer.layers.spectral.largest_singular_value`: exact (certified) when the smaller side is at
+    most its ``EXACT_MAX_DIM``; larger ones get power iteration, a lower estimate that converges to the norm.
     """
-    w = weight.detach().double().flatten(1)
-    if min(w.shape) <= EXACT_MAX_DIM:
-        return float(torch.linalg.matrix_norm(w, ord=2))
-    v = torch.randn(w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))
-    for _ in range(iters):
-        v = w.T @ (w @ v)
-        v = v / v.norm().clamp_min(1e-300)
-    return float((w @ v).norm())
+    return largest_singular_value(weight, iters=iters)
 
 
 def conv_operator_norm(conv: nn.Conv2d, input_hw: Tuple[int, int], iters: int = 200) -> float:
@@ -262,7 +254,8 @@ def center_norm_bound(norm: CenterNorm, hw: HW) -> Bound:
 
 @register_bound(nn.LayerNorm)
 def layer_norm_bound(norm: nn.LayerNorm, hw: HW) -> Bound:
-    """LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1: its Jacobian grows without bound as the variance goes to 0)."""
+    """LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1: its Jacobian grows without bound as the variance
+    goes to 0)."""
     return Bound(INF, "LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1)")
 
 
