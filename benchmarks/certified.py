@@ -254,7 +254,7 @@ def evaluate_run(name: str, model, args, xv, yv) -> dict:
 def table(rows) -> str:
     head = ("| model | clean | " + " | ".join(f"cert. {e}" for e in EPS) + " | "
             + " | ".join(f"PGD {e}" for e in EPS) + " | bound L | measured lower | L / lower |")
-    lines = [head, "|" + " --- |" * (4 + 2 * len(EPS))]
+    lines = [head, "|" + " --- |" * (5 + 2 * len(EPS))]
     for r in rows:
         lines.append(f"| {r['model']} | {r['clean']:.1f} | " + " | ".join(f"{r[f'certified@{e}']:.1f}" for e in EPS)
                      + " | " + " | ".join(f"{r[f'attacked@{e}']:.1f}" for e in EPS)
