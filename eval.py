@@ -34,6 +34,11 @@ def main(argv=None) -> int:
                         help="mixed precision (bf16 unless fp16 is given)")
     parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
                         help='model arguments for a checkpoint without a config, e.g. \'{"img_size": 32}\'')
+    parser.add_argument("--img-size", type=int, help="build the model for this input size and preprocess at it "
+                        "(default: the size the checkpoint or its --model-args name)")
+    parser.add_argument("--crop-pct", type=float, help="center-crop fraction (default: the model's config)")
+    parser.add_argument("--interpolation", choices=("bilinear", "bicubic", "nearest"),
+                        help="resize interpolation (default: the model's config)")
     args = parser.parse_args(argv)
     if not args.model and args.pretrained:
         parser.error("--pretrained needs --model")
@@ -41,7 +46,8 @@ def main(argv=None) -> int:
         result, samples = evaluate_model(
             args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
             real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
-            workers=args.workers, model_args=args.model_args)
+            workers=args.workers, model_args=args.model_args, img_size=args.img_size, crop_pct=args.crop_pct,
+            interpolation=args.interpolation)
     except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: timm, no weights
         print(f"error: {e}", file=sys.stderr)
         return 2

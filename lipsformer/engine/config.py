@@ -66,6 +66,13 @@ class TrainConfig:
     lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
     lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
     lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
+    # fine-tuning (lipsformer.engine.finetune): start from weights; --resume takes precedence over both sources
+    pretrained: Optional[str] = None  # published weights, as a timm name: lipsformer_swin_t.official_in1k
+    init_checkpoint: Optional[str] = None  # released .pth, checkpoints/MODEL.TAG folder, or a train.py run folder
+    init_use_ema: bool = False  # take init_checkpoint's EMA weights
+    layer_decay: Optional[float] = None  # timm's layer-wise lr decay in (0, 1] over the model's group_matcher
+    freeze: Optional[str] = None  # 'backbone' (linear probe) or comma-separated module names (patch_embed,stages.0)
+    freeze_stages: int = 0  # hold patch_embed and the first N stages fixed
 
     def __post_init__(self):
         checks = {
@@ -83,6 +90,14 @@ class TrainConfig:
             raise ConfigError(f"ema_decay must be in [0, 1) (0 or null: no EMA), got {self.ema_decay}")
         if self.lipschitz_target is not None and self.lipschitz_target <= 0:
             raise ConfigError(f"lipschitz_target must be positive, got {self.lipschitz_target}")
+        if self.pretrained and self.init_checkpoint:
+            raise ConfigError("set one of pretrained (published weights) and init_checkpoint (a file or folder)")
+        if self.init_use_ema and not self.init_checkpoint:
+            raise ConfigError("init_use_ema applies to init_checkpoint, which is not set")
+        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
+            raise ConfigError(f"layer_decay must be in (0, 1] (null: off), got {self.layer_decay}")
+        if self.freeze_stages < 0:
+            raise ConfigError(f"freeze_stages must be 0 or more, got {self.freeze_stages}")
 
     def accumulation_steps(self, num_processes: int) -> int:
         """Gradient accumulation derived from the global batch; it must divide exactly."""

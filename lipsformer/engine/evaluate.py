@@ -103,20 +103,27 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor)
 
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
-                   workers: int = 4, model_args=None):
-    """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
-    config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``."""
+                   workers: int = 4, model_args=None, img_size=None, crop_pct=None, interpolation=None):
+    """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``; at ``img_size`` when given),
+    preprocess as its pretrained config says at the size it is built for (``crop_pct`` / ``interpolation``
+    override), score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``."""
     if (checkpoint is None) == (not pretrained):
         raise ValueError("pass exactly one of --checkpoint PATH and --pretrained")
+    model_args = dict(model_args or {})
+    if img_size is not None:
+        if model_args.get("img_size", img_size) != img_size:
+            raise ValueError(f"--img-size {img_size} disagrees with --model-args img_size {model_args['img_size']}; "
+                             f"pass one of them")
+        model_args["img_size"] = img_size
     if pretrained and use_ema:
         raise ValueError("--use-ema applies to --checkpoint; published weights hold one set")
     samples = eval_samples(dataset, data_dir, real_labels)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=amp)
     if checkpoint is not None:
-        model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **(model_args or {}))
+        model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
     else:
-        model = timm.create_model(model_name, pretrained=True, **(model_args or {}))
-    transform = create_loader_transform(model, is_training=False)
+        model = timm.create_model(model_name, pretrained=True, **model_args)
+    transform = create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation)
     result = evaluate_dataset(model.to(accelerator.device), EvalDataset(samples, transform), accelerator,
                               batch_size, workers)
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,

@@ -16,7 +16,6 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from safetensors.torch import save_file
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
@@ -27,6 +26,7 @@ from ..lipschitz.constraints import keep_bound
 from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
+from .finetune import create_optimizer, eval_frozen, model_args, prepare_model
 from .evaluate import evaluate
 
 _logger = logging.getLogger(__name__)
@@ -41,8 +41,7 @@ class TooManyBadSamples(RuntimeError):
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    return timm.create_model(cfg.model, num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path,
-                             img_size=cfg.img_size, **cfg.model_kwargs)
+    return timm.create_model(cfg.model, **model_args(cfg))
 
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -152,16 +151,16 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     elif latest_checkpoint(out) is not None:
         raise FileExistsError(f"{out} already holds checkpoints; pass --resume auto to continue that run, "
                               f"or choose another output_dir")
+    set_seed(cfg.seed)
+    # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
+    model, start = prepare_model(cfg, load_weights=resume_from is None)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
 
-    set_seed(cfg.seed)
-    model = build_model(cfg)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
-    optimizer = create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                                    eps=cfg.eps)
+    optimizer = create_optimizer(model, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     updates_per_epoch = math.ceil(len(train_loader) / accum)
     scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
@@ -179,6 +178,10 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
     log = _Log(accelerator, out / "metrics.jsonl")
+    if resume_from is None:
+        log("init", 0, **start.row())
+        accelerator.print(f"weights: {start.source}; re-initialised: {', '.join(start.reinitialised) or 'none'}; "
+                          f"frozen: {', '.join(start.frozen) or 'none'}")
     keep = None
     if cfg.lipschitz_target is not None:
         keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
@@ -188,6 +191,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
 
     for epoch in range(state.epoch, cfg.epochs):
         model.train()
+        eval_frozen(accelerator.unwrap_model(model), start.frozen)
         train_loader.set_epoch(epoch)
         loader = train_loader
         if state.batch_in_epoch:
