@@ -239,3 +239,75 @@ def test_train_cli_prints_one_line_and_exits_2_for_a_tag_without_weights(tmp_pat
         "config error: pretrained 'lipsformer_cswin_t': no published weights under that name (published for "
         "lipsformer_cswin_t: none); use init_checkpoint for weights of your own"]
     assert not (tmp_path / "r").exists()
+
+
+# -- the tools accept fine-tuned runs; eval.py preprocesses at the built size ----------------------------------
+def _eval_cli():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, data, released):
+    root = tmp_path_factory.mktemp("finetuned")
+    train(config(root, data, init_checkpoint=str(released[0]), freeze="backbone", ema_decay=0.5))
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return root / "run"
+
+
+def test_eval_convert_and_lipschitz_cli_accept_a_fine_tuned_run(tmp_path, data, finetuned, capsys):
+    from lipsformer import convert
+    from lipsformer.lipschitz.__main__ import main as lipschitz_main
+    eval_main = _eval_cli()
+    out = tmp_path / "eval.json"
+    assert eval_main(["--checkpoint", str(finetuned), "--use-ema", "--data-dir", str(data / "val"),
+                      "--workers", "0", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["count"] == CLASSES and result["input_size"] == [3, 32, 32] and result["crop_pct"] == 1.0
+    assert convert.main([str(finetuned), "--out", str(tmp_path / "export")]) == 0
+    exported = timm.create_model(f"local-dir:{tmp_path / 'export'}", pretrained=True)
+    weights = load_file(str(finetuned / "last.safetensors"))
+    assert all(torch.equal(v, weights[k]) for k, v in exported.state_dict().items())
+    assert lipschitz_main(["--checkpoint", str(finetuned)]) == 0
+    assert "network bound" in capsys.readouterr().out
+
+
+def test_eval_preprocesses_at_the_built_size_and_takes_validate_overrides(tmp_path, data, finetuned):
+    """A bare weight file with --model-args img_size 32 is scored on 32 px images (it used to get 224 px crops and
+    stop with a size error). --img-size builds and preprocesses at another size: 32 px CSwin weights at 64 px
+    (LePE is a convolution, split size 1 divides every stage); --crop-pct / --interpolation override the config."""
+    bare = tmp_path / "swin" / "model.safetensors"
+    bare.parent.mkdir()
+    shutil.copy(finetuned / "last.safetensors", bare)
+    cswin = tmp_path / "cswin" / "model.safetensors"
+    cswin.parent.mkdir()
+    cswin_args = dict(TINY["cswin"], init="xavier", num_classes=CLASSES, split_size=(1, 1, 1, 1))
+    save_file(timm.create_model("lipsformer_cswin_t", **cswin_args).state_dict(), str(cswin))
+    cswin_args.pop("img_size")
+    eval_main = _eval_cli()
+    runs = (
+        (["--checkpoint", str(bare), "--model", "lipsformer_swin_t",
+          "--model-args", json.dumps(dict(SWIN, num_classes=CLASSES))], (32, 0.9, "bicubic")),
+        (["--checkpoint", str(cswin), "--model", "lipsformer_cswin_t", "--model-args", json.dumps(cswin_args),
+          "--img-size", "64", "--crop-pct", "0.5", "--interpolation", "bilinear"], (64, 0.5, "bilinear")),
+    )
+    for args, (size, crop, interpolation) in runs:
+        out = tmp_path / f"eval{size}.json"
+        assert eval_main(args + ["--data-dir", str(data / "val"), "--workers", "0", "--output", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert (result["input_size"], result["crop_pct"], result["interpolation"]) == (
+            [3, size, size], crop, interpolation)
+        assert result["count"] == CLASSES
+
+
+def test_eval_refuses_disagreeing_sizes_in_one_line(tmp_path, data, finetuned, capsys):
+    args = ["--checkpoint", str(finetuned / "last.safetensors"), "--data-dir", str(data / "val"), "--workers", "0",
+            "--img-size", "64", "--model-args", '{"img_size": 32}']
+    assert _eval_cli()(args) == 2
+    assert capsys.readouterr().err.strip() == ("error: --img-size 64 disagrees with --model-args img_size 32; "
+                                               "pass one of them")

@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from ..data import EvalDataset, create_loader_transform, eval_samples
+from ..data import EvalDataset, create_loader_transform, eval_data_config, eval_samples
 from ..weights import create_from_checkpoint
 
 TOPK = 5
@@ -124,9 +124,12 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     else:
         model = timm.create_model(model_name, pretrained=True, **model_args)
     transform = create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation)
+    data_cfg = eval_data_config(model, crop_pct, interpolation)
     result = evaluate_dataset(model.to(accelerator.device), EvalDataset(samples, transform), accelerator,
                               batch_size, workers)
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
-                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process)
+                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
+                  input_size=list(data_cfg["input_size"]), crop_pct=data_cfg["crop_pct"],
+                  interpolation=data_cfg["interpolation"])
     return result, samples
