@@ -97,6 +97,12 @@ def test_same_class_count_keeps_the_head_and_a_run_folder_is_a_source(tmp_path, 
         assert start.reinitialised == []
         weights = load_file(str(tmp_path / "first" / name))
         assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    # other classes, as many: reset_head re-creates the classifier and keeps the rest
+    model, start = prepare_model(config(tmp_path, data, init_checkpoint=str(tmp_path / "first"), reset_head=True))
+    weights = load_file(str(tmp_path / "first" / "last.safetensors"))
+    assert start.reinitialised == ["head.fc.weight", "head.fc.bias"]
+    assert not torch.equal(model.head.fc.weight, weights["head.fc.weight"])
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items() if not k.startswith("head.fc."))
 
 
 def test_published_tag_loads_through_timms_pretrained_path(tmp_path, data, released, monkeypatch):
@@ -222,6 +228,7 @@ def test_another_architecture_names_the_keys_that_do_not_fit(tmp_path, data, csw
     ("layer_decay=1.5", "layer_decay must be in (0, 1]"),
     ("freeze_stages=-1", "freeze_stages must be 0 or more"),
     ("init_use_ema=true", "init_use_ema applies to init_checkpoint"),
+    ("reset_head=true", "reset_head applies to pretrained or init_checkpoint"),
 ])
 def test_fine_tuning_keys_are_checked_when_the_config_loads(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

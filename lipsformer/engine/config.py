@@ -70,6 +70,7 @@ class TrainConfig:
     pretrained: Optional[str] = None  # published weights, as a timm name: lipsformer_swin_t.official_in1k
     init_checkpoint: Optional[str] = None  # released .pth, checkpoints/MODEL.TAG folder, or a train.py run folder
     init_use_ema: bool = False  # take init_checkpoint's EMA weights
+    reset_head: bool = False  # re-create the classifier even at the source's class count (other classes)
     layer_decay: Optional[float] = None  # timm's layer-wise lr decay in (0, 1] over the model's group_matcher
     freeze: Optional[str] = None  # 'backbone' (linear probe) or comma-separated module names (patch_embed,stages.0)
     freeze_stages: int = 0  # hold patch_embed and the first N stages fixed
@@ -94,6 +95,8 @@ class TrainConfig:
             raise ConfigError("set one of pretrained (published weights) and init_checkpoint (a file or folder)")
         if self.init_use_ema and not self.init_checkpoint:
             raise ConfigError("init_use_ema applies to init_checkpoint, which is not set")
+        if self.reset_head and not (self.pretrained or self.init_checkpoint):
+            raise ConfigError("reset_head applies to pretrained or init_checkpoint weights; neither is set")
         if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
             raise ConfigError(f"layer_decay must be in (0, 1] (null: off), got {self.layer_decay}")
         if self.freeze_stages < 0:

@@ -16,6 +16,7 @@ from timm.models import get_pretrained_cfg
 from timm.optim import create_optimizer_v2
 from timm.utils import freeze as timm_freeze
 
+from ..layers.init import init_weights
 from ..weights import CheckpointError, create_from_checkpoint
 from .config import ConfigError, TrainConfig
 
@@ -69,13 +70,16 @@ def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
         raise ConfigError(f"{key}: {e}") from None
 
 
+def classifier_keys(model: torch.nn.Module) -> List[str]:
+    classifier = (model.pretrained_cfg or {}).get("classifier") or "head.fc"
+    return [k for k in model.state_dict() if k.startswith(classifier + ".")]
+
+
 def reinitialised_keys(model: torch.nn.Module) -> List[str]:
     """The classifier's keys when the weights came with another class count (timm then re-creates it)."""
-    pcfg = model.pretrained_cfg or {}
-    classifier = pcfg.get("classifier") or "head.fc"
-    if pcfg.get("num_classes", model.num_classes) == model.num_classes:
+    if (model.pretrained_cfg or {}).get("num_classes", model.num_classes) == model.num_classes:
         return []
-    return [k for k in model.state_dict() if k.startswith(classifier + ".")]
+    return classifier_keys(model)
 
 
 def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
@@ -110,6 +114,10 @@ def prepare_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn
     if load_weights and (cfg.pretrained or cfg.init_checkpoint):
         model, source = _load(cfg)
         start = ModelStart(source=source, reinitialised=reinitialised_keys(model))
+        if cfg.reset_head and not start.reinitialised:  # same class count, other classes: a new classifier
+            classifier = model.get_classifier()
+            init_weights(classifier, cfg.model_kwargs.get("init", "spectral"))
+            start.reinitialised = classifier_keys(model)
     else:
         model = timm.create_model(cfg.model, **model_args(cfg))
         start = ModelStart(source="scratch" if load_weights else "resumed")
