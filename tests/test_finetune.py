@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, TrainConfig, load_config
-from lipsformer.engine.finetune import create_optimizer, eval_frozen, prepare_model
-from lipsformer.engine.train import train
+from lipsformer.engine.finetune import eval_frozen, prepare_model
+from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
 from conftest import TINY
@@ -125,7 +125,7 @@ def test_layer_decay_scales_lr_from_patch_embed_smallest_to_head_largest(tmp_pat
     the head 6."""
     cfg = config(tmp_path, data, layer_decay=0.5, lr=1e-2)
     model, _ = prepare_model(cfg)
-    optimizer = create_optimizer(model, cfg)
+    optimizer = build_optimizer(cfg, model)
     from timm.scheduler import CosineLRScheduler
     CosineLRScheduler(optimizer, t_initial=10, t_in_epochs=False).step_update(0)
     lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
@@ -138,7 +138,7 @@ def test_layer_decay_scales_lr_from_patch_embed_smallest_to_head_largest(tmp_pat
     assert min(lrs.values()) == lrs["patch_embed.proj.weight"]
     assert max(lrs.values()) == lrs["head.fc.weight"] == pytest.approx(1e-2)
     # without layer_decay every group has the base lr
-    plain = create_optimizer(model, config(tmp_path, data))
+    plain = build_optimizer(config(tmp_path, data), model)
     assert {g["lr"] for g in plain.param_groups} == {1e-2}
 
 

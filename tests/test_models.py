@@ -283,3 +283,24 @@ def test_onnx_export_runs_in_onnxruntime_with_equal_logits(name, dynamo, tmp_pat
     (logits,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input0": x.numpy()})
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(logits), model(x), rtol=1e-4, atol=1e-5)
+
+
+# -- one typed home for the Lipschitz choices ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_lipschitz_options_object_equals_its_keyword_arguments(name):
+    """``lipschitz=LipschitzOptions(...)`` and the same fields as keywords build the same model; a family's own
+    defaults (CSwin: tau 12, alpha 0.2) apply only when no object is given, and a keyword overrides the object."""
+    from lipsformer.layers import LipschitzOptions
+    options = LipschitzOptions(attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.3, tau=5.0)
+    torch.manual_seed(0)
+    by_object = tiny(name, lipschitz=options)
+    torch.manual_seed(0)
+    by_kwargs = tiny(name, attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.3, tau=5.0)
+    assert by_kwargs.lipschitz == by_object.lipschitz == options
+    assert all(torch.equal(a, b) for a, b in zip(by_kwargs.state_dict().values(), by_object.state_dict().values()))
+    assert tiny(name, lipschitz=options, alpha_init=0.5).lipschitz == LipschitzOptions(
+        attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.5, tau=5.0)
+    expected = (12.0, 0.2) if family(name) == "cswin" else (10.0, None)
+    assert (tiny(name).lipschitz.tau, tiny(name).lipschitz.alpha_init) == expected
+    with pytest.raises(TypeError, match="unexpected keyword argument 'v_nrom'"):
+        tiny(name, v_nrom=True)

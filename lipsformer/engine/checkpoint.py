@@ -1,13 +1,12 @@
 """Atomic, rotating training checkpoints on top of Accelerate's save_state / load_state."""
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-_NAME = re.compile(r"^step_(\d{9})$")
+from .run_folder import RunFolder
 
 
 class TrainState:
@@ -27,16 +26,9 @@ class TrainState:
         vars(self).update(state)
 
 
-def checkpoint_dir(output_dir) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
 def latest_checkpoint(output_dir) -> Optional[Path]:
     """The newest complete checkpoint; half-written ones (``.tmp-*``) are ignored."""
-    root = checkpoint_dir(output_dir)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+    done = RunFolder(output_dir).finished_checkpoints()
     return done[-1] if done else None
 
 
@@ -50,12 +42,12 @@ def assert_finite(named_tensors, target) -> None:
 def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
     """Write to ``.tmp-step_N`` then rename to ``step_N``, so a crash never leaves a partial checkpoint
     that looks complete; keep the newest ``keep_last``."""
-    root = checkpoint_dir(output_dir)
-    final = root / f"step_{state.step:09d}"
+    folder = RunFolder(output_dir)
+    final = folder.checkpoint(state.step)
     assert_finite(model.named_parameters(), final)
     if final.exists():
         return final
-    tmp = root / f".tmp-{final.name}"
+    tmp = folder.temporary(final)
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
@@ -63,8 +55,7 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         os.replace(tmp, final)
-        done = sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
-        for old in done[:-keep_last]:
+        for old in folder.finished_checkpoints()[:-keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final

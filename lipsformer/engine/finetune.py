@@ -13,7 +13,6 @@ from typing import List, Optional, Tuple
 import timm
 import torch
 from timm.models import get_pretrained_cfg
-from timm.optim import create_optimizer_v2
 from timm.utils import freeze as timm_freeze
 
 from ..layers.init import init_weights
@@ -131,10 +130,3 @@ def eval_frozen(model: torch.nn.Module, frozen: List[str]) -> None:
     """Put the frozen modules back in eval mode after ``model.train()``: no dropout or drop-path, fixed features."""
     for name in frozen:
         model.get_submodule(name).eval()
-
-
-def create_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """timm's optimizer over the trainable parameters; with ``layer_decay``, timm's layer-wise lr scales over the
-    model's ``group_matcher`` (patch embedding smallest, classifier 1)."""
-    return create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                               eps=cfg.eps, layer_decay=cfg.layer_decay)

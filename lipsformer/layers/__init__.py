@@ -5,12 +5,13 @@ from .block import LipsBlock
 from .conv_blocks import CONV_BLOCKS, ConvBlocks
 from .init import INITS, init_weights, spectral_norm_of
 from .norm import NORMS, CenterNorm, create_norm
+from .options import LipschitzOptions
 from .patch_embed import PatchEmbed
 from .residual import WeightedResidual
 from .windows import window_partition, window_reverse
 
 __all__ = [
     "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
-    "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "spectral_norm_of", "NORMS", "CenterNorm",
+    "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "spectral_norm_of", "LipschitzOptions", "NORMS", "CenterNorm",
     "create_norm", "PatchEmbed", "WeightedResidual", "window_partition", "window_reverse",
 ]

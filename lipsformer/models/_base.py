@@ -15,7 +15,7 @@ from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq, loa
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from ..layers import LipsBlock
+from ..layers import LipsBlock, LipschitzOptions
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
@@ -43,19 +43,22 @@ class LipsFormerBase(nn.Module):
     norm: nn.Module
     num_features: int
     feature_info: List[dict]
-    checkpoint_filter_fn: Callable[[dict, nn.Module], dict]  # the family's released-layout conversion
+    lipschitz: LipschitzOptions
 
     def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
                       stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],
-                      drop_path_rate: float, alpha_init: Optional[float], **block_kwargs) -> None:
+                      drop_path_rate: float, lipschitz: LipschitzOptions, **block_kwargs) -> None:
         """Stages of :class:`LipsBlock` after ``patch_embed``, doubling channels and halving resolution.
 
         ``downsample(dim)`` opens stages 2 onwards; ``stage_mixer(i, dim, res)`` checks stage ``i`` and returns
-        a factory of its token mixer (one per block). ``alpha_init=None`` means ``1 / sum(depths)``.
+        a factory of its token mixer (one per block). ``lipschitz`` sets the blocks' Lipschitz choices
+        (``alpha_init=None`` means ``1 / sum(depths)``) and is kept as ``self.lipschitz``.
         Sets ``stages``, ``feature_info`` and ``num_features``.
         """
+        self.lipschitz = lipschitz
         dpr = drop_path_rates(drop_path_rate, sum(depths))
-        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
+        alpha_init = 1.0 / sum(depths) if lipschitz.alpha_init is None else lipschitz.alpha_init
+        block_kwargs.update(lipschitz.block_kwargs(alpha_init))
         patch = self.patch_embed.patch_size[0]
         stages, self.feature_info = [], []
         dim, res = embed_dim, self.patch_embed.grid_size
@@ -69,8 +72,7 @@ class LipsFormerBase(nn.Module):
                 dim, res = dim * 2, (res[0] // 2, res[1] // 2)
             mixer = stage_mixer(i, dim, res)
             offset = sum(depths[:i])
-            blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], alpha_init=alpha_init, **block_kwargs)
-                      for j in range(depth)]
+            blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], **block_kwargs) for j in range(depth)]
             stages.append(LipsStage(down, blocks))
             self.feature_info.append(dict(num_chs=dim, reduction=patch * 2 ** i, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
@@ -101,7 +103,12 @@ class LipsFormerBase(nn.Module):
         )
 
     def load_pretrained(self, path: str) -> None:
-        """timm's ``custom_load`` hook for url and file weights: a download must match the config's sha256
+        """timm's ``custom_load`` hook for url and file weights; each family passes its ``checkpoint_filter_fn``
+        to :meth:`load_pretrained_file`."""
+        raise NotImplementedError(f"{type(self).__name__} must define load_pretrained")
+
+    def load_pretrained_file(self, path: str, filter_fn: Callable[[dict, nn.Module], dict]) -> None:
+        """Load weights at ``path`` converted by ``filter_fn``: a download must match the config's sha256
         (a mismatching one is removed from the cache), and the file is read without running pickled code."""
         cfg = dict(self.pretrained_cfg)
         if not cfg.get("file") and cfg.get("sha256"):
@@ -112,7 +119,7 @@ class LipsFormerBase(nn.Module):
                 raise CheckpointError(f"{e}; the cached copy was removed") from None
         cfg["file"] = str(path)
         self.pretrained_cfg = cfg
-        state_dict = self.checkpoint_filter_fn(read_checkpoint(path), self)
+        state_dict = filter_fn(read_checkpoint(path), self)
         head = state_dict.get(f"{cfg['classifier']}.weight")
         if head is not None:  # the file's own class count: its head is kept when it fits the model
             cfg["num_classes"] = head.shape[0]
@@ -233,8 +240,12 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
     return state_dict
 
 
-def create_model(model_cls, variant: str, pretrained: bool, **kwargs):
-    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates."""
+def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],
+                 **kwargs):
+    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates.
+
+    timm applies ``checkpoint_filter_fn`` to state dicts it reads itself; files and urls go through the
+    family's ``load_pretrained`` (``custom_load``), which applies the same function."""
     out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
     overlay = kwargs.get("pretrained_cfg_overlay")
     if overlay and (overlay.get("file") or overlay.get("url")):
@@ -242,7 +253,7 @@ def create_model(model_cls, variant: str, pretrained: bool, **kwargs):
         kwargs["pretrained_cfg_overlay"] = dict(overlay, custom_load=overlay.get("custom_load", True))
     return build_model_with_cfg(
         model_cls, variant, pretrained,
-        pretrained_filter_fn=model_cls.checkpoint_filter_fn,
+        pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
         **kwargs)
 

@@ -17,7 +17,7 @@ from timm.layers import to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, LipschitzOptions, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
@@ -96,13 +96,14 @@ class LipsFormerCSwin(LipsFormerBase):
             :class:`lipsformer.models.LipsFormerSwin`.
         split_size: stripe width per stage; a stage whose size equals its split size, and the
             last stage, use full attention (released rule); every other stage must divide by it.
-        norm, attn, tau, learn_tau, v_norm, nu, tied_qk, init, conv_blocks, fused_attn, attlip_eta,
-            attlip_steps, attlip_tol: the Lipschitz choices, as for the Swin family (tau defaults to 12, the released
-            value); with ``attn="attlip"`` each stripe branch is an AttLip block on its half of the channels.
-        alpha_init: initial residual weights. The released CSwin code initialises every residual
-            weight to 0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is
-            never used), so 0.2 is the default; ``None`` means ``1 / sum(depths)`` as for Swin.
+        lipschitz, and its fields as keyword arguments: the Lipschitz choices, as for the Swin family
+            (:class:`lipsformer.layers.LipschitzOptions`); with ``attn="attlip"`` each stripe branch is an AttLip
+            block on its half of the channels. Defaults: the released CSwin code's, tau 12 and ``alpha_init``
+            0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is never used);
+            ``alpha_init=None`` means ``1 / sum(depths)`` as for Swin.
     """
+
+    lipschitz_defaults = dict(tau=12.0, alpha_init=0.2)
 
     def __init__(
             self,
@@ -120,27 +121,16 @@ class LipsFormerCSwin(LipsFormerBase):
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
-            norm: str = "center",
-            attn: str = "scsa",
-            tau: float = 12.0,
-            learn_tau: bool = False,
-            v_norm: bool = False,
-            nu: float = 1.0,
-            tied_qk: bool = False,
-            alpha_init: Optional[float] = 0.2,
-            init: str = "spectral",
-            conv_blocks: str = "D",
-            fused_attn: bool = True,
-            attlip_eta: float = 1.0,
-            attlip_steps: Tuple[int, int] = (2, 20),
-            attlip_tol: float = 1e-6,
+            lipschitz: Optional[LipschitzOptions] = None,
+            **lipschitz_kwargs,
     ):
         super().__init__()
+        lips = LipschitzOptions.from_kwargs(type(self).__name__, self.lipschitz_defaults, lipschitz,
+                                            **lipschitz_kwargs)
         if not len(depths) == len(num_heads) == len(split_size):
             raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and split_size "
                              f"{tuple(split_size)} must have the same length")
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
-        kernel = dict(tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu, tied_qk=tied_qk, fused=fused_attn)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm)
 
         def stage_mixer(i, dim, res):
             split = split_size[i]
@@ -148,19 +138,20 @@ class LipsFormerCSwin(LipsFormerBase):
             if not full and (res[0] % split or res[1] % split):
                 raise ValueError(f"stage {i} resolution {res} is not divisible by split size {split}; "
                                  f"choose split_size and img_size so that every stage divides")
-            if attn == "attlip":
-                windows = [res] if full else [(res[0], split), (split, res[1])]
-                return lambda: AttLipMixer(dim, num_heads[i], windows, attlip_eta, *attlip_steps, attlip_tol)
-            return lambda: CrossShapedAttention(dim, num_heads[i], res, split, full=full, qkv_bias=qkv_bias,
-                                                proj_drop=proj_drop_rate, kernel=AttentionKernel(attn, **kernel))
+            windows = [res] if full else [(res[0], split), (split, res[1])]
+            return lips.mixer(dim, num_heads[i], windows, lambda kernel: CrossShapedAttention(
+                dim, num_heads[i], res, split, kernel, full=full, qkv_bias=qkv_bias, proj_drop=proj_drop_rate))
 
-        self._build_stages(
-            embed_dim, depths, lambda dim: ConvDownsample(dim, dim * 2, norm), stage_mixer, drop_path_rate,
-            mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, drop=proj_drop_rate, attn_norm=False,
-            alpha_init=alpha_init)
+        self._build_stages(embed_dim, depths, lambda dim: ConvDownsample(dim, dim * 2, lips.norm), stage_mixer,
+                           drop_path_rate, lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=False)
         self.norm = nn.Identity()  # the released CSwin code has no final norm
         self._build_head(num_classes, global_pool, drop_rate)
-        init_weights(self, init)
+        init_weights(self, lips.init)
+
+    @torch.jit.ignore
+    def load_pretrained(self, path: str) -> None:
+        """timm's ``custom_load`` hook: weights of either layout, converted by :func:`checkpoint_filter_fn`."""
+        self.load_pretrained_file(path, checkpoint_filter_fn)
 
 
 # -- released checkpoint layout <-> ours --------------------------------------------------------
@@ -199,8 +190,6 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerCSwin) -> dict:
     return convert_released(state_dict, model, "stage1", _released_to_ours)
 
 
-LipsFormerCSwin.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
-
 
 def released_state_dict(model: LipsFormerCSwin) -> dict:
     """Our state dict in the released code's layout (the inverse of :func:`checkpoint_filter_fn`).
@@ -226,7 +215,7 @@ def released_state_dict(model: LipsFormerCSwin) -> dict:
 
 
 def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
-    return create_model(LipsFormerCSwin, variant, pretrained, **kwargs)
+    return create_model(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 # No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and

@@ -14,7 +14,7 @@ from timm.layers import to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, PatchEmbed, create_norm, init_weights
+from ..layers import AttentionKernel, LipschitzOptions, PatchEmbed, create_norm, init_weights
 from ..layers.windows import window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
@@ -97,17 +97,13 @@ class LipsFormerSwin(LipsFormerBase):
             attends over the whole stage (released rule); every stage must divide by its window.
         drop_rate: classifier dropout; proj_drop_rate: dropout after MLP and attention projections.
         drop_path_rate: stochastic depth, linear over blocks, the same inside a block.
-        norm: ``center`` | ``layer`` | ``none`` (Table 3).
-        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip``; tau, learn_tau, v_norm, nu, tied_qk: see
-            :class:`lipsformer.layers.AttentionKernel` (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form).
-        attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
-            evaluation) and solver tolerance;
-            see :class:`lipsformer.layers.AttLipMixer`.
-        alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released).
-        init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
-        conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3).
-        fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
+        lipschitz: the Lipschitz choices as one :class:`lipsformer.layers.LipschitzOptions`; its fields
+            (``norm``, ``attn``, ``tau``, ``learn_tau``, ``v_norm``, ``nu``, ``tied_qk``, ``alpha_init``, ``init``,
+            ``conv_blocks``, ``fused_attn``, ``attlip_eta``, ``attlip_steps``, ``attlip_tol``) are also keyword
+            arguments, replacing the object's. Defaults: the released Swin (tau 10, alpha 1 / sum(depths)).
     """
+
+    lipschitz_defaults = {}  # the released Swin's values are LipschitzOptions' own defaults
 
     def __init__(
             self,
@@ -125,44 +121,34 @@ class LipsFormerSwin(LipsFormerBase):
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.1,
-            norm: str = "center",
-            attn: str = "scsa",
-            tau: float = 10.0,
-            learn_tau: bool = False,
-            v_norm: bool = False,
-            nu: float = 1.0,
-            tied_qk: bool = False,
-            alpha_init: Optional[float] = None,
-            init: str = "spectral",
-            conv_blocks: str = "D",
-            fused_attn: bool = True,
-            attlip_eta: float = 1.0,
-            attlip_steps: Tuple[int, int] = (2, 20),
-            attlip_tol: float = 1e-6,
+            lipschitz: Optional[LipschitzOptions] = None,
+            **lipschitz_kwargs,
     ):
         super().__init__()
+        lips = LipschitzOptions.from_kwargs(type(self).__name__, self.lipschitz_defaults, lipschitz,
+                                            **lipschitz_kwargs)
         if len(depths) != len(num_heads):
             raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} must have the same length")
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
-        kernel = dict(tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu, tied_qk=tied_qk, fused=fused_attn)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm)
 
         def stage_mixer(i, dim, res):
             window = to_2tuple(min(res)) if min(res) <= window_size else to_2tuple(window_size)
             if res[0] % window[0] or res[1] % window[1]:
                 raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
                                  f"choose window_size and img_size so that every stage divides")
-            if attn == "attlip":
-                return lambda: AttLipMixer(dim, num_heads[i], [window], attlip_eta, *attlip_steps, attlip_tol)
-            return lambda: WindowAttention(dim, num_heads[i], window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-                                           kernel=AttentionKernel(attn, **kernel))
+            return lips.mixer(dim, num_heads[i], [window], lambda kernel: WindowAttention(
+                dim, num_heads[i], window, kernel, qkv_bias=qkv_bias, proj_drop=proj_drop_rate))
 
-        self._build_stages(
-            embed_dim, depths, lambda dim: PatchMerging(dim, norm), stage_mixer, drop_path_rate,
-            mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, drop=proj_drop_rate, attn_norm=True,
-            alpha_init=alpha_init)
-        self.norm = create_norm(norm, self.num_features)
+        self._build_stages(embed_dim, depths, lambda dim: PatchMerging(dim, lips.norm), stage_mixer, drop_path_rate,
+                           lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=True)
+        self.norm = create_norm(lips.norm, self.num_features)
         self._build_head(num_classes, global_pool, drop_rate)
-        init_weights(self, init)
+        init_weights(self, lips.init)
+
+    @torch.jit.ignore
+    def load_pretrained(self, path: str) -> None:
+        """timm's ``custom_load`` hook: weights of either layout, converted by :func:`checkpoint_filter_fn`."""
+        self.load_pretrained_file(path, checkpoint_filter_fn)
 
 
 # -- released checkpoint layout <-> ours --------------------------------------------------------
@@ -187,8 +173,6 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerSwin) -> dict:
     """
     return convert_released(state_dict, model, "layers.", _released_to_ours)
 
-
-LipsFormerSwin.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
 
 
 def released_state_dict(model: LipsFormerSwin) -> dict:
@@ -215,7 +199,7 @@ def released_state_dict(model: LipsFormerSwin) -> dict:
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
-    return create_model(LipsFormerSwin, variant, pretrained, **kwargs)
+    return create_model(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
