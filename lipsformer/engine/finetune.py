@@ -69,9 +69,13 @@ def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
         raise ConfigError(f"{key}: {e}") from None
 
 
+def classifier_name(model: torch.nn.Module) -> str:
+    """The classifier's module name, from the model's pretrained config (timm's ``classifier`` field)."""
+    return (model.pretrained_cfg or {}).get("classifier") or "head.fc"
+
+
 def classifier_keys(model: torch.nn.Module) -> List[str]:
-    classifier = (model.pretrained_cfg or {}).get("classifier") or "head.fc"
-    return [k for k in model.state_dict() if k.startswith(classifier + ".")]
+    return [k for k in model.state_dict() if k.startswith(classifier_name(model) + ".")]
 
 
 def reinitialised_keys(model: torch.nn.Module) -> List[str]:
@@ -91,7 +95,7 @@ def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
                               f"use 0 to {stages}")
         names += ["patch_embed"] + [f"stages.{i}" for i in range(cfg.freeze_stages)]
     if cfg.freeze == BACKBONE:
-        classifier = (model.pretrained_cfg or {}).get("classifier") or "head.fc"
+        classifier = classifier_name(model)
         head = classifier.split(".")[0]
         names += [n for n, _ in model.named_children() if n != head]
         names += [f"{head}.{n}" for n, m in model.get_submodule(head).named_children()
@@ -114,8 +118,7 @@ def prepare_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn
         model, source = _load(cfg)
         start = ModelStart(source=source, reinitialised=reinitialised_keys(model))
         if cfg.reset_head and not start.reinitialised:  # same class count, other classes: a new classifier
-            classifier = model.get_classifier()
-            init_weights(classifier, cfg.model_kwargs.get("init", "spectral"))
+            init_weights(model.get_submodule(classifier_name(model)), model.lipschitz.init)
             start.reinitialised = classifier_keys(model)
     else:
         model = timm.create_model(cfg.model, **model_args(cfg))
