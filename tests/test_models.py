@@ -5,7 +5,7 @@ import torch
 from timm.optim import create_optimizer_v2
 
 from lipsformer.flops import PAPER, count_flops, count_params
-from lipsformer.layers import spectral_norm_of
+from lipsformer.layers import largest_singular_value
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 from lipsformer.weights import CheckpointError
 
@@ -65,7 +65,7 @@ def test_spectral_init_is_the_default_and_unit_norm(name):
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     assert len(layers) > 20
     for m in layers:
-        assert spectral_norm_of(m.weight).item() == pytest.approx(1.0, abs=1e-4)
+        assert largest_singular_value(m.weight) == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.parametrize("name, alpha", [("lipsformer_swin_t", 1 / 5), ("lipsformer_cswin_t", 0.2)])
@@ -304,3 +304,35 @@ def test_lipschitz_options_object_equals_its_keyword_arguments(name):
     assert (tiny(name).lipschitz.tau, tiny(name).lipschitz.alpha_init) == expected
     with pytest.raises(TypeError, match="unexpected keyword argument 'v_nrom'"):
         tiny(name, v_nrom=True)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_loading_weights_skips_the_spectral_init_and_still_gives_the_file(tmp_path, monkeypatch, name):
+    """pretrained=True and create_from_checkpoint do not pay for a spectral init the load overwrites: only the
+    classifier (the layer a load with another class count re-creates) is normalised, and the logits are the file's."""
+    from lipsformer.layers import init as init_module
+    from lipsformer.weights import create_from_checkpoint
+    source = tiny(name).eval()
+    path = tmp_path / "released.pth"
+    torch.save(CONVERTERS[family(name)].released_state_dict(source), path)
+    shapes = []
+
+    def counting(weight, *args, **kwargs):
+        shapes.append(tuple(weight.shape))
+        return largest_singular_value(weight, *args, **kwargs)
+
+    monkeypatch.setattr(init_module, "largest_singular_value", counting)
+    loaded = tiny(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
+    assert shapes == [tuple(loaded.head.fc.weight.shape)]
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(source(x), loaded(x))
+    shapes.clear()
+    refit = tiny(name, num_classes=3, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert shapes == [(3, refit.num_features)]  # the new head starts spectrally normalised
+    assert largest_singular_value(refit.head.fc.weight) == pytest.approx(1.0, abs=1e-5)
+    shapes.clear()
+    again = create_from_checkpoint(path, name, **TINY[family(name)]).eval()
+    assert shapes == [tuple(again.head.fc.weight.shape)] and torch.equal(source(x), again(x))
+    shapes.clear()
+    tiny(name)
+    assert len(shapes) > 20  # a plain build still normalises every layer

@@ -34,11 +34,6 @@ class ModelStart:
         return dict(source=self.source, reinitialised=self.reinitialised, frozen=self.frozen)
 
 
-def model_args(cfg: TrainConfig) -> dict:
-    """timm.create_model arguments of the configured model."""
-    return dict(num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path, img_size=cfg.img_size, **cfg.model_kwargs)
-
-
 def pretrained_name(cfg: TrainConfig) -> str:
     """``cfg.pretrained`` as a full timm name with published weights for ``cfg.model``, or a ConfigError."""
     name = cfg.pretrained
@@ -55,7 +50,7 @@ def pretrained_name(cfg: TrainConfig) -> str:
 
 
 def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
-    args = model_args(cfg)
+    args = cfg.model_args()
     if cfg.pretrained:
         name = pretrained_name(cfg)
         key, create = "pretrained", lambda: timm.create_model(name, pretrained=True, **args)
@@ -121,7 +116,7 @@ def prepare_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn
             init_weights(model.get_submodule(classifier_name(model)), model.lipschitz.init)
             start.reinitialised = classifier_keys(model)
     else:
-        model = timm.create_model(cfg.model, **model_args(cfg))
+        model = timm.create_model(cfg.model, **cfg.model_args())
         start = ModelStart(source="scratch" if load_weights else "resumed")
     start.frozen = frozen_modules(model, cfg)
     if start.frozen:

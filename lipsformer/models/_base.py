@@ -5,6 +5,7 @@ optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``
 build those pieces; this class gives them the methods timm and its tools expect.
 """
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -15,8 +16,12 @@ from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq, loa
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from ..layers import LipsBlock, LipschitzOptions
+from ..layers import LipsBlock, LipschitzOptions, init_weights
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
+
+
+# True while timm builds a model whose weights it loads next (``pretrained=True``): the costly spectral init is left out.
+_WEIGHTS_WILL_LOAD: ContextVar[bool] = ContextVar("lipsformer_weights_will_load", default=False)
 
 
 class LipsStage(nn.Module):
@@ -44,6 +49,7 @@ class LipsFormerBase(nn.Module):
     num_features: int
     feature_info: List[dict]
     lipschitz: LipschitzOptions
+    output_fmt = "NHWC"  # forward_features' layout, as timm's Swin declares it
 
     def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
                       stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],
@@ -61,15 +67,12 @@ class LipsFormerBase(nn.Module):
         block_kwargs.update(lipschitz.block_kwargs(alpha_init))
         patch = self.patch_embed.patch_size[0]
         stages, self.feature_info = [], []
-        dim, res = embed_dim, self.patch_embed.grid_size
-        for i, depth in enumerate(depths):
+        dim = embed_dim
+        for i, (depth, res) in enumerate(zip(depths, self._stage_resolutions(len(depths)))):
             down = nn.Identity()
             if i > 0:
-                if res[0] % 2 or res[1] % 2:
-                    raise ValueError(f"stage {i} cannot halve an odd resolution {res}; "
-                                     f"use an img_size divisible by {patch * 2 ** (len(depths) - 1)}")
                 down = downsample(dim)
-                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+                dim = dim * 2
             mixer = stage_mixer(i, dim, res)
             offset = sum(depths[:i])
             blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], **block_kwargs) for j in range(depth)]
@@ -78,12 +81,34 @@ class LipsFormerBase(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.num_features = dim
 
+    def _stage_resolutions(self, num_stages: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Each stage's (H, W) at the size ``patch_embed`` is built for; an odd size to halve is an error."""
+        num_stages = len(self.stages) if num_stages is None else num_stages
+        patch = self.patch_embed.patch_size[0]
+        res = [self.patch_embed.grid_size]
+        for i in range(1, num_stages):
+            h, w = res[-1]
+            if h % 2 or w % 2:
+                raise ValueError(f"stage {i} cannot halve an odd resolution {(h, w)}; "
+                                 f"use an img_size divisible by {patch * 2 ** (num_stages - 1)}")
+            res.append((h // 2, w // 2))
+        return res
+
     def _build_head(self, num_classes: int, global_pool: str, drop_rate: float) -> None:
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.head_hidden_size = self.num_features
         self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
                                    input_fmt="NHWC")
+
+    def _init_weights(self, mode: str) -> None:
+        """:func:`lipsformer.layers.init_weights` over the model. When the weights are about to be loaded
+        (timm's ``pretrained=True``, :func:`lipsformer.weights.create_from_checkpoint`) the spectral division is
+        left out except for the classifier, the one layer a load re-creates (another class count)."""
+        loading = _WEIGHTS_WILL_LOAD.get()
+        init_weights(self, mode, normalize=not loading)
+        if loading:
+            init_weights(self.head, mode)
 
     # -- timm face ---------------------------------------------------------------------------
     @torch.jit.ignore
@@ -213,14 +238,16 @@ def rename_prefix(key: str, renames, inverse: bool = False) -> str:
 
 
 def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
-                     rename: Callable[[str], Optional[str]]) -> dict:
+                     rename: Callable[[str], Optional[str]],
+                     adapt: Optional[Callable[[dict, nn.Module], dict]] = None) -> dict:
     """Our state dict from a released-layout one (raw or wrapped); one already in our layout passes through.
     Either way it is checked to fit ``model`` (:func:`lipsformer.weights.check_state_dict`).
 
     ``released_marker`` is a key prefix only the released layout has; ``rename`` maps a released key to ours,
     or to ``None`` for buffers we rebuild and modules the released code builds but never uses. The released
     code builds its 1x1 conv (``nin``) even without conv blocks: it is dropped when the model has none. Released
-    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau.
+    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau. ``adapt(state_dict, model)``
+    then fits tensors to the model's configuration (e.g. bias tables to its window size) before the check.
     """
     state_dict = unwrap_state_dict(state_dict)
     if any(k.startswith(released_marker) for k in state_dict):
@@ -236,6 +263,8 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
             if name.endswith(".tau") and name not in converted:
                 converted[name] = value.detach().clone()
         state_dict = converted
+    if adapt is not None:
+        state_dict = adapt(state_dict, model)
     check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
     return state_dict
 
@@ -251,11 +280,15 @@ def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn
     if overlay and (overlay.get("file") or overlay.get("url")):
         # timm resets custom_load for a new source; ours reads every layout safely, so keep it
         kwargs["pretrained_cfg_overlay"] = dict(overlay, custom_load=overlay.get("custom_load", True))
-    return build_model_with_cfg(
-        model_cls, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs)
+    token = _WEIGHTS_WILL_LOAD.set(bool(pretrained))
+    try:
+        return build_model_with_cfg(
+            model_cls, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+            **kwargs)
+    finally:
+        _WEIGHTS_WILL_LOAD.reset(token)
 
 
 @dataclass
