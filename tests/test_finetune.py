@@ -318,3 +318,15 @@ def test_eval_refuses_disagreeing_sizes_in_one_line(tmp_path, data, finetuned, c
     assert _eval_cli()(args) == 2
     assert capsys.readouterr().err.strip() == ("error: --img-size 64 disagrees with --model-args img_size 32; "
                                                "pass one of them")
+
+
+def test_swin_weights_fine_tune_at_another_size_with_resized_bias_tables(tmp_path, data, released):
+    """32 px LipsFormer-Swin weights start a 64 px run: the last stage's window grows from 1 to 2, so its bias
+    table is resized (the family's checkpoint_filter_fn); every other tensor is the file's."""
+    path, source = released
+    model, start = prepare_model(config(tmp_path, data, init_checkpoint=str(path), img_size=64))
+    assert model.patch_embed.img_size == (64, 64)
+    table = "stages.3.blocks.0.attn.relative_position_bias_table"
+    assert source[table].shape[0] == 1 and model.state_dict()[table].shape[0] == 9
+    assert all(torch.equal(v, source[k]) for k, v in model.state_dict().items()
+               if k != table and not k.startswith("head.fc."))
