@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, TrainConfig, load_config
-from lipsformer.engine.finetune import eval_frozen, prepare_model
+from lipsformer.engine.finetune import eval_frozen, start_model
 from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
@@ -65,7 +65,7 @@ def config(tmp_path, data, **overrides) -> TrainConfig:
 def test_released_file_finetunes_into_a_7_class_model(tmp_path, data, released):
     path, source = released
     cfg = config(tmp_path, data, init_checkpoint=str(path))
-    model, start = prepare_model(cfg)
+    model, start = start_model(cfg)
     assert start.reinitialised == ["head.fc.weight", "head.fc.bias"]
     assert model.get_classifier().out_features == CLASSES
     ours = model.state_dict()
@@ -93,12 +93,12 @@ def test_same_class_count_keeps_the_head_and_a_run_folder_is_a_source(tmp_path, 
     train(first)
     for use_ema, name in ((False, "last.safetensors"), (True, "last_ema.safetensors")):
         cfg = config(tmp_path, data, init_checkpoint=str(tmp_path / "first"), init_use_ema=use_ema)
-        model, start = prepare_model(cfg)
+        model, start = start_model(cfg)
         assert start.reinitialised == []
         weights = load_file(str(tmp_path / "first" / name))
         assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
     # other classes, as many: reset_head re-creates the classifier and keeps the rest
-    model, start = prepare_model(config(tmp_path, data, init_checkpoint=str(tmp_path / "first"), reset_head=True))
+    model, start = start_model(config(tmp_path, data, init_checkpoint=str(tmp_path / "first"), reset_head=True))
     weights = load_file(str(tmp_path / "first" / "last.safetensors"))
     assert start.reinitialised == ["head.fc.weight", "head.fc.bias"]
     assert not torch.equal(model.head.fc.weight, weights["head.fc.weight"])
@@ -111,7 +111,7 @@ def test_published_tag_loads_through_timms_pretrained_path(tmp_path, data, relea
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     cache.mkdir(parents=True)
     shutil.copy(released[0], cache / "lipsformer-swin-tiny.pth")
-    model, start = prepare_model(config(tmp_path, data, pretrained="lipsformer_swin_t.official_in1k"))
+    model, start = start_model(config(tmp_path, data, pretrained="lipsformer_swin_t.official_in1k"))
     assert start.source == "lipsformer_swin_t.official_in1k"
     assert start.reinitialised == ["head.fc.weight", "head.fc.bias"]
     source = released[1]
@@ -124,7 +124,7 @@ def test_layer_decay_scales_lr_from_patch_embed_smallest_to_head_largest(tmp_pat
     7 layers: patch_embed 0, stages.0 1, stages.1 2, stages.2's blocks 3 and 4, stages.3 with the final norm 5,
     the head 6."""
     cfg = config(tmp_path, data, layer_decay=0.5, lr=1e-2)
-    model, _ = prepare_model(cfg)
+    model, _ = start_model(cfg)
     optimizer = build_optimizer(cfg, model)
     from timm.scheduler import CosineLRScheduler
     CosineLRScheduler(optimizer, t_initial=10, t_in_epochs=False).step_update(0)
@@ -150,7 +150,7 @@ def test_frozen_modules_keep_bit_identical_weights_while_the_rest_trains(tmp_pat
                                                                          freeze_stages, fixed, trained):
     cfg = config(tmp_path, data, init_checkpoint=str(released[0]), freeze=freeze, freeze_stages=freeze_stages,
                  epochs=2, drop_path=0.5)
-    model, start = prepare_model(cfg)
+    model, start = start_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.train()
     eval_frozen(model, start.frozen)
@@ -217,7 +217,7 @@ def test_bad_starting_point_stops_before_anything_is_written(tmp_path, data, csw
 
 def test_another_architecture_names_the_keys_that_do_not_fit(tmp_path, data, cswin_file):
     with pytest.raises(ConfigError) as info:
-        prepare_model(config(tmp_path, data, init_checkpoint=str(cswin_file)))
+        start_model(config(tmp_path, data, init_checkpoint=str(cswin_file)))
     assert "does not fit lipsformer_swin_t: missing keys" in str(info.value)
     assert "missing keys (" in str(info.value) and "patch_embed.proj.weight" in str(info.value)
     assert "unexpected keys (" in str(info.value) and "stage1_conv_embed.0.weight" in str(info.value)
@@ -324,7 +324,7 @@ def test_swin_weights_fine_tune_at_another_size_with_resized_bias_tables(tmp_pat
     """32 px LipsFormer-Swin weights start a 64 px run: the last stage's window grows from 1 to 2, so its bias
     table is resized (the family's checkpoint_filter_fn); every other tensor is the file's."""
     path, source = released
-    model, start = prepare_model(config(tmp_path, data, init_checkpoint=str(path), img_size=64))
+    model, start = start_model(config(tmp_path, data, init_checkpoint=str(path), img_size=64))
     assert model.patch_embed.img_size == (64, 64)
     table = "stages.3.blocks.0.attn.relative_position_bias_table"
     assert source[table].shape[0] == 1 and model.state_dict()[table].shape[0] == 9

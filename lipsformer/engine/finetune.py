@@ -106,7 +106,7 @@ def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
     return list(dict.fromkeys(names))
 
 
-def prepare_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.Module, ModelStart]:
+def start_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.Module, ModelStart]:
     """The run's model: built, given its starting weights (unless ``load_weights`` is false: a resumed run
     restores its own) and frozen as configured. Every error here comes before the run writes anything."""
     if load_weights and (cfg.pretrained or cfg.init_checkpoint):
