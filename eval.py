@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="loader workers per process")
     parser.add_argument("--amp", nargs="?", const="bf16", default="no", choices=("bf16", "fp16"),
                         help="mixed precision (bf16 unless fp16 is given)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (static shapes)")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC convolution weights")
     parser.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION, metavar="F",
                         help="unreadable images are skipped and counted; stop when more than this fraction "
                              "fails (training's max_bad_fraction rule)")
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
             real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
             workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
             certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
-            attack_restarts=args.attack_restarts)
+            attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
     except (CheckpointError, ConfigError, FileNotFoundError, NoBoundError) as e:  # bad input: one line naming it
         print(f"error: {e}", file=sys.stderr)
         return 2

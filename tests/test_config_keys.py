@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from timm.layers import DropPath
 from torchvision import transforms as T
@@ -92,6 +91,35 @@ def _spectral_norms(model) -> List[float]:
             if isinstance(m, torch.nn.Linear)]
 
 
+_SPEED: Dict[str, Any] = {}
+
+
+def _speed_start(p: Probe) -> Dict[str, Any]:
+    """What _start hands the compiler and the process with compile, compile_mode, compile_memory_budget and tf32
+    set (compiling is lazy: nothing is compiled until a forward pass, so this costs one build)."""
+    if not _SPEED:
+        import torch._functorch.config as functorch_config
+        from lipsformer.engine.speed import set_tf32
+        from lipsformer.engine.train import _start
+        cfg = dataclasses.replace(p.cfg, output_dir=str(p.tmp / "speed"), **{k: KEYS[k].value for k in SPEED_KEYS})
+        calls, compile_ = [], torch.nn.Module.compile
+        budget = functorch_config.activation_memory_budget
+        torch.nn.Module.compile = lambda self, *a, **k: calls.append(k) or compile_(self, *a, **k)
+        try:
+            run = _start(cfg, None)
+            _SPEED.update(compile=calls, budget=functorch_config.activation_memory_budget,
+                          tf32=(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+                          compiled=run.model._compiled_call_impl is not None)
+        finally:
+            torch.nn.Module.compile = compile_
+            functorch_config.activation_memory_budget = budget
+            set_tf32(False)
+            _reset_accelerate()
+    return _SPEED
+
+
+SPEED_KEYS = ("compile", "compile_mode", "compile_memory_budget", "tf32")
+
 KEYS: Dict[str, Case] = {
     # model
     "model": Case("lipsformer_swin_t", lambda p: p.run.model.pretrained_cfg["architecture"] == "lipsformer_swin_t"),
@@ -155,6 +183,17 @@ KEYS: Dict[str, Case] = {
     "lipschitz_weight_max": Case(0.9, lambda p: max(p.initial["spectral_norms"]) <= 0.9 + 1e-5),
     "lipschitz_every_steps": Case(2, lambda p: p.keep_calls == UPDATES_PER_EPOCH // 2),
     "lipschitz_tau_max": Case(5.0, lambda p: p.initial["taus"] and max(p.initial["taus"]) == 5.0),  # initialised 10
+    # speed (lipsformer.engine.speed)
+    "compile": Case(True, lambda p: _speed_start(p)["compiled"] and len(_speed_start(p)["compile"]) == 1,
+                    alone=True),
+    "compile_mode": Case("max-autotune-no-cudagraphs", lambda p: _speed_start(p)["compile"]
+                         == [dict(mode="max-autotune-no-cudagraphs", dynamic=False)], alone=True),
+    "compile_memory_budget": Case(0.5, lambda p: _speed_start(p)["budget"] == 0.5, alone=True),
+    "tf32": Case(True, lambda p: _speed_start(p)["tf32"] == (True, True), alone=True),
+    "channels_last": Case(True, lambda p: p.run.accelerator.unwrap_model(p.run.model).patch_embed.proj.weight
+                          .is_contiguous(memory_format=torch.channels_last)),
+    "grad_checkpointing": Case(True, lambda p: all(s.grad_checkpointing for s in
+                                                    p.run.accelerator.unwrap_model(p.run.model).stages)),
 }
 
 

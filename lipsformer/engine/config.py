@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from .speed import COMPILE_MODES
+
 
 class ConfigError(ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
@@ -74,6 +76,13 @@ class TrainConfig:
     lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
     lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
     lipschitz_tau_max: Optional[float] = None  # a learnable SCSA tau is clipped to (0, this] (None: free)
+    # speed (lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding
+    compile: bool = False  # torch.compile the prepared model, static shapes
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_memory_budget: Optional[float] = None  # partitioner's activation memory budget in (0, 1]; None: 1.0
+    channels_last: bool = False  # NHWC weights and input batches
+    grad_checkpointing: bool = False  # recompute each block's activations in backward
+    tf32: bool = False  # TF32 tensor cores for fp32 matmuls / convolutions on CUDA (bf16 / fp16 runs: no effect)
 
     def __post_init__(self):
         """Every check a config can fail without running anything lives here, each naming its key."""
@@ -81,6 +90,7 @@ class TrainConfig:
             "mixed_precision": ("bf16", "fp16", "no"),
             "on_nonfinite": ("stop", "skip"),
             "sched": SCHEDULERS,
+            "compile_mode": COMPILE_MODES,
         }
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:
@@ -104,6 +114,9 @@ class TrainConfig:
                                         for k in duplicated) + "; set the top-level key instead")
         if (self.mixup > 0 or self.cutmix > 0) and self.batch_size % 2:
             raise ConfigError(f"mixup/cutmix need an even batch_size, got {self.batch_size}")
+        if self.compile_memory_budget is not None and not 0.0 < self.compile_memory_budget <= 1.0:
+            raise ConfigError(f"compile_memory_budget must be in (0, 1] (null: the compiler's default), "
+                              f"got {self.compile_memory_budget}")
 
     def model_args(self) -> Dict[str, Any]:
         """``timm.create_model`` arguments: the top-level model keys (MODEL_ARGS) plus ``model_kwargs``."""

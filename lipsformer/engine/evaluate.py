@@ -14,6 +14,7 @@ from ..data import EvalDataset, collate_skip_failed, create_loader_transform, ev
 from ..lipschitz.certify import certify_dataset
 from ..weights import create_from_checkpoint
 from .config import ConfigError, TrainConfig
+from .speed import compile_model, prepare_model
 
 TOPK = 5
 DEFAULT_MAX_BAD_FRACTION = TrainConfig.max_bad_fraction  # one threshold for training and eval.py
@@ -107,7 +108,7 @@ def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
 def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int = 4,
                      max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> dict:
     """Score an :class:`~lipsformer.data.EvalDataset`; the result also holds each image's ranked predictions
-    (rows of unreadable images stay zero) and the paths of the images that could not be read.
+    (class -1 and probability 0 for an unreadable image) and the paths of the images that could not be read.
 
     Unreadable images are skipped and counted as training counts them; more than ``max_bad_fraction`` of
     them stops the evaluation (TooManyBadSamples, naming them). Raises when the gathered predictions do
@@ -124,7 +125,7 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
         raise RuntimeError(f"predictions cover {pred.keys.unique().numel()} distinct images in {pred.keys.numel()} "
                            f"rows with {pred.unreadable} unreadable, expected each of the {len(dataset)} images once")
     check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable)
-    classes = torch.zeros(len(dataset), pred.classes.shape[1], dtype=torch.long)
+    classes = torch.full((len(dataset), pred.classes.shape[1]), -1, dtype=torch.long)  # -1: not read
     probs = torch.zeros(len(dataset), pred.probs.shape[1])
     classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
     read = torch.ones(len(dataset), dtype=torch.bool)
@@ -139,8 +140,9 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
 
 
 def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor, radius=None) -> None:
-    """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities, and
-    with ``radius`` its certified l2 radius in pixel space (:mod:`lipsformer.lipschitz.certify`)."""
+    """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities (empty for
+    an image that could not be read), and with ``radius`` its certified l2 radius in pixel space
+    (:mod:`lipsformer.lipschitz.certify`)."""
     k = classes.shape[1]
     header: List[str] = ["path", "targets"]
     for i in range(1, k + 1):
@@ -153,7 +155,7 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
         for n, ((image, labels), ranked, p) in enumerate(zip(samples, classes.tolist(), probs.tolist())):
             row = [image, " ".join(map(str, labels))]
             for c, q in zip(ranked, p):
-                row += [c, f"{q:.6f}"]
+                row += [c, f"{q:.6f}"] if c >= 0 else ["", ""]  # an unreadable image: no prediction
             if radius is not None:
                 row.append(f"{float(radius[n]):.6g}")
             writer.writerow(row)
@@ -162,7 +164,8 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
                    workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
-                   certify_eps=(), attack_eps=(), attack_steps: int = 20, attack_restarts: int = 3):
+                   certify_eps=(), attack_eps=(), attack_steps: int = 20, attack_restarts: int = 3,
+                   compile: bool = False, channels_last: bool = False):
     """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
     config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``.
 
@@ -190,11 +193,15 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     else:
         model = timm.create_model(model_name, pretrained=True, **(model_args or {}))
     transform = create_loader_transform(model, is_training=False)
-    result = evaluate_dataset(model.to(accelerator.device), EvalDataset(samples, transform), accelerator,
+    model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
+    if compile:
+        compile_model(model)
+    result = evaluate_dataset(model, EvalDataset(samples, transform), accelerator,
                               batch_size, workers, max_bad_fraction)
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
-                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process)
+                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
+                  compile=compile, channels_last=channels_last)
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack
         loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(samples, transform), batch_size=batch_size,
                                                             shuffle=False, num_workers=workers,

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
-from ..lipschitz.bounds import lipschitz_report
 from ..layers.residual import WeightedResidual
+from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
 from ..models._base import LipsFormerBase
 from ..weights import CheckpointError
@@ -37,6 +37,7 @@ from .config import ConfigError, TrainConfig
 from .ema import ShardEma, _whole
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .run_folder import RunFolder
+from .speed import compile_model, prepare_model, set_tf32
 
 _logger = logging.getLogger(__name__)
 
@@ -244,9 +245,17 @@ def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Pa
         return resume_from
     intact, problems = intact_checkpoint(folder.root, model)
     if intact is None:
-        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: " + "; ".join(problems))
-    for problem in problems:
-        _logger.warning(f"--resume auto: skipped damaged checkpoint {problem}; falling back to {intact.name}")
+        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: "
+                              + "; ".join(f"{damaged.name}: {why}" for damaged, why in problems))
+    processes = PartialState()
+    for damaged, why in problems:  # set aside, so the resumed run writes that step again
+        aside = RunFolder.set_aside(damaged)
+        _logger.warning(f"--resume auto: skipped damaged checkpoint {damaged.name}: {why}; falling back to "
+                        f"{intact.name} (the damaged one is kept as {aside.name})")
+        processes.wait_for_everyone()
+        if processes.is_main_process:
+            os.replace(damaged, aside)
+    processes.wait_for_everyone()
     return intact
 
 
@@ -254,6 +263,7 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked."""
     folder = RunFolder(cfg.output_dir)
     accelerator = create_accelerator(cfg)
+    set_tf32(cfg.tf32)
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
                           "(use DDP, or leave lipschitz_target unset)")
@@ -266,12 +276,14 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
         cfg.save(folder.config)
 
     set_seed(cfg.seed)
-    model = build_model(cfg)
+    model = prepare_model(build_model(cfg), cfg.channels_last, cfg.grad_checkpointing)
     resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
     optimizer = build_optimizer(cfg, model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged
+        compile_model(model, cfg.compile_mode, cfg.compile_memory_budget)
     scheduler = build_scheduler(cfg, optimizer,
                                 math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps))
     ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
