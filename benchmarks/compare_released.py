@@ -37,6 +37,18 @@ def load_module(path: Path):
     return module
 
 
+def build_released(released: str, name: str) -> torch.nn.Module:
+    """The released implementation of our model ``name``, with its own random weights, on the CPU."""
+    file, ctor = RELEASED[name]
+    module = load_module(Path(released) / "models" / file)
+    cuda = torch.nn.Module.cuda
+    torch.nn.Module.cuda = lambda self, *a, **k: self  # the released CSwin constructor moves itself to a GPU
+    try:
+        return getattr(module, ctor)()
+    finally:
+        torch.nn.Module.cuda = cuda
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--released", required=True, help="a checkout of IDEA-Research/LipsFormer")
@@ -46,14 +58,7 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, 224, 224)
     for name in args.models:
-        file, ctor = RELEASED[name]
-        module = load_module(Path(args.released) / "models" / file)
-        cuda = torch.nn.Module.cuda
-        torch.nn.Module.cuda = lambda self, *a, **k: self  # the released CSwin constructor moves itself to a GPU
-        try:
-            reference = getattr(module, ctor)().eval()
-        finally:
-            torch.nn.Module.cuda = cuda
+        reference = build_released(args.released, name).eval()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "released.pth"
             torch.save({"model": reference.state_dict()}, path)

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import lipsformer  # noqa: E402,F401  (registers the models)
+from lipsformer.engine.speed import COMPILE_MODES, compile_model, prepare_model  # noqa: E402
 from lipsformer.flops import count_flops  # noqa: E402
 
 
@@ -124,9 +125,16 @@ def main() -> None:
     parser.add_argument("--amp", default="no", choices=("no", "bf16", "fp16"))
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
+    parser.add_argument("--memory-budget", type=float, metavar="F",
+                        help="with --compile: the partitioner's activation memory budget in (0, 1] (train.py's "
+                             "compile_memory_budget)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="for the LipsFormer models' training step")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--iters", type=int, default=2, help="timed iterations per repetition")
+    parser.add_argument("--released", metavar="PATH",
+                        help="a checkout of IDEA-Research/LipsFormer (see compare_released.py): also time the released "
+                             "implementation of each model it has, named released:MODEL")
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -135,17 +143,21 @@ def main() -> None:
     torch.manual_seed(0)
     device = args.device
     names = [args.baseline] + [m for m in args.models if m != args.baseline]
+    if args.released:
+        from compare_released import RELEASED, build_released
+        names += [f"released:{m}" for m in args.models if m in RELEASED]
     models, gflops = {}, {}
     for name in names:
-        model = timm.create_model(name, img_size=args.img_size).to(device)
+        if name.startswith("released:"):
+            model = build_released(args.released, name.split(":", 1)[1]).to(device)
+        else:
+            model = timm.create_model(name, img_size=args.img_size).to(device)
         gflops[name] = count_flops(model, (3, args.img_size, args.img_size)) / 1e9
-        if args.grad_checkpointing and name != args.baseline:
-            model.set_grad_checkpointing(True)
-        if args.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        model = prepare_model(model, channels_last=args.channels_last,
+                              grad_checkpointing=args.grad_checkpointing and name != args.baseline)
         # static shapes, as in training with a fixed batch: each (batch, grad mode) pair gets its own graph, where
         # automatic dynamic shapes would turn the batch symbolic once inference (16) and training (8) both ran
-        models[name] = torch.compile(model, dynamic=False) if args.compile else model
+        models[name] = compile_model(model, args.compile_mode, args.memory_budget) if args.compile else model
     fmt = dict(memory_format=torch.channels_last) if args.channels_last else {}
     x_inf = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device).contiguous(**fmt)
     x_train = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device).contiguous(**fmt)
@@ -175,7 +187,8 @@ def main() -> None:
     base_row = rows[0]
     desc = (f"{device}, {torch.get_num_threads()} threads, amp={args.amp}, batch {args.batch} (train step "
             f"{args.train_batch}; training memory at {args.batch}), "
-            f"{args.img_size}px, channels_last={args.channels_last}, compile={args.compile}, "
+            f"{args.img_size}px, channels_last={args.channels_last}, compile={args.compile}"
+            + (f" ({args.compile_mode}, memory budget {args.memory_budget})" if args.compile else "") + ", "
             f"grad_checkpointing={args.grad_checkpointing}, {args.reps} reps x {args.iters} iters, medians")
     print(desc)
     print(f"{'model':<30} {'GFLOPs':>7} {'img/s':>8} {'ratio':>6} {'GFLOP/s':>8} {'per-FLOP':>9}"

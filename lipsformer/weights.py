@@ -187,7 +187,7 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
         raise CheckpointError(f"{path} was made by {meta['model']}, not {model}")
     model = model or meta.get("model")
     if not model:
-        raise ValueError(f"{path} does not say which model it holds: pass the model name")
+        raise CheckpointError(f"{path} does not say which model it holds: pass the model name")
     state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
     args = dict(meta.get("model_args") or {})
     args.update(kwargs)

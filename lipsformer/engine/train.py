@@ -4,32 +4,40 @@ import functools
 import json
 import logging
 import math
+import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import timm
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
-from timm.scheduler import CosineLRScheduler
+from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
+from ..layers.residual import WeightedResidual
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
-from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
+from ..models._base import LipsFormerBase
+from ..weights import CheckpointError
+from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoint, latest_checkpoint,
+                         save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
-from .ema import ShardEma
-from .evaluate import evaluate
+from .ema import ShardEma, _whole
+from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .run_folder import RunFolder
+from .speed import compile_model, prepare_model, set_tf32
 
 _logger = logging.getLogger(__name__)
 
@@ -38,13 +46,8 @@ class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient stopped the run."""
 
 
-class TooManyBadSamples(RuntimeError):
-    """More of an epoch's images failed to load than ``max_bad_fraction`` allows."""
-
-
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    return timm.create_model(cfg.model, num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path,
-                             img_size=cfg.img_size, **cfg.model_kwargs)
+    return timm.create_model(cfg.model, **cfg.model_args())
 
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -109,6 +112,24 @@ class _Log:
         self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
 
+@torch.no_grad()
+def alpha_statistics(model: torch.nn.Module) -> Dict[str, float]:
+    """Per-stage mean and standard deviation of |alpha| over every WeightedResidual alpha of the stage (all
+    channels pooled; population std), as ``alpha_mean_s{i}`` / ``alpha_std_s{i}``: LipsFormer Figure 5's
+    curves. Empty for a model that is not a LipsFormer."""
+    if not isinstance(model, LipsFormerBase):
+        return {}
+    stats = {}
+    for i, stage in enumerate(model.stages):
+        alphas = [_whole(m.alpha).detach().float().abs().flatten() for m in stage.modules()
+                  if isinstance(m, WeightedResidual)]
+        if alphas:
+            a = torch.cat(alphas)
+            stats[f"alpha_mean_s{i}"] = a.mean().item()
+            stats[f"alpha_std_s{i}"] = a.std(correction=0).item()
+    return stats
+
+
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -117,7 +138,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
     epochs = [r for r in rows if r["kind"] == "epoch"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train])
     ax1.set(xlabel="optimizer step", ylabel="train loss", yscale="log")
     for key in ("top1", "ema_top1"):
@@ -126,6 +147,15 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
             ax2.plot(*zip(*pts), marker="o", label=key)
     ax2.set(xlabel="epoch", ylabel="val top-1 (%)")
     ax2.legend()
+    stages = sorted({k.rsplit("_s", 1)[1] for r in epochs for k in r if k.startswith("alpha_mean_s")}, key=int)
+    for i in stages:  # LipsFormer Figure 5: "alpha first grows, then stabilises"
+        pts = [(r["epoch"], r[f"alpha_mean_s{i}"], r[f"alpha_std_s{i}"]) for r in epochs if f"alpha_mean_s{i}" in r]
+        x, mean, std = (torch.tensor(v, dtype=torch.float64) for v in zip(*pts))
+        ax3.plot(x, mean, marker="o", label=f"stage {i}")
+        ax3.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax3.set(xlabel="epoch", ylabel="|alpha| per stage (mean +- std)")
+    if stages:
+        ax3.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
@@ -183,13 +213,16 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
-    """The learning-rate schedule, stepped once per optimizer update."""
-    return CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
-                             warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,
-                             t_in_epochs=False)
+    """timm's ``sched`` schedule over ``epochs``, stepped once per optimizer update; warmup (``warmup_epochs``)
+    ramps linearly from ``min_lr`` to ``lr``."""
+    scheduler, _ = create_scheduler_v2(optimizer, cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr,
+                                       warmup_lr=cfg.min_lr, warmup_epochs=cfg.warmup_epochs,
+                                       step_on_epochs=False, updates_per_epoch=updates_per_epoch)
+    return scheduler
 
 
-def _resume_point(cfg: TrainConfig, folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
+def _resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
+    """The checkpoint to resume from (``resume="auto"``: decided once the model exists, see :func:`_verified`)."""
     if resume == "auto":
         return latest_checkpoint(folder.root)
     if resume:
@@ -202,29 +235,55 @@ def _resume_point(cfg: TrainConfig, folder: RunFolder, resume: Optional[str]) ->
     return None
 
 
+def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path], model) -> Optional[Path]:
+    """``resume_from`` once verified; with ``--resume auto`` the newest intact checkpoint, with a warning
+    naming what was wrong with each newer one."""
+    if resume_from is None:
+        return None
+    if resume != "auto":
+        verify_checkpoint(resume_from, model)
+        return resume_from
+    intact, problems = intact_checkpoint(folder.root, model)
+    if intact is None:
+        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: "
+                              + "; ".join(f"{damaged.name}: {why}" for damaged, why in problems))
+    processes = PartialState()
+    for damaged, why in problems:  # set aside, so the resumed run writes that step again
+        aside = RunFolder.set_aside(damaged)
+        _logger.warning(f"--resume auto: skipped damaged checkpoint {damaged.name}: {why}; falling back to "
+                        f"{intact.name} (the damaged one is kept as {aside.name})")
+        processes.wait_for_everyone()
+        if processes.is_main_process:
+            os.replace(damaged, aside)
+    processes.wait_for_everyone()
+    return intact
+
+
 def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked."""
     folder = RunFolder(cfg.output_dir)
-    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
-        raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
     accelerator = create_accelerator(cfg)
+    set_tf32(cfg.tf32)
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
                           "(use DDP, or leave lipschitz_target unset)")
     if cfg.ema_decay and accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ConfigError("the EMA under FSDP needs FSDP2 (fsdp_version: 2 in the accelerate config), whose "
                           "parameters are DTensor shards; or set ema_decay: null")
-    resume_from = _resume_point(cfg, folder, resume)
+    resume_from = _resume_point(folder, resume)
     if accelerator.is_main_process:
         folder.root.mkdir(parents=True, exist_ok=True)
         cfg.save(folder.config)
 
     set_seed(cfg.seed)
-    model = build_model(cfg)
+    model = prepare_model(build_model(cfg), cfg.channels_last, cfg.grad_checkpointing)
+    resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
     optimizer = build_optimizer(cfg, model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged
+        compile_model(model, cfg.compile_mode, cfg.compile_memory_budget)
     scheduler = build_scheduler(cfg, optimizer,
                                 math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps))
     ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
@@ -232,7 +291,10 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        try:
+            accelerator.load_state(str(resume_from))
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
+            raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
         accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
                           f"batch {state.batch_in_epoch} of the epoch)")
     else:
@@ -241,7 +303,8 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     keep = None
     if cfg.lipschitz_target is not None:
         keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
-                                 cfg.lipschitz_gamma_max, weight_max=cfg.lipschitz_weight_max)
+                                 cfg.lipschitz_gamma_max, tau_max=cfg.lipschitz_tau_max,
+                                 weight_max=cfg.lipschitz_weight_max)
     run = _Run(cfg, accelerator, folder, model, optimizer, scheduler, ema, mixup, criterion, train_loader,
                val_loader, state, _Log(accelerator, folder.metrics), keep, last_good=resume_from)
     if keep is not None:
@@ -255,6 +318,7 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     state, accelerator = run.state, run.accelerator
     for epoch in range(state.epoch, cfg.epochs):
         row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
+        row.update(alpha_statistics(accelerator.unwrap_model(run.model)))
         state.epoch, state.batch_in_epoch = epoch + 1, 0
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             row.update(evaluate_and_keep_best(run))
@@ -303,12 +367,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     totals = accelerator.reduce(torch.tensor([float(len(meter.failed)), float(meter.seen)],
                                              device=accelerator.device), "sum")
     n_failed, n_seen = int(totals[0]), int(totals[1])
-    if n_failed:
-        _logger.warning(f"epoch {epoch}: {n_failed} of {n_seen} images could not be read, e.g. {meter.failed[:3]}")
-    if n_failed > cfg.max_bad_fraction * max(n_seen, 1):
-        raise TooManyBadSamples(
-            f"epoch {epoch}: {n_failed} of {n_seen} images failed to load (more than "
-            f"{cfg.max_bad_fraction:.0%}), e.g. {', '.join(meter.failed[:5])}; fix or remove them")
+    check_unreadable(f"epoch {epoch}", n_failed, n_seen, cfg.max_bad_fraction, meter.failed)
     row = dict(train_loss=meter.loss, bad_samples=n_failed, train_samples=n_seen,
                processes=accelerator.num_processes, skipped_steps=state.skipped_steps,
                seconds=time.time() - meter.t0)
@@ -373,12 +432,13 @@ def evaluate_and_keep_best(run: _Run) -> dict:
     """Validation top-1 / top-5 of the model (and of its EMA); the better of the two is saved as
     ``best.safetensors`` when it beats every earlier epoch. Returns the epoch row's validation figures."""
     accelerator, model, state, ema = run.accelerator, run.model, run.state, run.ema
-    metrics = evaluate(model, run.val_loader, accelerator)
-    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
+    metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
+    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"],
+               val_bad_samples=metrics["unreadable"])
     candidates = {"model": metrics["top1"]}
     if ema is not None:
         with ema.applied(model):
-            ema_metrics = evaluate(model, run.val_loader, accelerator)
+            ema_metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
         row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
         candidates["ema"] = ema_metrics["top1"]
     which = max(candidates, key=candidates.get)
@@ -393,8 +453,16 @@ def evaluate_and_keep_best(run: _Run) -> dict:
 
 
 def _save_weights(accelerator, state_dict: dict, path: Path) -> None:
-    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed)."""
+    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed), written beside the
+    target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
-        save_file(tensors, str(path))
+        tmp = RunFolder.temporary(path)
+        try:
+            save_file(tensors, str(tmp))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SaveFailed(f"could not write {path}: {e.strerror or e}; "
+                             f"{'the previous file is intact' if path.exists() else 'nothing was written'}") from None
+        os.replace(tmp, path)

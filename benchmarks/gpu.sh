@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (README "GPU"): install what is missing, run the GPU tests, time the models.
+#
+#   make gpu-wheels                      # first, where pip reaches PyPI: the wheels such a machine lacks -> .whl/
+#   bash benchmarks/gpu.sh [--released /path/to/LipsFormer] [--out results/DIR] [--python python3]
+#
+# Uses the machine's own Python and torch (never replaced). Steps, each under its own time limit so that the
+# whole run ends within 10 minutes on one H100 (a step that runs out is killed and reported missing):
+#   1. installs the project and each dependency missing or too old from .whl/ into a target folder
+#      (pip --no-index --no-deps), then checks and records every version (versions.json);
+#   2. pytest -m gpu (gpu_tests.log, gpu_tests.xml);
+#   3. benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16, eager then compiled:
+#      lipsformer_swin_t and lipsformer_cswin_t against swin_tiny (and the released implementation with
+#      --released), lipsformer_swin_b against swin_base (throughput_*.json, *.log);
+#   4. one JSON (gpu.json) and one markdown table (gpu.md) of it all.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=python3
+OUT="results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
+RELEASED=""
+SITE=${LIPSFORMER_SITE:-/tmp/lipsformer-site}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --released) RELEASED=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --python) PY=$2; shift 2 ;;
+    *) echo "error: unknown argument $1 (--released PATH, --out DIR, --python PYTHON)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+START=$(date +%s)
+stamp() { echo "== $(( $(date +%s) - START )) s: $*"; }
+
+stamp "installing into $SITE"
+WHEELS=$("$PY" benchmarks/gpu_check.py requirements .whl) || exit 2
+mkdir -p "$SITE"
+if [ -n "$WHEELS" ]; then
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $WHEELS || exit 2
+fi
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" . \
+  || { echo "error: could not install the project (needs setuptools>=68 on this Python)" >&2; exit 2; }
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" benchmarks/gpu_check.py requirements .whl >/dev/null || exit 2  # everything satisfied now
+"$PY" - "$OUT/versions.json" <<'EOF' || exit 2
+import json, platform, subprocess, sys
+from importlib import metadata
+import torch
+if not torch.cuda.is_available():
+    sys.exit("error: torch sees no CUDA device")
+v = {"device": torch.cuda.get_device_name(0), "python": platform.python_version(), "torch": torch.__version__,
+     "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+v.update({n: metadata.version(n) for n in ("torchvision", "timm", "accelerate", "fvcore", "lipsformer")})
+v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+open(sys.argv[1], "w").write(json.dumps(v, indent=2))
+print(v)
+EOF
+
+stamp "GPU tests"
+timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 --junitxml "$OUT/gpu_tests.xml" \
+  tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+
+bench() {  # bench NAME SECONDS ARGS...: one throughput.py run, its JSON and log under $OUT
+  local name=$1 seconds=$2; shift 2
+  stamp "throughput $name"
+  timeout "$seconds" "$PY" benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16 \
+    --json "$OUT/throughput_$name.json" "$@" 2>&1 | tee "$OUT/throughput_$name.log"
+  [ -f "$OUT/throughput_$name.json" ] || echo "throughput $name: no result (failed or out of time, see its log)"
+}
+REL=()
+[ -n "$RELEASED" ] && REL=(--released "$RELEASED")
+bench tiny_eager 45 --reps 3 --iters 5 --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
+bench base_eager 35 --reps 3 --iters 3 --baseline swin_base_patch4_window7_224 --models lipsformer_swin_b
+bench tiny_compiled 150 --reps 2 --iters 5 --compile --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
+bench base_compiled 90 --reps 2 --iters 3 --compile --baseline swin_base_patch4_window7_224 \
+  --models lipsformer_swin_b
+
+stamp "report"
+"$PY" benchmarks/gpu_check.py report "$OUT"
+stamp "done: $OUT/gpu.json, $OUT/gpu.md"

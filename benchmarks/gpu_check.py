@@ -1,0 +1,119 @@
+"""benchmarks/gpu.sh's two Python steps (standard library and ``packaging`` only, so they run before anything is
+installed):
+
+    python benchmarks/gpu_check.py requirements WHEEL_DIR   # wheels to install: one path a line; exit 2 on a gap
+    python benchmarks/gpu_check.py report RESULTS_DIR       # RESULTS_DIR/gpu.json and gpu.md from the parts
+
+``requirements`` reads the project's dependencies (pyproject.toml, plus the test runner of the ``dev`` extra),
+finds each one missing or too old on this Python, and takes its wheel from WHEEL_DIR (``make gpu-wheels``), then
+the wheels' own dependencies the same way. torch is never replaced: a missing or too old torch is an error.
+"""
+import json
+import re
+import sys
+import tomllib
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+ROOT = Path(__file__).resolve().parents[1]
+NEVER_REPLACED = {"torch", "torchvision"}  # built for the machine's CUDA
+TEST_EXTRAS = ("pytest", "pytest-timeout", "scikit-learn")
+
+
+def project_requirements():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dev = [r for r in project["optional-dependencies"]["dev"] if canonicalize_name(Requirement(r).name)
+           in TEST_EXTRAS]
+    return [Requirement(r) for r in project["dependencies"] + dev]
+
+
+def installed(req: Requirement):
+    """The installed version when it satisfies ``req``, else None (with the version found, or None)."""
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return False, None
+    return req.specifier.contains(version, prereleases=True), version
+
+
+def wheel_requirements(path: Path):
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    env = dict(default_environment(), extra="")
+    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in lines if line.startswith("Requires-Dist:")]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
+
+
+def requirements(wheel_dir: str) -> int:
+    wheels = {}
+    for path in sorted(Path(wheel_dir).glob("*.whl")) if Path(wheel_dir).is_dir() else []:
+        name, version, *_ = parse_wheel_filename(path.name)
+        wheels[canonicalize_name(name)] = (version, path)
+    queue, chosen, errors, seen = project_requirements(), {}, [], set()
+    while queue:
+        req = queue.pop(0)
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        ok, have = installed(req)
+        if ok:
+            continue
+        what = f"{req.name}{req.specifier or ''} (installed: {have or 'none'})"
+        if name in NEVER_REPLACED:
+            errors.append(f"{what}: this machine's {req.name} is not replaced; use a machine with a newer one")
+        elif name not in wheels or not req.specifier.contains(wheels[name][0], prereleases=True):
+            errors.append(f"{what}: no matching wheel in {wheel_dir}/ (run make gpu-wheels where pip reaches PyPI)")
+        else:
+            chosen[name] = wheels[name][1]
+            queue += wheel_requirements(wheels[name][1])
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    print("\n".join(str(p) for p in chosen.values()))
+    return 2 if errors else 0
+
+
+def report(results: str) -> int:
+    """gpu.json (versions, test summary, every throughput row) and gpu.md (one table) under ``results``."""
+    out = Path(results)
+    files = sorted(out.glob("throughput_*.json"), key=lambda p: p.stat().st_mtime)  # in the order they ran
+    parts = {p.stem: json.loads(p.read_text()) for p in files}
+    tests = {}
+    xml = out / "gpu_tests.xml"
+    if xml.exists():
+        head = re.search(r"<testsuite [^>]*>", xml.read_text())
+        tests = {k: int(v) for k, v in re.findall(r'(tests|failures|errors|skipped)="(\d+)"', head.group(0))}
+        tests["sdpa_kernels"] = dict(re.findall(
+            r'<testcase [^>]*name="([^"]*)"[^>]*>\s*<properties>\s*<property name="sdpa_kernels" value="([^"]*)"',
+            xml.read_text()))
+    versions = json.loads((out / "versions.json").read_text()) if (out / "versions.json").exists() else {}
+    (out / "gpu.json").write_text(json.dumps(dict(versions=versions, tests=tests, throughput=parts), indent=2))
+    lines = [f"# GPU check: {versions.get('device', '?')}", "",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if k != "device"), "",
+             "tests: " + (", ".join(f"{k} {v}" for k, v in tests.items() if k != "sdpa_kernels") or "not run"), "",
+             "| run | model | GFLOPs | infer img/s | ratio | train img/s | ratio | train peak MB | ratio |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for run, part in parts.items():
+        base = part["rows"][0]
+        for r in part["rows"]:
+            train = (f"{r['train_img_s']:.0f} | {r['train_ratio']:.2f} | {r['train_memory_mb']:.0f} | "
+                     f"{r['train_memory_mb'] / base['train_memory_mb']:.2f}") if "train_img_s" in r else " | ".join([""] * 4)
+            lines.append(f"| {run.removeprefix('throughput_')} | {r['model']} | {r['gflops']:.2f} | "
+                         f"{r['infer_img_s']:.0f} | {r['infer_ratio']:.2f} | {train} |")
+    lines += ["", "setups:"] + [f"- {run}: {part['setup']}" for run, part in parts.items()]
+    if tests.get("sdpa_kernels"):
+        lines += ["", "SDPA kernel per attention kind:"] + [f"- {k}: {v}" for k, v in tests["sdpa_kernels"].items()]
+    (out / "gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    command, arg = sys.argv[1:3]
+    sys.exit({"requirements": requirements, "report": report}[command](arg))

@@ -1,0 +1,69 @@
+"""What makes a run fast, in one place: TF32 matmuls, channels-last inputs, gradient checkpointing, torch.compile.
+
+train.py (TrainConfig keys ``tf32``, ``channels_last``, ``grad_checkpointing``, ``compile``, ``compile_mode``,
+``compile_memory_budget``), eval.py (``--compile``, ``--channels-last``) and ``benchmarks/throughput.py`` apply
+them through these functions:
+
+    set_tf32(cfg.tf32)                                   # process-wide, after the Accelerator is made
+    model = prepare_model(model, channels_last=..., grad_checkpointing=...)   # before accelerator.prepare
+    model, optimizer = accelerator.prepare(model, optimizer)
+    compile_model(model, mode, memory_budget)            # after prepare, in place: the DDP / FSDP2-wrapped module
+
+None of them changes a model's outputs beyond floating-point rounding: channels-last is a memory layout,
+checkpointing recomputes the same forward pass, compiling fuses the same operations (a compiled CPU step is
+bit-identical from run to run, so a resumed compiled run matches an uninterrupted one; tested).
+"""
+from typing import Optional
+
+import torch
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def set_tf32(enable: bool) -> None:
+    """Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (10-bit mantissa products). Only fp32
+    work is affected: under bf16 / fp16 autocast the matmuls already run in the low precision."""
+    torch.backends.cuda.matmul.allow_tf32 = enable
+    torch.backends.cudnn.allow_tf32 = enable
+
+
+def prepare_model(model: torch.nn.Module, channels_last: bool = False,
+                  grad_checkpointing: bool = False) -> torch.nn.Module:
+    """Layout and checkpointing, set on the bare module before Accelerate wraps it.
+
+    ``channels_last`` stores 4-d parameters (the patch embedding, depth-wise and stage convolutions) as NHWC;
+    a convolution with NHWC weights runs NHWC whatever the input's layout, and LipsFormer keeps its activations
+    (B, H, W, C) between convolutions, so the input batch needs no conversion. ``grad_checkpointing`` keeps
+    only each block's input for backward and recomputes the rest (timm's ``set_grad_checkpointing``, which every
+    timm model has; LipsFormer-Swin-T at batch 16 keeps 0.11x of the bytes, README Speed).
+    """
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def compile_model(model: torch.nn.Module, mode: str = "default",
+                  memory_budget: Optional[float] = None) -> torch.nn.Module:
+    """Compile ``model`` in place (``nn.Module.compile``: no ``_orig_mod`` wrapper, so parameter names,
+    ``accelerator.unwrap_model``, checkpoints and the EMA see the same module) and return it.
+
+    ``torch.compile`` with static shapes, as a fixed-batch training job has (automatic dynamic shapes made
+    the batch symbolic once training and evaluation batches both ran, and cost a quarter of the compiled
+    training speed, README Speed).
+
+    ``memory_budget`` in (0, 1] is the partitioner's activation memory budget
+    (``torch._functorch.config.activation_memory_budget``, process-wide): the share of the saved activations
+    that backward may keep, the rest recomputed. ``None`` keeps the compiler's default (1.0: keep whatever is
+    cheaper than recomputing).
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if memory_budget is not None:
+        if not 0.0 < memory_budget <= 1.0:
+            raise ValueError(f"compile_memory_budget must be in (0, 1], got {memory_budget}")
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = float(memory_budget)
+    model.compile(mode=None if mode == "default" else mode, dynamic=False)
+    return model

@@ -1,0 +1,78 @@
+"""benchmarks/gpu_check.py: which wheels a GPU machine gets, and the report it writes (no GPU needed)."""
+import json
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def _wheel(folder: Path, name: str, version: str, requires=()):
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(
+            [f"Name: {name}", f"Version: {version}"] + [f"Requires-Dist: {r}" for r in requires]))
+    return path
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A machine that has everything but fvcore and its dependency yacs, and an old timm."""
+    real = gpu_check.installed
+
+    def installed(req):
+        name = req.name.lower()
+        if name in ("fvcore", "yacs"):
+            return False, None
+        if name == "timm":
+            return req.specifier.contains("0.9.16"), "0.9.16"
+        return real(req)
+    monkeypatch.setattr(gpu_check, "installed", installed)
+
+
+def test_missing_and_too_old_packages_come_from_the_wheels_with_their_dependencies(tmp_path, machine, capsys):
+    fvcore = _wheel(tmp_path, "fvcore", "0.1.5.post20221221", ["yacs>=0.1.6", "termcolor>=1.1", 'shapely; extra == "all"'])
+    yacs = _wheel(tmp_path, "yacs", "0.1.8")
+    timm = _wheel(tmp_path, "timm", "1.0.31", ["torch"])
+    _wheel(tmp_path, "termcolor", "3.3.0")  # present on the machine: not installed
+    assert gpu_check.requirements(str(tmp_path)) == 0
+    assert sorted(capsys.readouterr().out.split()) == sorted(map(str, (timm, fvcore, yacs)))
+
+
+def test_a_gap_is_one_error_line_naming_the_package_and_the_fix(tmp_path, machine, capsys):
+    _wheel(tmp_path, "timm", "1.0.20")  # too old for the floor as well
+    assert gpu_check.requirements(str(tmp_path)) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("error: timm>=1.0.31 (installed: 0.9.16): no matching wheel") for line in err)
+    assert any(line.startswith("error: fvcore") and "make gpu-wheels" in line for line in err)
+
+
+def test_torch_is_never_replaced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "installed", lambda req: (req.name != "torch", "2.2.0"))
+    _wheel(tmp_path, "torch", "2.11.0")
+    assert gpu_check.requirements(str(tmp_path)) == 2
+    assert "torch>=2.9 (installed: 2.2.0): this machine's torch is not replaced" in capsys.readouterr().err
+
+
+def test_report_tables_every_run_in_order(tmp_path):
+    row = dict(gflops=4.5, infer_img_s=1000.0, infer_ratio=1.0, train_img_s=300.0, train_ratio=1.0,
+               train_memory_mb=5000.0)
+    for i, run in enumerate(("tiny_eager", "tiny_compiled")):
+        path = tmp_path / f"throughput_{run}.json"
+        path.write_text(json.dumps(dict(setup=f"setup of {run}", rows=[
+            dict(row, model="swin_tiny_patch4_window7_224"),
+            dict(row, model="lipsformer_swin_t", infer_ratio=0.9, train_memory_mb=6000.0)])))
+        os.utime(path, (1000 + i, 1000 + i))  # written in this order
+    (tmp_path / "versions.json").write_text(json.dumps({"device": "NVIDIA H100", "torch": "2.11.0"}))
+    gpu_check.report(str(tmp_path))
+    md = (tmp_path / "gpu.md").read_text()
+    assert md.startswith("# GPU check: NVIDIA H100")
+    assert "| tiny_eager | lipsformer_swin_t | 4.50 | 1000 | 0.90 | 300 | 1.00 | 6000 | 1.20 |" in md
+    assert md.index("| tiny_eager |") < md.index("| tiny_compiled |")
+    assert set(json.loads((tmp_path / "gpu.json").read_text())["throughput"]) == {"throughput_tiny_eager",
+                                                                                 "throughput_tiny_compiled"}

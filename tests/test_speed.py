@@ -1,0 +1,154 @@
+"""engine/speed.py and its TrainConfig keys (compile, compile_mode, compile_memory_budget, channels_last,
+grad_checkpointing, tf32): each reaches the model or the process, and none changes what a run computes."""
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_train import PY, ROOT, TINY_RUN, make_folder, run_train, write_config
+
+from lipsformer.engine.checkpoint import latest_checkpoint
+from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
+
+
+def _reset_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    _reset_accelerate_state()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("compile_mode=fast", "compile_mode must be one of"),
+    ("compile_memory_budget=0", "compile_memory_budget must be in (0, 1]"),
+    ("compile_memory_budget=1.5", "compile_memory_budget must be in (0, 1]"),
+    ("compile=3", "compile must be of type bool"),
+])
+def test_speed_keys_reject_bad_values_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_compile_model_compiles_in_place_and_sets_the_partitioner_budget():
+    import torch._functorch.config as functorch_config
+    model = torch.nn.Linear(3, 2)
+    names = [n for n, _ in model.named_parameters()]
+    before = functorch_config.activation_memory_budget
+    try:
+        with pytest.raises(ValueError, match="compile_memory_budget"):
+            compile_model(model, memory_budget=0.0)
+        with pytest.raises(ValueError, match="compile_mode"):
+            compile_model(model, mode="fast")
+        assert compile_model(model, memory_budget=0.4) is model
+        assert functorch_config.activation_memory_budget == 0.4
+    finally:
+        functorch_config.activation_memory_budget = before
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(4, 3)
+    assert torch.allclose(model(x), torch.nn.functional.linear(x, model.weight, model.bias), atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # it ran compiled
+    assert [n for n, _ in model.named_parameters()] == names  # no _orig_mod. prefix: checkpoints unchanged
+    torch._dynamo.reset()
+
+
+def test_grad_checkpointing_channels_last_and_tf32_reach_the_run(tmp_path, monkeypatch):
+    import lipsformer.engine.train as loop
+    built = []
+    build = loop.build_model
+    monkeypatch.setattr(loop, "build_model", lambda cfg: built.append(build(cfg)) or built[-1])
+    config = write_config(tmp_path, epochs=1, ema_decay=None)
+    runs = {"plain": [], "checkpointed": ["grad_checkpointing=true"], "nhwc": ["channels_last=true", "tf32=true"]}
+    tf32 = {}
+    try:
+        for name, extra in runs.items():
+            loop.train(load_config(config, ["epochs=1", f"output_dir={tmp_path / name}", *extra]))
+            _reset_accelerate_state()
+            tf32[name] = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    finally:
+        set_tf32(False)
+    plain, checkpointed, nhwc = built
+    assert tf32 == {"plain": (False, False), "checkpointed": (False, False), "nhwc": (True, True)}
+    assert [s.grad_checkpointing for s in checkpointed.stages] == [True] * 4
+    assert not any(s.grad_checkpointing for s in plain.stages)
+    convs = [p for p in nhwc.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    assert not nhwc.patch_embed.proj.weight.is_contiguous()  # (1x1 and depth-wise kernels are both layouts)
+    assert all(p.is_contiguous() for p in plain.parameters())
+    # recomputing the forward pass in backward (same DropPath draws) gives the same weights, bit for bit
+    a, b = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("plain", "checkpointed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_channels_last_model_gives_the_same_outputs():
+    import timm
+    from conftest import TINY
+    model = timm.create_model("lipsformer_swin_t", **TINY["swin"]).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+        got = prepare_model(model, channels_last=True)(x)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path, monkeypatch):
+    """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
+    inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile workers for a tiny model
+    data = make_folder(tmp_path / "data", val_per_class=(2, 2, 2, 2))  # one val batch shape: one eval graph
+    cfg = dict(TINY_RUN, data_dir=str(data), epochs=2, checkpoint_every_steps=1, compile=True,
+               model_kwargs=dict(TINY_RUN["model_kwargs"], depths=[1, 1], num_heads=[1, 2]))
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    reference = tmp_path / "reference"
+    run_train("--config", str(config), "--output-dir", str(reference))
+
+    interrupted = tmp_path / "interrupted"
+    proc = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir", str(interrupted)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline:  # kill mid-epoch 2, after step 8 of 12 is safely on disk
+        ckpt = latest_checkpoint(interrupted)
+        if ckpt is not None and int(ckpt.name.split("_")[1]) >= 8:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = int(latest_checkpoint(interrupted).name.split("_")[1])
+    assert 8 <= step < 12, "the kill must land before the run finishes"
+    run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto")
+    for name in ("last.safetensors", "last_ema.safetensors"):
+        a, b = load_file(str(reference / name)), load_file(str(interrupted / name))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert yaml.safe_load((reference / "config.yaml").read_text())["compile"] is True
+
+
+def test_eval_channels_last_scores_like_the_default(tmp_path):
+    import timm
+    from conftest import TINY
+    from test_eval import NUM_CLASSES, write_image
+
+    from lipsformer.engine.evaluate import evaluate_model
+    from lipsformer.weights import export
+    export(timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"]), tmp_path / "weights")
+    for c in range(4):
+        write_image(tmp_path / "v2" / str(c) / "a.png", c)
+    runs = {}
+    for channels_last in (False, True):
+        runs[channels_last] = evaluate_model(None, tmp_path / "v2", "imagenet_v2", checkpoint=tmp_path / "weights",
+                                             batch_size=2, workers=0, channels_last=channels_last)[0]
+        _reset_accelerate_state()
+    assert (runs[False]["channels_last"], runs[True]["channels_last"]) == (False, True)
+    assert torch.equal(runs[True]["classes"], runs[False]["classes"])
+    assert torch.allclose(runs[True]["probs"], runs[False]["probs"], atol=1e-5)
