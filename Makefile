@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo flops clean gpu-wheels gpu-check
+.PHONY: install test demo finetune-demo flops clean gpu-wheels gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(STAMP)
 	rm -rf output/demo_digits
 	$(PY) train.py --config configs/demo_digits.yaml
 	$(PY) eval.py --checkpoint output/demo_digits --data-dir output/digits --output output/demo_digits/eval.json
+
+# The transfer demo: pretrain on digits 0-4, fine-tune on digits 5-9 from 10 labels per class (fine-tune vs
+# scratch vs linear probe; 32 px weights fine-tuned at 64 px); output/transfer/transfer.json and a table.
+finetune-demo: $(STAMP)
+	$(PY) benchmarks/transfer.py
 
 flops: $(STAMP)
 	$(PY) -m lipsformer.flops

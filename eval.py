@@ -58,6 +58,11 @@ def main(argv=None) -> int:
                              "fails (training's max_bad_fraction rule)")
     parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
                         help='model arguments for a checkpoint without a config, e.g. \'{"img_size": 32}\'')
+    parser.add_argument("--img-size", type=int, help="build the model for this input size and preprocess at it "
+                        "(default: the size the checkpoint or its --model-args name)")
+    parser.add_argument("--crop-pct", type=float, help="center-crop fraction (default: the model's config)")
+    parser.add_argument("--interpolation", choices=("bilinear", "bicubic", "nearest"),
+                        help="resize interpolation (default: the model's config)")
     parser.add_argument("--certify-eps", nargs="+", default=[], metavar="EPS",
                         help="certified accuracy at these l2 radii in [0, 1] pixel space (margin / (sqrt(2) L), "
                              "L from the Lipschitz report); --predictions gets each image's certified radius")
@@ -81,6 +86,7 @@ def main(argv=None) -> int:
             args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
             real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
             workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
+            img_size=args.img_size, crop_pct=args.crop_pct, interpolation=args.interpolation,
             certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
             attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
     except (CheckpointError, ConfigError, FileNotFoundError, NoBoundError) as e:  # bad input: one line naming it

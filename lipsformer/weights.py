@@ -176,11 +176,14 @@ def _hub_meta(config_path: Path) -> dict:
     return dict(model=cfg["architecture"], model_args=dict(cfg.get("model_args") or {}), pretrained_cfg=pretrained)
 
 
-def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = False, **kwargs) -> torch.nn.Module:
+def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = False, new_head: bool = False,
+                           **kwargs) -> torch.nn.Module:
     """A timm model with the weights at ``path`` (any form :func:`resolve_checkpoint` accepts).
 
     The model name and its arguments come from the run / export config when there is one; ``model`` must
-    agree with it. A released-layout file is converted by the family's ``checkpoint_filter_fn``.
+    agree with it. A released-layout file is converted by the family's ``checkpoint_filter_fn``. With
+    ``new_head`` (fine-tuning), a classifier of another class count than ``num_classes`` is re-created (timm
+    drops the file's); without it, such a file does not fit.
     """
     file, meta = resolve_checkpoint(path, use_ema)
     if model and meta.get("model") and model != meta["model"]:
@@ -197,7 +200,7 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     overlay = dict(meta.get("pretrained_cfg") or {})
     overlay.update(file=str(file), state_dict=state_dict, custom_load=False)
     if "num_classes" in args:
-        overlay["num_classes"] = args["num_classes"]
+        overlay["num_classes"] = head.shape[0] if new_head and head is not None else args["num_classes"]
     net = timm.create_model(model, pretrained=True, pretrained_cfg_overlay=overlay, **args)
     net.pretrained_cfg.pop("state_dict", None)  # the weights are in the model; do not keep a second copy
     return net

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from timm.layers import DropPath
 from torchvision import transforms as T
@@ -90,6 +91,44 @@ def _spectral_norms(model) -> List[float]:
     return [torch.linalg.matrix_norm(m.weight.detach(), 2).item() for m in model.modules()
             if isinstance(m, torch.nn.Linear)]
 
+
+def _finetune(p: Probe, **keys):
+    """The probe's configuration with fine-tuning keys set, started from the probe's finished run folder."""
+    from lipsformer.engine.finetune import start_model
+    init = {} if "pretrained" in keys else dict(init_checkpoint=p.cfg.output_dir)
+    return start_model(dataclasses.replace(p.cfg, **dict(init, **keys)))
+
+
+def _same_weights(model, path, but=()) -> bool:
+    weights = load_file(str(path))
+    return all(torch.equal(v, weights[k]) for k, v in model.state_dict().items() if not k.startswith(but))
+
+
+def _published_tag_loads(p: Probe):
+    """timm's pretrained path, offline: the probe's last weights, in the released layout, planted in timm's cache."""
+    import os
+    from lipsformer.models.lipsformer_swin import released_state_dict
+    model, _ = _finetune(p, init_checkpoint=p.cfg.output_dir)
+    cache = p.tmp / "torch_home"
+    (cache / "hub" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    torch.save(released_state_dict(model), cache / "hub" / "checkpoints" / "lipsformer-swin-tiny.pth")
+    saved = os.environ.get("TORCH_HOME")
+    os.environ["TORCH_HOME"] = str(cache)
+    try:
+        loaded, start = _finetune(p, pretrained="lipsformer_swin_t.official_in1k")
+    finally:
+        os.environ.pop("TORCH_HOME") if saved is None else os.environ.__setitem__("TORCH_HOME", saved)
+    assert start.source == "lipsformer_swin_t.official_in1k"
+    weights = load_file(str(RunFolder(p.cfg.output_dir).weights()))  # the released layout has no learnable tau
+    assert all(torch.equal(v, weights[k]) for k, v in loaded.state_dict().items() if not k.endswith(".tau"))
+
+
+def _layer_decay_scales(p: Probe):
+    from lipsformer.engine.train import build_optimizer
+    model, _ = _finetune(p)
+    scales = sorted({g["lr_scale"] for g in build_optimizer(dataclasses.replace(p.cfg, layer_decay=0.5),
+                                                            model).param_groups})
+    assert scales[-1] == 1.0 and scales[0] == 0.5 ** (len(scales) - 1)
 
 _SPEED: Dict[str, Any] = {}
 
@@ -197,6 +236,23 @@ KEYS: Dict[str, Case] = {
                           .is_contiguous(memory_format=torch.channels_last)),
     "grad_checkpointing": Case(True, lambda p: all(s.grad_checkpointing for s in
                                                     p.run.accelerator.unwrap_model(p.run.model).stages)),
+    # fine-tuning (tests/test_finetune.py covers each in depth)
+    "pretrained": Case("lipsformer_swin_t.official_in1k", _published_tag_loads, alone=True),
+    "init_checkpoint": Case("<tmp>/run", lambda p: _same_weights(_finetune(p)[0], RunFolder(p.cfg.output_dir)
+                                                                 .weights()), alone=True),
+    "init_use_ema": Case(True, lambda p: _same_weights(_finetune(p, init_use_ema=True)[0],
+                                                       RunFolder(p.cfg.output_dir).weights(ema=True)), alone=True),
+    "reset_head": Case(True, lambda p: _finetune(p, reset_head=True)[1].reinitialised == ["head.fc.weight",
+                                                                                          "head.fc.bias"]
+                       and _same_weights(_finetune(p, reset_head=True)[0], RunFolder(p.cfg.output_dir).weights(),
+                                         but=("head.fc.",)), alone=True),
+    "layer_decay": Case(0.5, _layer_decay_scales, alone=True),
+    "freeze": Case("backbone", lambda p: [n for n, q in _finetune(p, freeze="backbone")[0].named_parameters()
+                                          if q.requires_grad] == ["head.fc.weight", "head.fc.bias"], alone=True),
+    "freeze_stages": Case(1, lambda p: [n for n, q in _finetune(p, freeze_stages=1)[0].named_parameters()
+                                        if not q.requires_grad]
+                          == [n for n, _ in _finetune(p)[0].named_parameters()
+                              if n.startswith(("patch_embed.", "stages.0."))], alone=True),
 }
 
 

@@ -362,3 +362,13 @@ def test_max_pooled_head_is_bounded_as_max_pooling_not_as_a_mean():
     y = x.clone()
     y[0, 0, 0] = 1.0
     assert float((pool(x) - pool(y)).norm()) == pytest.approx(float((x - y).norm()))  # the ratio is 1, not 1/2
+
+
+def test_command_names_a_module_without_a_bound_in_one_line(monkeypatch, capsys):
+    from lipsformer.lipschitz import bounds
+    from lipsformer.lipschitz.__main__ import main
+    monkeypatch.setattr(bounds, "BOUNDS", {k: v for k, v in bounds.BOUNDS.items() if k is not CenterNorm})
+    assert main(["--model", "lipsformer_swin_t", "--model-args", json.dumps(dict(TINY["swin"], v_norm=True))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no Lipschitz bound is registered for module 'patch_embed.norm' of type")
+    assert "CenterNorm" in err and err.strip().count("\n") == 0

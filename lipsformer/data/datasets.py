@@ -81,9 +81,17 @@ def collate_skip_failed(batch: List[Tuple[Any, ...]]):
     return images, targets, failed
 
 
-def create_loader_transform(model, is_training: bool, cfg=None):
-    """Preprocessing from the model's pretrained config; training adds the recipe's augmentations."""
-    data_cfg = resolve_data_config({}, model=model)
+def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
+    """timm's data config from the model's pretrained config, at the size the model is built for (a model built
+    at 32 px gets 32 px images, whatever size its published config names); ``crop_pct`` / ``interpolation``
+    override the config, as in timm's validate.py."""
+    return resolve_data_config(dict(input_size=(model.patch_embed.proj.in_channels, *model.patch_embed.img_size),
+                                    crop_pct=crop_pct, interpolation=interpolation), model=model)
+
+
+def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
+    """Preprocessing per :func:`eval_data_config`; training adds the recipe's augmentations."""
+    data_cfg = eval_data_config(model, crop_pct, interpolation)
     if cfg is not None:
         data_cfg.update(input_size=(3, cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
                         interpolation=cfg.interpolation)

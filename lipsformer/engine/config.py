@@ -87,6 +87,14 @@ class TrainConfig:
     channels_last: bool = False  # NHWC weights and input batches
     grad_checkpointing: bool = False  # recompute each block's activations in backward
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls / convolutions on CUDA (bf16 / fp16 runs: no effect)
+    # fine-tuning (lipsformer.engine.finetune): start from weights; --resume takes precedence over both sources
+    pretrained: Optional[str] = None  # published weights, as a timm name: lipsformer_swin_t.official_in1k
+    init_checkpoint: Optional[str] = None  # released .pth, checkpoints/MODEL.TAG folder, or a train.py run folder
+    init_use_ema: bool = False  # take init_checkpoint's EMA weights
+    reset_head: bool = False  # re-create the classifier even at the source's class count (other classes)
+    layer_decay: Optional[float] = None  # timm's layer-wise lr decay in (0, 1] over the model's group_matcher
+    freeze: Optional[str] = None  # 'backbone' (linear probe) or comma-separated module names (patch_embed,stages.0)
+    freeze_stages: int = 0  # hold patch_embed and the first N stages fixed
 
     def __post_init__(self):
         """Every check a config can fail without running anything lives here, each naming its key."""
@@ -121,6 +129,16 @@ class TrainConfig:
         if self.compile_memory_budget is not None and not 0.0 < self.compile_memory_budget <= 1.0:
             raise ConfigError(f"compile_memory_budget must be in (0, 1] (null: the compiler's default), "
                               f"got {self.compile_memory_budget}")
+        if self.pretrained and self.init_checkpoint:
+            raise ConfigError("set one of pretrained (published weights) and init_checkpoint (a file or folder)")
+        if self.init_use_ema and not self.init_checkpoint:
+            raise ConfigError("init_use_ema applies to init_checkpoint, which is not set")
+        if self.reset_head and not (self.pretrained or self.init_checkpoint):
+            raise ConfigError("reset_head applies to pretrained or init_checkpoint weights; neither is set")
+        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
+            raise ConfigError(f"layer_decay must be in (0, 1] (null: off), got {self.layer_decay}")
+        if self.freeze_stages < 0:
+            raise ConfigError(f"freeze_stages must be 0 or more, got {self.freeze_stages}")
 
         for key in ("lipschitz_conv_max", "margin_bound"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:

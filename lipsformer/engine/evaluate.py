@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_samples
+from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..lipschitz.certify import certify_dataset
 from ..weights import create_from_checkpoint
 from .config import ConfigError, TrainConfig
@@ -164,16 +164,24 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
                    workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+                   img_size=None, crop_pct=None, interpolation=None,
                    certify_eps=(), attack_eps=(), attack_steps: int = 20, attack_restarts: int = 3,
                    compile: bool = False, channels_last: bool = False):
-    """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
-    config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``.
+    """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``; at ``img_size`` when given),
+    preprocess as its pretrained config says at the size it is built for (``crop_pct`` / ``interpolation``
+    override), score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``.
 
     With ``certify_eps`` / ``attack_eps`` the result also holds ``robustness``: certified accuracy at each radius
     and accuracy under an l2 PGD attack (:func:`lipsformer.lipschitz.certify.certify_dataset`), and ``radius``,
     each image's certified radius."""
     if (checkpoint is None) == (not pretrained):
         raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
+    model_args = dict(model_args or {})
+    if img_size is not None:
+        if model_args.get("img_size", img_size) != img_size:
+            raise ConfigError(f"--img-size {img_size} disagrees with --model-args img_size {model_args['img_size']}; "
+                              f"pass one of them")
+        model_args["img_size"] = img_size
     if pretrained and use_ema:
         raise ConfigError("--use-ema applies to --checkpoint; published weights hold one set")
     if pretrained:
@@ -189,10 +197,11 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
         raise ConfigError(str(e)) from None
     accelerator = Accelerator(cpu=cpu, mixed_precision=amp)
     if checkpoint is not None:
-        model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **(model_args or {}))
+        model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
     else:
-        model = timm.create_model(model_name, pretrained=True, **(model_args or {}))
-    transform = create_loader_transform(model, is_training=False)
+        model = timm.create_model(model_name, pretrained=True, **model_args)
+    transform = create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation)
+    data_cfg = eval_data_config(model, crop_pct, interpolation)
     model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
     if compile:
         compile_model(model)
@@ -201,7 +210,8 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
                   amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
-                  compile=compile, channels_last=channels_last)
+                  input_size=list(data_cfg["input_size"]), crop_pct=data_cfg["crop_pct"],
+                  interpolation=data_cfg["interpolation"], compile=compile, channels_last=channels_last)
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack
         loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(samples, transform), batch_size=batch_size,
                                                             shuffle=False, num_workers=workers,

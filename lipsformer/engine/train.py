@@ -35,6 +35,7 @@ from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoin
                          save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma, _whole
+from .finetune import ModelStart, eval_frozen, start_model
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, margin_criterion
 from .run_folder import RunFolder
@@ -182,6 +183,7 @@ class _Run:
     keep: Optional[Callable[[], dict]]  # bound keeping (lipschitz_target), or None
     last_good: Optional[Path]  # the newest checkpoint written or resumed from
     kept: Optional[Tuple[int, float]] = None  # (step, bound) of keep()'s last projection
+    start: ModelStart = field(default_factory=ModelStart)  # starting weights and frozen modules (finetune.py)
 
     def diverged(self, what: str, epoch: int) -> TrainingDiverged:
         return TrainingDiverged(f"non-finite {what} at step {self.state.step} (epoch {epoch}); "
@@ -209,8 +211,10 @@ class _EpochMeter:
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """timm's optimizer over the trainable parameters; ``layer_decay``: timm's layer-wise lr scales over the
+    model's ``group_matcher`` (patch embedding smallest, classifier 1)."""
     return create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                               eps=cfg.eps)
+                               eps=cfg.eps, layer_decay=cfg.layer_decay)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
@@ -272,12 +276,14 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
         raise ConfigError("the EMA under FSDP needs FSDP2 (fsdp_version: 2 in the accelerate config), whose "
                           "parameters are DTensor shards; or set ema_decay: null")
     resume_from = _resume_point(folder, resume)
+    set_seed(cfg.seed)
+    # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
+    model, start = start_model(cfg, load_weights=resume_from is None)
     if accelerator.is_main_process:
         folder.root.mkdir(parents=True, exist_ok=True)
         cfg.save(folder.config)
 
-    set_seed(cfg.seed)
-    model = prepare_model(build_model(cfg), cfg.channels_last, cfg.grad_checkpointing)
+    model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
     resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
@@ -312,7 +318,11 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
             std = resolve_data_config({}, model=accelerator.unwrap_model(model))["std"]
             keep = follow_bound(keep, criterion, 1.0 / min(std))
     run = _Run(cfg, accelerator, folder, model, optimizer, scheduler, ema, mixup, criterion, train_loader,
-               val_loader, state, _Log(accelerator, folder.metrics), keep, last_good=resume_from)
+               val_loader, state, _Log(accelerator, folder.metrics), keep, last_good=resume_from, start=start)
+    if resume_from is None:
+        run.log("init", 0, **start.row())
+        accelerator.print(f"weights: {start.source}; re-initialised: {', '.join(start.reinitialised) or 'none'}; "
+                          f"frozen: {', '.join(start.frozen) or 'none'}")
     if keep is not None:
         run.keep_bound()
     return run
@@ -348,6 +358,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     training figures. Checkpoints are written every ``checkpoint_every_steps`` optimizer steps."""
     cfg, accelerator, state = run.cfg, run.accelerator, run.state
     run.model.train()
+    eval_frozen(accelerator.unwrap_model(run.model), run.start.frozen)
     run.train_loader.set_epoch(epoch)
     loader = run.train_loader
     if state.batch_in_epoch:

@@ -12,7 +12,7 @@ import timm
 import torch
 
 from ..weights import CheckpointError, create_from_checkpoint
-from .bounds import lipschitz_report
+from .bounds import NoBoundError, lipschitz_report
 from .estimate import jacobian_norm
 
 
@@ -69,7 +69,11 @@ def main(argv=None) -> int:
     except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = lipschitz_report(model)
+    try:
+        report = lipschitz_report(model)
+    except NoBoundError as e:  # a module type with no registered bound: say which, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     name = model.pretrained_cfg.get("architecture", args.model)
     print(f"{name}: certified Lipschitz bounds (l2), as log10")
     print(f"{'part':<12} {'log10 bound':>12}")

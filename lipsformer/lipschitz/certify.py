@@ -152,7 +152,8 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
         if images is None:
             continue
         images = images.float()
-        read = torch.arange(len(images), device=images.device) < len(images) - (len(batch[2]) if len(batch) > 2 else 0)
+        stand_ins = len(batch[2]) if len(batch) > 2 else 0
+        read = torch.arange(len(images), device=images.device) < len(images) - stand_ins
         with torch.no_grad():
             logits = model(images)
         pred = logits.argmax(-1)
@@ -171,11 +172,10 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
         corrects.append(correct.cpu())
         robusts.append(robust.cpu())
         valid.append(read.cpu())
-    read = torch.cat(valid) if valid else torch.zeros(0, dtype=torch.bool)
-    index = torch.cat(keys)[read] if keys else torch.zeros(0, dtype=torch.long)
-    radius = torch.cat(radii)[read] if radii else torch.zeros(0, dtype=torch.double)
-    correct = torch.cat(corrects)[read] if corrects else torch.zeros(0, dtype=torch.bool)
-    robust = torch.cat(robusts)[read] if robusts else torch.zeros(0, len(attack_eps), dtype=torch.bool)
+    if not keys:
+        raise ValueError("certify_dataset: the loader gave no readable image")
+    read = torch.cat(valid)
+    index, radius, correct, robust = (torch.cat(t)[read] for t in (keys, radii, corrects, robusts))
     scored = torch.tensor([bool(label_sets[int(i)]) for i in index], dtype=torch.bool)
     count = max(int(scored.sum()), 1)
     by_index = torch.zeros(len(label_sets), dtype=torch.double)  # unreadable images keep 0: nothing certified
