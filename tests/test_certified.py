@@ -235,3 +235,28 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, _fresh_accelerat
                        (["margin_bound=0", "margin_eps=0.1"], "margin_bound must be positive")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, bad)
+
+
+def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from certified import LipschitzCNN, certified_radius, pgd_l2
+
+    from lipsformer.lipschitz import maximize_difference_quotient
+
+    cnn = LipschitzCNN(num_classes=4, widths=(16, 32, 64))
+    with torch.no_grad():
+        for conv in cnn.convs:
+            conv.lin.raw.mul_(5.0)  # the forward divides by the exact norm whatever the raw weights
+    assert cnn.lipschitz_bound() <= 1.0 + 1e-5
+    x = torch.rand(6, 3, 32, 32)
+    q = maximize_difference_quotient(lambda z: cnn(z[None])[0], x[0], radius=0.5, steps=10)["lower_bound"]
+    assert 0 < q <= cnn.lipschitz_bound() + 1e-5
+    with torch.no_grad():
+        logits = cnn(x)
+    labels = logits.argmax(1)
+    radius = certified_radius(logits, labels, cnn.lipschitz_bound())
+    # an attack at each image's own certified radius changes nothing
+    for i in range(6):
+        assert not pgd_l2(cnn, x[i:i + 1], labels[i:i + 1], float(radius[i]), steps=10, restarts=2)[0]
