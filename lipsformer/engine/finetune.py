@@ -106,6 +106,11 @@ def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
     return list(dict.fromkeys(names))
 
 
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The run's model from scratch: ``timm.create_model`` with the config's model arguments."""
+    return timm.create_model(cfg.model, **cfg.model_args())
+
+
 def start_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.Module, ModelStart]:
     """The run's model: built, given its starting weights (unless ``load_weights`` is false: a resumed run
     restores its own) and frozen as configured. Every error here comes before the run writes anything."""
@@ -116,7 +121,7 @@ def start_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.M
             init_weights(model.get_submodule(classifier_name(model)), model.lipschitz.init)
             start.reinitialised = classifier_keys(model)
     else:
-        model = timm.create_model(cfg.model, **cfg.model_args())
+        model = build_model(cfg)
         start = ModelStart(source="scratch" if load_weights else "resumed")
     start.frozen = frozen_modules(model, cfg)
     if start.frozen:

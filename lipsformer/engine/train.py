@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import timm
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
@@ -35,7 +34,7 @@ from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoin
                          save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma, _whole
-from .finetune import ModelStart, eval_frozen, start_model
+from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, margin_criterion
 from .run_folder import RunFolder
@@ -46,10 +45,6 @@ _logger = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient stopped the run."""
-
-
-def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    return timm.create_model(cfg.model, **cfg.model_args())
 
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
