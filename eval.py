@@ -3,6 +3,8 @@
     python eval.py --model lipsformer_swin_t --pretrained --data-dir /data/imagenet --dataset imagenet
     python eval.py --model lipsformer_swin_t --checkpoint output/run --use-ema --data-dir /data/imagenet \\
         --dataset imagenet_real --real-labels real.json --predictions preds.csv --output results.json
+    python eval.py --checkpoint output/run --data-dir digits/val --dataset imagenet_v2 \\
+        --certify-eps 0.1 0.25 0.5 --attack-eps 0.1 0.25 0.5 --predictions preds.csv
     accelerate launch eval.py ... (every image is counted once across processes)
 """
 import argparse
@@ -14,7 +16,22 @@ from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.config import ConfigError
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, TooManyBadSamples, evaluate_model, \
     write_predictions
+from lipsformer.lipschitz.bounds import NoBoundError
+from lipsformer.lipschitz.certify import parse_eps
 from lipsformer.weights import CheckpointError
+
+
+def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
+    """``clean X% | certified (L = ...) at eps: Y% ... | PGD-attacked at eps: Z% ...`` of one evaluation."""
+    parts = [f"clean {top1:.3f}%"]
+    if r["certified"]:
+        why = f"; nothing certifies: {r['reason']}" if r["reason"] else ""
+        accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified"].items())
+        parts.append(f"certified (L = {r['lipschitz']:.4g} in pixel space{why}) {accs}")
+    if r["attacked"]:
+        accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["attacked"].items())
+        parts.append(f"PGD-attacked (l2, {steps} steps, {restarts} restarts) {accs}")
+    return "robustness: " + " | ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -41,24 +58,39 @@ def main(argv=None) -> int:
                              "fails (training's max_bad_fraction rule)")
     parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
                         help='model arguments for a checkpoint without a config, e.g. \'{"img_size": 32}\'')
+    parser.add_argument("--certify-eps", nargs="+", default=[], metavar="EPS",
+                        help="certified accuracy at these l2 radii in [0, 1] pixel space (margin / (sqrt(2) L), "
+                             "L from the Lipschitz report); --predictions gets each image's certified radius")
+    parser.add_argument("--attack-eps", nargs="+", default=[], metavar="EPS",
+                        help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")
+    parser.add_argument("--attack-steps", type=int, default=20, help="PGD steps per restart")
+    parser.add_argument("--attack-restarts", type=int, default=3, help="PGD random restarts")
     args = parser.parse_args(argv)
     if not args.model and args.pretrained:
         parser.error("--pretrained needs --model")
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         parser.error(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
     try:
+        certify_eps = parse_eps(args.certify_eps, "--certify-eps")
+        attack_eps = parse_eps(args.attack_eps, "--attack-eps")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         result, samples = evaluate_model(
             args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
             real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
             workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
-            compile=args.compile, channels_last=args.channels_last)
-    except (CheckpointError, ConfigError, FileNotFoundError) as e:  # bad input: one line naming what to fix
+            certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
+            attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
+    except (CheckpointError, ConfigError, FileNotFoundError, NoBoundError) as e:  # bad input: one line naming it
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TooManyBadSamples as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     classes, probs = result.pop("classes"), result.pop("probs")
+    radius = result.pop("radius", None)
     if not result.pop("is_main_process"):
         return 0
     excluded = f", {result['excluded']} without ReaL labels left out" if result["excluded"] else ""
@@ -67,8 +99,10 @@ def main(argv=None) -> int:
     print(f"{result['model']} on {args.data_dir} ({result['dataset']}): top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
           f"({result['count']} of {result['images']} images scored{excluded}; {result['seconds']:.1f} s, "
           f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))")
+    if "robustness" in result:
+        print(robustness_line(result["robustness"], result["top1"], args.attack_steps, args.attack_restarts))
     if args.predictions:
-        write_predictions(args.predictions, samples, classes, probs)
+        write_predictions(args.predictions, samples, classes, probs, radius)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(dict(result, data_dir=args.data_dir), f, indent=2)

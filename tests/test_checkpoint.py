@@ -108,6 +108,8 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint_and_ends_identic
     assert summary["step"] == 6
     resumed = load_file(str(folder.weights()))  # steps 5 and 6 again: the same weights as the first run
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)
+    assert (folder.checkpoints / ".damaged-step_000000006" / "model.safetensors").stat().st_size == 1000  # kept
+    verify_checkpoint(folder.checkpoint(6), model_of(cfg))  # written again, intact
 
 
 def test_unusable_checkpoints_are_one_line_errors_naming_the_file(finished_run, tmp_path):

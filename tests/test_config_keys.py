@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from timm.layers import DropPath
 from torchvision import transforms as T

@@ -219,8 +219,11 @@ def test_eval_cli_reports_unreadable_images_and_refuses_fp16_on_cpu(tmp_path):
                                str(tmp_path / "v2"), "--dataset", "imagenet_v2", "--workers", "0", *extra],
                               capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
-    ok = run("--max-bad-fraction", "0.25", "--output", str(tmp_path / "r.json"))
+    ok = run("--max-bad-fraction", "0.25", "--output", str(tmp_path / "r.json"), "--predictions",
+             str(tmp_path / "p.csv"))
     assert ok.returncode == 0, ok.stderr[-2000:]
+    rows = {Path(r["path"]).parent.name: r for r in csv.DictReader((tmp_path / "p.csv").open())}
+    assert len(rows) == 4 and rows["2"]["top1"] == rows["2"]["prob1"] == "" and rows["1"]["top1"] != ""
     assert "(3 of 4 images scored, 1 unreadable skipped;" in ok.stdout
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["unreadable"] == 1 and saved["unreadable_files"] == [str(tmp_path / "v2" / "2" / "a.png")]

@@ -345,17 +345,17 @@ def test_unknown_mixer_downsampler_or_attention_kind_has_no_bound_and_says_which
         register_bound(NewMixer)(lambda mixer, hw: 2.0)
     m.stages[0].blocks[0].attn = NewMixer()
     rows = {r.name: r for r in lipschitz_report(m).rows}
-    assert rows["stages.0.blocks.0.res_attn"].branch == 1.0 and rows["stages.0.blocks.0.res_attn"].note == "identity mixer"
-    assert rows["stages.2.blocks.1.res_attn"].note == "contractive"
-    assert rows["stages.2.blocks.1.res_attn"].branch == pytest.approx(0.5 * matrix_norm(m.stages[2].blocks[1].attn.proj.weight))
+    new, contractive = rows["stages.0.blocks.0.res_attn"], rows["stages.2.blocks.1.res_attn"]
+    assert new.branch == 1.0 and new.note == "identity mixer" and contractive.note == "contractive"
+    assert contractive.branch == pytest.approx(0.5 * matrix_norm(m.stages[2].blocks[1].attn.proj.weight))
 
 
 def test_max_pooled_head_is_bounded_as_max_pooling_not_as_a_mean():
     """The head's pool is bounded by its type: a mean over N tokens has 1/sqrt(N), a max 1 (a mean's 1/sqrt(N)
     would undercut a max-pooled model, checked here against two inputs that differ in one token)."""
     kw = dict(TINY["swin"], img_size=64, v_norm=True)
-    pooled = {p: {r.name: r.lip for r in lipschitz_report(timm.create_model("lipsformer_swin_t", global_pool=p, **kw)).rows}
-              for p in ("avg", "max")}
+    pooled = {p: {r.name: r.lip for r in lipschitz_report(timm.create_model("lipsformer_swin_t", global_pool=p,
+                                                                            **kw)).rows} for p in ("avg", "max")}
     assert pooled["avg"]["head.global_pool"] == pytest.approx(0.5) and pooled["max"]["head.global_pool"] == 1.0
     pool = timm.create_model("lipsformer_swin_t", global_pool="max", **kw).head.global_pool
     x = torch.zeros(1, 2, 2, 8)

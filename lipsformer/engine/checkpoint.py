@@ -4,7 +4,6 @@ Each checkpoint folder carries ``manifest.json``: the size and sha256 of every f
 folder is renamed into place. Resuming verifies it, and reads every file Accelerate would unpickle without
 running code, so a damaged or unsafe checkpoint is named instead of crashing (or being trusted) halfway.
 """
-import hashlib
 import json
 import logging
 import os
@@ -126,15 +125,15 @@ def verify_checkpoint(folder: Path, model: torch.nn.Module) -> None:
     check_loadable(folder, model)
 
 
-def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path], List[str]]:
-    """The newest checkpoint of a run that passes :func:`verify_checkpoint`, and one line for each newer one
-    that did not (what was wrong with it). ``(None, [...])`` when there are checkpoints but none is intact."""
+def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """The newest checkpoint of a run that passes :func:`verify_checkpoint`, and ``(folder, what was wrong)`` for
+    each newer one that did not. ``(None, [...])`` when there are checkpoints but none is intact."""
     problems = []
     for folder in reversed(RunFolder(output_dir).finished_checkpoints()):
         try:
             verify_checkpoint(folder, model)
         except CheckpointError as e:
-            problems.append(f"{folder.name}: {e}")
+            problems.append((folder, str(e)))
             continue
         return folder, problems
     return None, problems

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_samples
+from ..lipschitz.certify import certify_dataset
 from ..weights import create_from_checkpoint
 from .config import ConfigError, TrainConfig
 from .speed import compile_model, prepare_model
@@ -107,7 +108,7 @@ def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
 def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int = 4,
                      max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> dict:
     """Score an :class:`~lipsformer.data.EvalDataset`; the result also holds each image's ranked predictions
-    (rows of unreadable images stay zero) and the paths of the images that could not be read.
+    (class -1 and probability 0 for an unreadable image) and the paths of the images that could not be read.
 
     Unreadable images are skipped and counted as training counts them; more than ``max_bad_fraction`` of
     them stops the evaluation (TooManyBadSamples, naming them). Raises when the gathered predictions do
@@ -124,7 +125,7 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
         raise RuntimeError(f"predictions cover {pred.keys.unique().numel()} distinct images in {pred.keys.numel()} "
                            f"rows with {pred.unreadable} unreadable, expected each of the {len(dataset)} images once")
     check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable)
-    classes = torch.zeros(len(dataset), pred.classes.shape[1], dtype=torch.long)
+    classes = torch.full((len(dataset), pred.classes.shape[1]), -1, dtype=torch.long)  # -1: not read
     probs = torch.zeros(len(dataset), pred.probs.shape[1])
     classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
     read = torch.ones(len(dataset), dtype=torch.bool)
@@ -138,28 +139,39 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
     return dict(result, classes=classes, probs=probs)
 
 
-def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor) -> None:
-    """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities."""
+def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor, radius=None) -> None:
+    """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities (empty for
+    an image that could not be read), and with ``radius`` its certified l2 radius in pixel space
+    (:mod:`lipsformer.lipschitz.certify`)."""
     k = classes.shape[1]
     header: List[str] = ["path", "targets"]
     for i in range(1, k + 1):
         header += [f"top{i}", f"prob{i}"]
+    if radius is not None:
+        header.append("certified_radius")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
-        for (image, labels), ranked, p in zip(samples, classes.tolist(), probs.tolist()):
+        for n, ((image, labels), ranked, p) in enumerate(zip(samples, classes.tolist(), probs.tolist())):
             row = [image, " ".join(map(str, labels))]
             for c, q in zip(ranked, p):
-                row += [c, f"{q:.6f}"]
+                row += [c, f"{q:.6f}"] if c >= 0 else ["", ""]  # an unreadable image: no prediction
+            if radius is not None:
+                row.append(f"{float(radius[n]):.6g}")
             writer.writerow(row)
 
 
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
                    workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+                   certify_eps=(), attack_eps=(), attack_steps: int = 20, attack_restarts: int = 3,
                    compile: bool = False, channels_last: bool = False):
     """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
-    config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``."""
+    config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``.
+
+    With ``certify_eps`` / ``attack_eps`` the result also holds ``robustness``: certified accuracy at each radius
+    and accuracy under an l2 PGD attack (:func:`lipsformer.lipschitz.certify.certify_dataset`), and ``radius``,
+    each image's certified radius."""
     if (checkpoint is None) == (not pretrained):
         raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
     if pretrained and use_ema:
@@ -190,4 +202,11 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
                   amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
                   compile=compile, channels_last=channels_last)
+    if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack
+        loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(samples, transform), batch_size=batch_size,
+                                                            shuffle=False, num_workers=workers,
+                                                            collate_fn=collate_skip_failed))
+        robustness = certify_dataset(model, loader, accelerator, [s[1] for s in samples], certify_eps, attack_eps,
+                                     attack_steps, attack_restarts)
+        result.update(radius=robustness.pop("radius"), robustness=robustness)
     return result, samples

@@ -11,6 +11,7 @@ reads finished runs from it::
       last_ema.safetensors   their EMA (when ema_decay is set)
       best.safetensors       the best of model / EMA by val top-1
       checkpoints/step_NNNNNNNNN/   Accelerate save_state folders, each with manifest.json
+      checkpoints/.damaged-step_N/  checkpoints --resume auto skipped, set aside so the run can write them again
       lipsformer/            TensorBoard events
 """
 import re
@@ -26,6 +27,7 @@ BEST = "best.safetensors"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # inside each checkpoint folder
 TMP_PREFIX = ".tmp-"  # a checkpoint being written; never taken for a finished one
+DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside (kept for inspection)
 
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
 
@@ -70,6 +72,15 @@ class RunFolder:
     def temporary(final: Path) -> Path:
         """Where ``final`` is written before its rename."""
         return final.with_name(TMP_PREFIX + final.name)
+
+    @staticmethod
+    def set_aside(damaged: Path) -> Path:
+        """A name beside ``damaged`` for a checkpoint that failed verification; no earlier one is overwritten."""
+        n, target = 0, damaged.with_name(DAMAGED_PREFIX + damaged.name)
+        while target.exists():
+            n += 1
+            target = damaged.with_name(f"{DAMAGED_PREFIX}{damaged.name}.{n}")
+        return target
 
     def finished_checkpoints(self) -> List[Path]:
         """Renamed (complete) checkpoint folders, oldest first; half-written ``.tmp-*`` ones are left out."""

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
-from ..lipschitz.bounds import lipschitz_report
 from ..layers.residual import WeightedResidual
+from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
 from ..models._base import LipsFormerBase
 from ..weights import CheckpointError
@@ -245,9 +245,17 @@ def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Pa
         return resume_from
     intact, problems = intact_checkpoint(folder.root, model)
     if intact is None:
-        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: " + "; ".join(problems))
-    for problem in problems:
-        _logger.warning(f"--resume auto: skipped damaged checkpoint {problem}; falling back to {intact.name}")
+        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: "
+                              + "; ".join(f"{damaged.name}: {why}" for damaged, why in problems))
+    processes = PartialState()
+    for damaged, why in problems:  # set aside, so the resumed run writes that step again
+        aside = RunFolder.set_aside(damaged)
+        _logger.warning(f"--resume auto: skipped damaged checkpoint {damaged.name}: {why}; falling back to "
+                        f"{intact.name} (the damaged one is kept as {aside.name})")
+        processes.wait_for_everyone()
+        if processes.is_main_process:
+            os.replace(damaged, aside)
+    processes.wait_for_everyone()
     return intact
 
 

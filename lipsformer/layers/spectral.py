@@ -13,22 +13,21 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 def _lanczos(w: torch.Tensor, rtol: float = 1e-9, check_every: int = 8) -> float:
-    """Top eigenvalue of ``w.T @ w`` (n x n, never formed) by Lanczos with full reorthogonalisation, stopped when
-    the top Ritz value changes by less than ``rtol`` relative between checks (every ``check_every`` steps).
-    A Ritz value never exceeds the eigenvalue."""
+    """Top eigenvalue of ``w.T @ w`` (n x n, never formed; the products in ``w``'s dtype, the recurrence in
+    float64) by Lanczos with full reorthogonalisation, stopped when the top Ritz value changes by less than ``rtol``
+    relative between checks (every ``check_every`` steps)."""
     n = w.shape[1]
-    w32 = w.float()  # the products in float32 (half the memory traffic, error ~1e-7), the recurrence in float64
-    basis = torch.empty(n, n, dtype=w.dtype, device=w.device)
+    basis = torch.empty(n, n, dtype=torch.float64, device=w.device)
     diag = torch.zeros(n, dtype=torch.float64)
     off = torch.zeros(n, dtype=torch.float64)
-    q = torch.randn(n, dtype=w.dtype, device=w.device, generator=_generator(w.device))
-    basis[:, 0] = q / q.norm()
+    q = torch.randn(n, dtype=torch.float64, device=w.device, generator=_generator(w.device))
+    basis[0] = q / q.norm()  # rows: the orthonormal Lanczos vectors
     top = 0.0
     for k in range(n):
-        z = (w32.T @ (w32 @ basis[:, k].float())).double()
-        diag[k] = basis[:, k] @ z
+        z = (w.T @ (w @ basis[k].to(w.dtype))).double()
+        diag[k] = basis[k] @ z
         for _ in range(2):  # full reorthogonalisation, twice is enough
-            z = z - basis[:, :k + 1] @ (basis[:, :k + 1].T @ z)
+            z = z - basis[:k + 1].T @ (basis[:k + 1] @ z)
         off[k] = z.norm()
         last = k + 1 == n or float(off[k]) <= 1e-13 * float(diag[:k + 1].abs().max())
         if last or (k + 1) % check_every == 0:
@@ -36,7 +35,7 @@ def _lanczos(w: torch.Tensor, rtol: float = 1e-9, check_every: int = 8) -> float
             previous, top = top, float(torch.linalg.eigvalsh(t)[-1])
             if last or abs(top - previous) <= rtol * top:
                 break
-        basis[:, k + 1] = z / off[k]
+        basis[k + 1] = z / off[k]
     return top
 
 
@@ -50,11 +49,12 @@ def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: 
     ``certified=False`` (the spectral init): Lanczos on the Gram matrix without forming it (its products in
     float32), an estimate that agrees with the exact value to about 1e-7 relative, cheaper for large weights.
     """
-    w = weight.detach().to(torch.float64).flatten(1)
+    w = weight.detach().flatten(1)
     if w.shape[0] < w.shape[1]:
         w = w.T  # (m, n) with n the smaller side
     if not certified and w.shape[1] > SMALL_DIM:
-        return _lanczos(w) ** 0.5
+        return _lanczos(w.float()) ** 0.5  # float32 products: half the memory traffic, error ~1e-7
+    w = w.to(torch.float64)
     if w.shape[1] <= EXACT_MAX_DIM:
         return float(torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0).sqrt())
     v = torch.randn(w.shape[1], dtype=w.dtype, device=w.device, generator=_generator(w.device))

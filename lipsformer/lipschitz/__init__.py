@@ -1,9 +1,12 @@
-"""The Lipschitz toolkit: certified upper bounds (``bounds``) and measured lower bounds (``estimate``)."""
+"""The Lipschitz toolkit: certified upper bounds (``bounds``), measured lower bounds (``estimate``) and per-image
+certificates with an attack to check them (``certify``)."""
 from .bounds import (Bound, LipschitzReport, NoBoundError, Row, conv_bound, conv_operator_norm, gelu_bound,
                      lipschitz_report, matrix_norm, module_bound, register_bound, register_kernel_bound,
                      register_residual_bound, register_rows)
+from .certify import certified_accuracy, certified_radius, pgd_l2, pixel_lipschitz
 from .estimate import ball, jacobian_norm, maximize_difference_quotient, maximize_jacobian_norm
 
-__all__ = ["Bound", "LipschitzReport", "NoBoundError", "Row", "ball", "conv_bound", "conv_operator_norm", "gelu_bound", "jacobian_norm",
-           "lipschitz_report", "matrix_norm", "maximize_difference_quotient", "maximize_jacobian_norm", "module_bound", "register_bound",
-           "register_kernel_bound", "register_residual_bound", "register_rows"]
+__all__ = ["Bound", "LipschitzReport", "NoBoundError", "Row", "ball", "certified_accuracy", "certified_radius",
+           "conv_bound", "conv_operator_norm", "gelu_bound", "jacobian_norm", "lipschitz_report", "matrix_norm",
+           "maximize_difference_quotient", "maximize_jacobian_norm", "module_bound", "pgd_l2", "pixel_lipschitz",
+           "register_bound", "register_kernel_bound", "register_residual_bound", "register_rows"]

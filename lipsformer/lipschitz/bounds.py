@@ -248,7 +248,8 @@ def center_norm_bound(norm: CenterNorm, hw: HW) -> Bound:
 
 @register_bound(nn.LayerNorm)
 def layer_norm_bound(norm: nn.LayerNorm, hw: HW) -> Bound:
-    """LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1: its Jacobian grows without bound as the variance goes to 0)."""
+    """LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1: its Jacobian grows without bound as the variance
+    goes to 0)."""
     return Bound(INF, "LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1)")
 
 

@@ -1,0 +1,200 @@
+"""Certified robustness from the Lipschitz bound, and an l2 PGD attack to check it against.
+
+If a classifier's logits are L-Lipschitz in the l2 norm of its input, each logit difference ``z_i - z_j`` is
+``sqrt(2) L``-Lipschitz, so no perturbation of l2 norm below ``margin / (sqrt(2) L)`` can change the prediction,
+where ``margin`` is the top logit minus the runner-up (Tsuzuku, Sato & Sugiyama, "Lipschitz-margin training",
+NeurIPS 2018, Proposition 1). That radius is the image's **certified radius**.
+
+Radii are in the pixel space users perturb: the model's input image with pixels in [0, 1] (after the resize and
+crop of its preprocessing), before the normalisation ``(x - mean) / std``. The normalisation is part of the map,
+so ``L = network bound / min(std)``, the network bound taken from :func:`~lipsformer.lipschitz.bounds.lipschitz_report`
+(the report users read), never assumed. A model without a finite bound certifies nothing, and says why.
+
+The certificate is sound for the model in evaluation mode, computed in float32 or wider (AttLip's proximal step is
+solved to its tolerance; the bound holds for the exact prox).
+"""
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import torch
+from timm.data import resolve_data_config
+from torch import nn
+
+from .bounds import LipschitzReport, lipschitz_report
+
+SQRT2 = math.sqrt(2.0)
+
+
+@dataclass(frozen=True)
+class PixelLipschitz:
+    """The Lipschitz bound of ``pixels in [0, 1] -> logits``: the network bound times the normalisation's."""
+
+    network: float  # the report's network bound (eq. 19), on normalised inputs
+    input_scale: float  # 1 / min(std): the normalisation's Lipschitz constant
+    reason: str = ""  # why the bound is infinite ("" when finite)
+
+    @property
+    def bound(self) -> float:
+        return self.network * self.input_scale
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.bound)
+
+
+def normalization(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (mean, std) of ``model``'s preprocessing, as (C, 1, 1) tensors (timm's data config of the model)."""
+    cfg = resolve_data_config({}, model=model)
+    mean, std = (torch.tensor(cfg[k], dtype=torch.float32).view(-1, 1, 1) for k in ("mean", "std"))
+    return mean, std
+
+
+def pixel_lipschitz(model: nn.Module, report: Optional[LipschitzReport] = None) -> PixelLipschitz:
+    """``L`` of the certificate: :func:`lipschitz_report`'s bound times ``1 / min(std)`` of the model's
+    preprocessing."""
+    report = lipschitz_report(model) if report is None else report
+    _, std = normalization(model)
+    network = report.bound
+    reason = ""
+    if not math.isfinite(network):
+        notes = sorted({r.note for r in report.rows if not math.isfinite(r.lip) and r.note})
+        reason = ("the certified bound is infinite: " + "; ".join(notes) if notes
+                  else f"the certified bound exceeds the float range (1e{report.log10_bound:.0f})")
+    return PixelLipschitz(network, 1.0 / float(std.min()), reason)
+
+
+def logit_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Top logit minus the runner-up, per row (0 for a tie)."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def certified_radius(logits: torch.Tensor, lipschitz: Union[float, PixelLipschitz]) -> torch.Tensor:
+    """Per image, ``margin / (sqrt(2) L)``: no l2 perturbation of smaller norm changes its prediction
+    (Tsuzuku et al. 2018). 0 everywhere when ``L`` is infinite."""
+    L = lipschitz.bound if isinstance(lipschitz, PixelLipschitz) else float(lipschitz)
+    margin = logit_margin(logits).double()
+    if not math.isfinite(L):
+        return torch.zeros_like(margin)
+    return margin / (SQRT2 * L)
+
+
+def certified_accuracy(radius: torch.Tensor, correct: torch.Tensor, eps: Sequence[float]) -> Dict[float, float]:
+    """% of images predicted correctly whose certified radius exceeds each ``eps`` (non-increasing in eps)."""
+    n = max(int(correct.numel()), 1)
+    return {float(e): 100.0 * float((correct.bool() & (radius > e)).sum()) / n for e in eps}
+
+
+def pgd_l2(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: Union[float, torch.Tensor],
+           mean: torch.Tensor, std: torch.Tensor, steps: int = 20, restarts: int = 3, step_size: Optional[float] = None,
+           seed: int = 0) -> torch.Tensor:
+    """l2 PGD (Madry et al. 2018) on pixels in [0, 1]: per image, whether some perturbation of norm <= ``eps``
+    (a float or one per image) was found that makes the prediction differ from ``labels``.
+
+    Each restart starts at a random point of the ball and ascends the margin loss ``max_{j != y} z_j - z_y``
+    (Carlini & Wagner) with normalised gradient steps of ``step_size`` (default ``2.5 eps / steps``), projected
+    back onto the ball and the [0, 1] box; an image counts as fooled as soon as any iterate changes its prediction.
+    """
+    model.eval()
+    b = pixels.shape[0]
+    eps_t = torch.as_tensor(eps, dtype=pixels.dtype, device=pixels.device).expand(b).reshape(b, 1, 1, 1)
+    alpha = eps_t * 2.5 / steps if step_size is None else torch.full_like(eps_t, step_size)
+    mean, std = mean.to(pixels), std.to(pixels)
+    gen = torch.Generator(device=pixels.device).manual_seed(seed)
+    fooled = torch.zeros(b, dtype=torch.bool, device=pixels.device)
+
+    def project(delta):
+        norm = delta.flatten(1).norm(dim=1).view(b, 1, 1, 1)
+        delta = delta * torch.clamp(eps_t / norm.clamp_min(1e-12), max=1.0)
+        return (pixels + delta).clamp(0, 1) - pixels
+
+    for _ in range(restarts):
+        direction = torch.randn(pixels.shape, generator=gen, device=pixels.device, dtype=pixels.dtype)
+        direction = direction / direction.flatten(1).norm(dim=1).view(b, 1, 1, 1)
+        radius = torch.rand(b, generator=gen, device=pixels.device, dtype=pixels.dtype).view(b, 1, 1, 1)
+        delta = project(direction * radius * eps_t)
+        for step in range(steps + 1):
+            delta.requires_grad_(True)
+            logits = model((pixels + delta - mean) / std)
+            fooled |= logits.argmax(-1) != labels
+            if step == steps or bool(fooled.all()):
+                break
+            true = logits.gather(1, labels[:, None]).squeeze(1)
+            other = logits.scatter(1, labels[:, None], -math.inf).amax(1)
+            (grad,) = torch.autograd.grad((other - true).sum(), delta)
+            with torch.no_grad():
+                g = grad / grad.flatten(1).norm(dim=1).clamp_min(1e-12).view(b, 1, 1, 1)
+                delta = project(delta.detach() + alpha * g)
+        if bool(fooled.all()):
+            break
+    return fooled.detach()
+
+
+def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[Sequence[int]],
+                    certify_eps: Sequence[float] = (), attack_eps: Sequence[float] = (), attack_steps: int = 20,
+                    attack_restarts: int = 3, report: Optional[LipschitzReport] = None) -> dict:
+    """Certified and PGD-attacked accuracy (%) of an ``(images, index)`` loader of normalised images whose
+    allowed labels are ``label_sets[index]`` (images with no label are left out, as in scoring).
+
+    An image counts as certified at ``eps`` when its top-1 is allowed and its certified radius exceeds ``eps``; as
+    attacked-correct when its top-1 is allowed and the attack at ``eps`` did not change it. So for a sound bound,
+    certified <= attacked <= clean at every eps. Returns ``lipschitz`` (pixel-space L), ``reason`` (why nothing
+    certifies, or ""), ``certified`` and ``attacked`` ({eps: %}), ``count`` and ``radius`` (per image, by index).
+    """
+    L = pixel_lipschitz(accelerator.unwrap_model(model), report)
+    mean, std = normalization(accelerator.unwrap_model(model))
+    mean, std = mean.to(accelerator.device), std.to(accelerator.device)
+    model.eval()
+    keys, radii, corrects, robusts, valid = [], [], [], [], []
+    for batch in loader:  # (images, index) or collate_skip_failed's (images, index, failed): stand-ins come last
+        images, index = batch[0], batch[1]
+        if images is None:
+            continue
+        images = images.float()
+        read = torch.arange(len(images), device=images.device) < len(images) - (len(batch[2]) if len(batch) > 2 else 0)
+        with torch.no_grad():
+            logits = model(images)
+        pred = logits.argmax(-1)
+        correct = torch.tensor([int(p) in set(label_sets[int(i)]) for p, i in zip(pred.tolist(), index.tolist())],
+                               device=images.device)
+        robust = torch.zeros(len(pred), len(attack_eps), dtype=torch.bool, device=images.device)
+        pixels = (images * std + mean).clamp(0, 1)
+        for k, e in enumerate(attack_eps):
+            if bool(correct.any()):
+                fooled = pgd_l2(model, pixels[correct], pred[correct], e, mean, std, attack_steps, attack_restarts)
+                robust[correct.nonzero().squeeze(1), k] = ~fooled
+        index, radius, correct, robust, read = accelerator.gather_for_metrics(
+            (index.to(images.device), certified_radius(logits, L).to(images.device), correct, robust, read))
+        keys.append(index.cpu())
+        radii.append(radius.cpu())
+        corrects.append(correct.cpu())
+        robusts.append(robust.cpu())
+        valid.append(read.cpu())
+    read = torch.cat(valid) if valid else torch.zeros(0, dtype=torch.bool)
+    index = torch.cat(keys)[read] if keys else torch.zeros(0, dtype=torch.long)
+    radius = torch.cat(radii)[read] if radii else torch.zeros(0, dtype=torch.double)
+    correct = torch.cat(corrects)[read] if corrects else torch.zeros(0, dtype=torch.bool)
+    robust = torch.cat(robusts)[read] if robusts else torch.zeros(0, len(attack_eps), dtype=torch.bool)
+    scored = torch.tensor([bool(label_sets[int(i)]) for i in index], dtype=torch.bool)
+    count = max(int(scored.sum()), 1)
+    by_index = torch.zeros(len(label_sets), dtype=torch.double)  # unreadable images keep 0: nothing certified
+    by_index[index] = radius
+    return dict(lipschitz=L.bound, network_bound=L.network, input_scale=L.input_scale, reason=L.reason,
+                certified=certified_accuracy(radius[scored], correct[scored], certify_eps),
+                attacked={float(e): 100.0 * float(robust[scored, k].sum()) / count for k, e in enumerate(attack_eps)},
+                count=int(scored.sum()), radius=by_index)
+
+
+def parse_eps(values: Sequence[str], flag: str) -> Tuple[float, ...]:
+    """Radii given on a command line: non-negative finite numbers, else a ValueError naming the flag and value."""
+    out = []
+    for v in values:
+        try:
+            e = float(v)
+        except ValueError:
+            raise ValueError(f"{flag} takes non-negative numbers (l2 radii in [0, 1] pixel space), got {v!r}") from None
+        if not math.isfinite(e) or e < 0:
+            raise ValueError(f"{flag} takes non-negative numbers (l2 radii in [0, 1] pixel space), got {v!r}")
+        out.append(e)
+    return tuple(out)
