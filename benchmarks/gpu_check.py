@@ -99,11 +99,12 @@ def report(results: str) -> int:
              "tests: " + (", ".join(f"{k} {v}" for k, v in tests.items() if k != "sdpa_kernels") or "not run"), "",
              "| run | model | GFLOPs | infer img/s | ratio | train img/s | ratio | train peak MB | ratio |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    no_train = " | ".join([""] * 4)
     for run, part in parts.items():
         base = part["rows"][0]
         for r in part["rows"]:
             train = (f"{r['train_img_s']:.0f} | {r['train_ratio']:.2f} | {r['train_memory_mb']:.0f} | "
-                     f"{r['train_memory_mb'] / base['train_memory_mb']:.2f}") if "train_img_s" in r else " | ".join([""] * 4)
+                     f"{r['train_memory_mb'] / base['train_memory_mb']:.2f}") if "train_img_s" in r else no_train
             lines.append(f"| {run.removeprefix('throughput_')} | {r['model']} | {r['gflops']:.2f} | "
                          f"{r['infer_img_s']:.0f} | {r['infer_ratio']:.2f} | {train} |")
     lines += ["", "setups:"] + [f"- {run}: {part['setup']}" for run, part in parts.items()]

@@ -36,7 +36,8 @@ def machine(monkeypatch):
 
 
 def test_missing_and_too_old_packages_come_from_the_wheels_with_their_dependencies(tmp_path, machine, capsys):
-    fvcore = _wheel(tmp_path, "fvcore", "0.1.5.post20221221", ["yacs>=0.1.6", "termcolor>=1.1", 'shapely; extra == "all"'])
+    fvcore = _wheel(tmp_path, "fvcore", "0.1.5.post20221221",
+                    ["yacs>=0.1.6", "termcolor>=1.1", 'shapely; extra == "all"'])
     yacs = _wheel(tmp_path, "yacs", "0.1.8")
     timm = _wheel(tmp_path, "timm", "1.0.31", ["torch"])
     _wheel(tmp_path, "termcolor", "3.3.0")  # present on the machine: not installed

@@ -107,10 +107,9 @@ def test_channels_last_model_gives_the_same_outputs():
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path, monkeypatch):
+def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
     inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile workers for a tiny model
     data = make_folder(tmp_path / "data", val_per_class=(2, 2, 2, 2))  # one val batch shape: one eval graph
     cfg = dict(TINY_RUN, data_dir=str(data), epochs=2, checkpoint_every_steps=1, compile=True,
                model_kwargs=dict(TINY_RUN["model_kwargs"], depths=[1, 1], num_heads=[1, 2]))
