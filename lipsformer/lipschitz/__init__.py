@@ -1,6 +1,8 @@
 """The Lipschitz toolkit: certified upper bounds (``bounds``) and measured lower bounds (``estimate``)."""
 from .bounds import LipschitzReport, Row, conv_bound, conv_operator_norm, gelu_bound, lipschitz_report, matrix_norm
 from .estimate import ball, jacobian_norm, maximize_difference_quotient, maximize_jacobian_norm
+from .invert import ContractiveL2Attention, Inverse, InvertibleResidual, branch_bound, invert
 
 __all__ = ["LipschitzReport", "Row", "ball", "conv_bound", "conv_operator_norm", "gelu_bound", "jacobian_norm",
-           "lipschitz_report", "matrix_norm", "maximize_difference_quotient", "maximize_jacobian_norm"]
+           "lipschitz_report", "matrix_norm", "maximize_difference_quotient", "maximize_jacobian_norm",
+           "ContractiveL2Attention", "Inverse", "InvertibleResidual", "branch_bound", "invert"]
