@@ -96,3 +96,20 @@ def test_warmup_ramps_as_timm_cosine_scheduler_does(tmp_path, digits):
     for step in range(1, warm):
         assert lrs[step] == pytest.approx(cfg.min_lr + step * (cfg.lr - cfg.min_lr) / warm)
     assert lrs[warm] < lrs[warm - 1]
+
+
+def test_invertibility_l2_reconstructs_and_dot_product_does_not(tmp_path):
+    """Kim et al. Fig. 3 at reduced size: with one token at 0 and the others spread wide, the fixed-point iteration
+    inverts x + c L2-MHA(x) to rounding and stalls for dot-product attention; the contractive form is certified."""
+    inv = _bench("invertibility")
+    summary = inv.main(["--n", "16", "--dim", "16", "--heads", "2", "--batch", "8", "--iters", "30",
+                        "--out", str(tmp_path)])
+    final = {(r["layer"], r["c"]): r["errors"][-1] for r in summary["runs"]}
+    for c in inv.CS:
+        assert final["L2-MHA", c] < 1e-10 and final["Contractive-L2-MHA", c] < 1e-10
+        assert final["DP-MHA", c] > 1e-2
+    for r in summary["runs"]:
+        assert len(r["errors"]) == 30
+        if r["layer"] == "Contractive-L2-MHA":
+            assert r["certified_lip"] == pytest.approx(r["c"]) and r["invert_error_l2"] <= 1e-10
+    assert (tmp_path / "invertibility.png").stat().st_size > 0
