@@ -113,3 +113,22 @@ def test_invertibility_l2_reconstructs_and_dot_product_does_not(tmp_path):
         if r["layer"] == "Contractive-L2-MHA":
             assert r["certified_lip"] == pytest.approx(r["c"]) and r["invert_error_l2"] <= 1e-10
     assert (tmp_path / "invertibility.png").stat().st_size > 0
+
+
+def test_kim_tightness_jacobian_is_exact_and_lower_bound_stays_under_theorem_3_2(tmp_path):
+    from torch.func import jacrev
+
+    from lipsformer.layers.attention import KimL2Attention
+
+    kt = _bench("kim_tightness")
+    attn = KimL2Attention(1, 1, fused=False).double()
+    for m in (attn.q, attn.v, attn.proj):
+        torch.nn.init.ones_(m.weight)
+    x = torch.randn(7, dtype=torch.double) * 3
+    exact = jacrev(lambda z: attn(z.view(1, 7, 1)).view(7))(x)
+    assert torch.allclose(kt.scalar_l2_jacobian(x[None])[0], exact, atol=1e-12)
+    summary = kt.main(["--ns", "8", "32", "--inits", "4", "--steps", "40", "--top", "2", "--out", str(tmp_path)])
+    for r in summary["rows"]:
+        assert 1.0 < r["lower"] <= r["upper"] and len(r["lower_top"]) == 2
+    assert summary["rows"][1]["lower"] > summary["rows"][0]["lower"]  # grows with N, as the bound does
+    assert (tmp_path / "kim_tightness.png").stat().st_size > 0
