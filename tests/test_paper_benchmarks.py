@@ -132,3 +132,15 @@ def test_kim_tightness_jacobian_is_exact_and_lower_bound_stays_under_theorem_3_2
         assert 1.0 < r["lower"] <= r["upper"] and len(r["lower_top"]) == 2
     assert summary["rows"][1]["lower"] > summary["rows"][0]["lower"]  # grows with N, as the bound does
     assert (tmp_path / "kim_tightness.png").stat().st_size > 0
+
+
+def test_attlip_solver_converges_linearly_at_every_n(tmp_path):
+    """AttLip Fig. 1 at reduced size: the objective gap falls by orders of magnitude at a similar rate for each N."""
+    summary = _bench("attlip_convergence").main(["--ns", "8", "32", "--dim", "32", "--iters", "12",
+                                                 "--out", str(tmp_path)])
+    for r in summary["rows"]:
+        assert len(r["gap"]) == len(r["grad_norm"]) == 13
+        assert min(r["gap"]) >= 0 and r["gap"][12] < 1e-3 * r["gap"][0]
+        assert r["grad_norm"][12] < 1e-2 * r["grad_norm"][0]
+        assert 0 < r["rate"] < 0.7
+    assert (tmp_path / "attlip_convergence.png").stat().st_size > 0
