@@ -7,9 +7,11 @@
 import argparse
 import sys
 
+from lipsformer.engine.checkpoint import SaveFailed
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.train import TooManyBadSamples, TrainingDiverged, train
 from lipsformer.lipschitz.constraints import BoundUnreachable
+from lipsformer.weights import CheckpointError
 
 
 def main(argv=None) -> int:
@@ -40,7 +42,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (TrainingDiverged, TooManyBadSamples, FileExistsError, BoundUnreachable) as e:
+    except (CheckpointError, FileNotFoundError) as e:  # a checkpoint to resume from that cannot be used
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (TrainingDiverged, TooManyBadSamples, FileExistsError, BoundUnreachable, SaveFailed) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     print(f"best top-1 {summary['best_top1']:.2f}% | checkpoint {summary['checkpoint']} | curves {summary['curves']}")

@@ -21,8 +21,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from timm.models import save_for_hf
 
-# A run folder of ours (train.py output) and timm's local hf-hub folder.
-RUN_CONFIG, RUN_WEIGHTS, RUN_EMA_WEIGHTS = "config.yaml", "last.safetensors", "last_ema.safetensors"
+from .engine.run_folder import RunFolder
+
+# timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
 HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
 
 
@@ -136,22 +137,26 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
     """
     path = Path(path)
     if path.is_dir():
-        if (path / RUN_CONFIG).is_file():
-            file = path / (RUN_EMA_WEIGHTS if use_ema else RUN_WEIGHTS)
+        run = RunFolder(path)
+        if run.is_run():
+            file = run.weights(ema=use_ema)
             if not file.is_file():
                 raise FileNotFoundError(f"{path} is a training run without {file.name} (has it finished?); "
                                         f"pass one of its .safetensors files instead")
-            return file, _run_meta(path / RUN_CONFIG)
+            return file, _run_meta(run.config)
         if (path / HUB_CONFIG).is_file():
             if use_ema:
                 raise CheckpointError(f"{path} is an exported weight folder: it holds one set of weights, no EMA")
             return path / HUB_WEIGHTS, _hub_meta(path / HUB_CONFIG)
-        raise FileNotFoundError(f"{path} holds neither {RUN_CONFIG} (a training run) nor {HUB_CONFIG} (an export)")
+        raise FileNotFoundError(f"{path} holds neither {run.config.name} (a training run) nor {HUB_CONFIG} "
+                                f"(an export)")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint {path}")
-    for config in (path.parent / RUN_CONFIG, path.parent / HUB_CONFIG):
-        if config.is_file() and path.suffix == ".safetensors":
-            return path, (_run_meta if config.name == RUN_CONFIG else _hub_meta)(config)
+    if path.suffix == ".safetensors":
+        if RunFolder(path.parent).is_run():
+            return path, _run_meta(RunFolder(path.parent).config)
+        if (path.parent / HUB_CONFIG).is_file():
+            return path, _hub_meta(path.parent / HUB_CONFIG)
     return path, {}
 
 
@@ -182,7 +187,7 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
         raise CheckpointError(f"{path} was made by {meta['model']}, not {model}")
     model = model or meta.get("model")
     if not model:
-        raise ValueError(f"{path} does not say which model it holds: pass the model name")
+        raise CheckpointError(f"{path} does not say which model it holds: pass the model name")
     state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
     args = dict(meta.get("model_args") or {})
     args.update(kwargs)

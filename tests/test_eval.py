@@ -184,3 +184,50 @@ def test_eval_cli_rejects_bad_input_with_a_message(tmp_path):
                            "--model", "lipsformer_swin_t", "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "error:" in proc.stderr and proc.stderr.count("\n") <= 2
+
+
+# -- unreadable images: one policy with training ------------------------------------------------------
+def test_unreadable_images_are_skipped_counted_and_limited_as_in_training(tmp_path):
+    from lipsformer.engine.evaluate import TooManyBadSamples
+    for c in range(NUM_CLASSES):
+        write_image(tmp_path / str(c) / "a.png", c)
+    (tmp_path / "3" / "a.png").write_bytes(b"")  # empty
+    good = (tmp_path / "5" / "a.png").read_bytes()
+    (tmp_path / "5" / "a.png").write_bytes(good[: len(good) // 2])  # truncated
+    samples = eval_samples("imagenet_v2", tmp_path)
+    from accelerate import Accelerator
+    result = evaluate_dataset(ColourModel(), EvalDataset(samples, ToTensor()), Accelerator(cpu=True), batch_size=3,
+                              workers=0, max_bad_fraction=0.2)
+    # the two unreadable images are neither scored as a neighbour nor counted right: 10 of 12 scored, all right
+    assert (result["top1"], result["count"], result["images"], result["unreadable"]) == (100.0, 10, 12, 2)
+    assert sorted(Path(p).parent.name for p in result["unreadable_files"]) == ["3", "5"]
+    with pytest.raises(TooManyBadSamples, match=r"evaluation: 2 of 12 images failed to load \(more than 10%\), "
+                                                r"e\.g\. .*3/a\.png"):
+        evaluate_dataset(ColourModel(), EvalDataset(samples, ToTensor()), Accelerator(cpu=True), batch_size=3,
+                         workers=0, max_bad_fraction=0.1)
+
+
+def test_eval_cli_reports_unreadable_images_and_refuses_fp16_on_cpu(tmp_path):
+    model = timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"])
+    export(model, tmp_path / "weights")
+    for c in range(4):
+        write_image(tmp_path / "v2" / str(c) / "a.png", c)
+    (tmp_path / "v2" / "2" / "a.png").write_bytes(b"not an image")
+
+    def run(*extra):
+        return subprocess.run([PY, str(ROOT / "eval.py"), "--checkpoint", str(tmp_path / "weights"), "--data-dir",
+                               str(tmp_path / "v2"), "--dataset", "imagenet_v2", "--workers", "0", *extra],
+                              capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    ok = run("--max-bad-fraction", "0.25", "--output", str(tmp_path / "r.json"))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "(3 of 4 images scored, 1 unreadable skipped;" in ok.stdout
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["unreadable"] == 1 and saved["unreadable_files"] == [str(tmp_path / "v2" / "2" / "a.png")]
+    stopped = run()  # the default threshold is training's (1%)
+    assert stopped.returncode == 3 and "stopped: evaluation: 1 of 4 images failed to load" in stopped.stderr
+    assert "2/a.png" in stopped.stderr and "Traceback" not in stopped.stderr
+    if not torch.cuda.is_available():
+        fp16 = run("--amp", "fp16")
+        assert fp16.returncode == 2 and fp16.stderr.strip() == (
+            "error: --amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")

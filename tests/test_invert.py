@@ -44,12 +44,15 @@ def test_invert_refuses_a_branch_not_certified_contractive():
     lip = branch_bound(attn, 8)
     y = torch.randn(2, 8, 16, dtype=torch.double)
     with pytest.raises(ValueError, match="not below 1"):
-        invert(InvertibleResidual(attn, 1.0 / lip), y)  # c Lip(f) = 1 exactly: refused
+        invert(InvertibleResidual(attn, 1.001 / lip), y)  # c Lip(f) just above 1: refused
     invert(InvertibleResidual(attn, 0.99 / lip), y)  # just below: accepted
-    with pytest.raises(ValueError, match="not below 1"):
-        invert(_block(1.0), y)
-    with pytest.raises(TypeError, match="no certified Lipschitz bound for GELU"):
-        invert(InvertibleResidual(torch.nn.GELU(), 0.5), y)
+    for norm in ("2", "inf"):  # the contractive form is certified 1 (up to rounding): c > 1 is refused
+        with pytest.raises(ValueError, match="not below 1"):
+            invert(_block(1.001, norm), y)
+    with pytest.raises(TypeError, match="no Lipschitz bound is registered .*Tanh"):
+        invert(InvertibleResidual(torch.nn.Tanh(), 0.5), y)
+    with pytest.raises(TypeError, match="no certified Lipschitz-inf bound for GELU"):
+        invert(InvertibleResidual(torch.nn.GELU(), 0.5, norm="inf"), y)
     with pytest.raises(TypeError, match="InvertibleResidual"):
         invert(attn, y)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipsformer.layers import (AttentionKernel, CenterNorm, ConvBlocks, WeightedResidual, dot_attention, init_weights,
-                               l2_attention, scsa, spectral_norm_of, window_partition, window_reverse)
+                               l2_attention, scsa, largest_singular_value, window_partition, window_reverse)
 
 
 # -- CenterNorm (eq. 2) -------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_spectral_init_gives_unit_largest_singular_value():
     model = nn.Sequential(nn.Linear(16, 48), nn.Conv2d(3, 8, 4, 4), nn.Conv2d(8, 8, 7, groups=8), nn.Linear(48, 5))
     init_weights(model, "spectral")
     for m in model:
-        assert spectral_norm_of(m.weight).item() == pytest.approx(1.0, abs=1e-5)
+        assert largest_singular_value(m.weight) == pytest.approx(1.0, abs=1e-5)
         assert torch.count_nonzero(m.bias) == 0
 
 
@@ -307,3 +307,31 @@ def test_models_with_fused_gelus_train_like_the_plain_ops(name, monkeypatch):
     plain = grads()
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(40, 24), (24, 40), (96, 1, 7, 7), (16, 16, 1, 1), (8, 3, 4, 4), (1, 50), (300, 1200),
+                                   (1200, 300)])
+@pytest.mark.parametrize("spectrum", ["gaussian", "clustered"])
+def test_largest_singular_value_agrees_with_the_exact_svd(shape, spectrum):
+    """One spectral-norm function for the init and the bounds: the Gram matrix's top eigenvalue in float64
+    (certified), or Lanczos (the init) within 1e-4 relative, also when the top singular values nearly coincide."""
+    w = torch.randn(shape)
+    if spectrum == "clustered":
+        u, s, v = torch.linalg.svd(w.flatten(1), full_matrices=False)
+        s = torch.ones_like(s)
+        s[1:] -= torch.rand(len(s) - 1) * 1e-3  # the top values within 1e-3 of each other
+        w = (u * s @ v).view(shape)
+    exact = float(torch.linalg.svdvals(w.double().flatten(1))[0])
+    assert largest_singular_value(w) == pytest.approx(exact, rel=1e-10)
+    assert largest_singular_value(w, certified=False) == pytest.approx(exact, rel=1e-4)
+    assert largest_singular_value(w.half()) == pytest.approx(float(torch.linalg.svdvals(
+        w.half().double().flatten(1))[0]), rel=1e-10)
+
+
+def test_largest_singular_value_uses_power_iteration_above_the_exact_size(monkeypatch):
+    from lipsformer.layers import spectral
+    u, _, v = torch.linalg.svd(torch.randn(60, 40, dtype=torch.double), full_matrices=False)
+    w = u @ torch.diag(torch.linspace(3.0, 0.1, 40, dtype=torch.double)) @ v  # gap 3 vs 2.92: slow but sure
+    monkeypatch.setattr(spectral, "EXACT_MAX_DIM", 16)
+    estimate = largest_singular_value(w, iters=2000)
+    assert estimate <= 3.0 * (1 + 1e-12) and estimate == pytest.approx(3.0, rel=1e-4)

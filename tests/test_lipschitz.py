@@ -295,3 +295,70 @@ def test_deep_bounds_are_kept_in_log10_rather_than_overflowing():
     report = LipschitzReport([Row(f"stages.0.blocks.{i}.res_attn", 1e100, 1e100, 1.0) for i in range(5)])
     assert report.log10_bound == pytest.approx(500.0) and report.bound == math.inf
     assert report.stages() == [("stages.0", pytest.approx(500.0))]
+
+
+def test_unknown_mixer_downsampler_or_attention_kind_has_no_bound_and_says_which(monkeypatch):
+    """Bounds by type: a module the registry does not know is refused by name, even when it carries the attributes
+    of a known one; a registered bound is used once registered."""
+    from lipsformer.lipschitz import NoBoundError, register_bound, register_kernel_bound
+    from lipsformer.lipschitz import bounds
+
+    class NewMixer(nn.Module):
+        window = (2, 2)  # what an attribute probe would take for Swin windows
+
+        def forward(self, x):
+            return x
+
+    class NewDown(nn.Module):
+        reduction = nn.Linear(4, 4)  # what an attribute probe would take for patch merging
+
+    class SubclassedAttention(WindowAttention):  # may compute something else: not assumed to be bounded alike
+        pass
+
+    def model():
+        return timm.create_model("lipsformer_swin_t", **TINY["swin"], v_norm=True)
+
+    m = model()
+    m.stages[0].blocks[0].attn = NewMixer()
+    with pytest.raises(NoBoundError, match=r"module 'stages.0.blocks.0.attn' of type .*NewMixer"):
+        lipschitz_report(m)
+    m = model()
+    m.stages[1].downsample = NewDown()
+    with pytest.raises(NoBoundError, match=r"'stages.1.downsample' of type .*NewDown"):
+        lipschitz_report(m)
+    m = model()
+    old = m.stages[0].blocks[0].attn
+    m.stages[0].blocks[0].attn = SubclassedAttention(16, 1, (2, 2), old.kernel)
+    with pytest.raises(NoBoundError, match="SubclassedAttention"):
+        lipschitz_report(m)
+    m = model()
+    m.stages[2].blocks[1].attn.kernel.kind = "contractive"
+    with pytest.raises(NoBoundError, match="attention kind 'contractive'"):
+        lipschitz_report(m)
+
+    # registering is one decorator, in one table; registering a type twice is refused
+    monkeypatch.setattr(bounds, "BOUNDS", dict(bounds.BOUNDS))
+    monkeypatch.setattr(bounds, "KERNEL_BOUNDS", dict(bounds.KERNEL_BOUNDS))
+    register_bound(NewMixer)(lambda mixer, hw: bounds.Bound(1.0, "identity mixer"))
+    register_kernel_bound("contractive")(lambda kernel, w, n, bias: bounds.Bound(0.5, "contractive"))
+    with pytest.raises(ValueError, match="already registered"):
+        register_bound(NewMixer)(lambda mixer, hw: 2.0)
+    m.stages[0].blocks[0].attn = NewMixer()
+    rows = {r.name: r for r in lipschitz_report(m).rows}
+    assert rows["stages.0.blocks.0.res_attn"].branch == 1.0 and rows["stages.0.blocks.0.res_attn"].note == "identity mixer"
+    assert rows["stages.2.blocks.1.res_attn"].note == "contractive"
+    assert rows["stages.2.blocks.1.res_attn"].branch == pytest.approx(0.5 * matrix_norm(m.stages[2].blocks[1].attn.proj.weight))
+
+
+def test_max_pooled_head_is_bounded_as_max_pooling_not_as_a_mean():
+    """The head's pool is bounded by its type: a mean over N tokens has 1/sqrt(N), a max 1 (a mean's 1/sqrt(N)
+    would undercut a max-pooled model, checked here against two inputs that differ in one token)."""
+    kw = dict(TINY["swin"], img_size=64, v_norm=True)
+    pooled = {p: {r.name: r.lip for r in lipschitz_report(timm.create_model("lipsformer_swin_t", global_pool=p, **kw)).rows}
+              for p in ("avg", "max")}
+    assert pooled["avg"]["head.global_pool"] == pytest.approx(0.5) and pooled["max"]["head.global_pool"] == 1.0
+    pool = timm.create_model("lipsformer_swin_t", global_pool="max", **kw).head.global_pool
+    x = torch.zeros(1, 2, 2, 8)
+    y = x.clone()
+    y[0, 0, 0] = 1.0
+    assert float((pool(x) - pool(y)).norm()) == pytest.approx(float((x - y).norm()))  # the ratio is 1, not 1/2

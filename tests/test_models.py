@@ -5,7 +5,7 @@ import torch
 from timm.optim import create_optimizer_v2
 
 from lipsformer.flops import PAPER, count_flops, count_params
-from lipsformer.layers import spectral_norm_of
+from lipsformer.layers import largest_singular_value
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 from lipsformer.weights import CheckpointError
 
@@ -65,7 +65,7 @@ def test_spectral_init_is_the_default_and_unit_norm(name):
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     assert len(layers) > 20
     for m in layers:
-        assert spectral_norm_of(m.weight).item() == pytest.approx(1.0, abs=1e-4)
+        assert largest_singular_value(m.weight) == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.parametrize("name, alpha", [("lipsformer_swin_t", 1 / 5), ("lipsformer_cswin_t", 0.2)])
@@ -283,3 +283,56 @@ def test_onnx_export_runs_in_onnxruntime_with_equal_logits(name, dynamo, tmp_pat
     (logits,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input0": x.numpy()})
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(logits), model(x), rtol=1e-4, atol=1e-5)
+
+
+# -- one typed home for the Lipschitz choices ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_lipschitz_options_object_equals_its_keyword_arguments(name):
+    """``lipschitz=LipschitzOptions(...)`` and the same fields as keywords build the same model; a family's own
+    defaults (CSwin: tau 12, alpha 0.2) apply only when no object is given, and a keyword overrides the object."""
+    from lipsformer.layers import LipschitzOptions
+    options = LipschitzOptions(attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.3, tau=5.0)
+    torch.manual_seed(0)
+    by_object = tiny(name, lipschitz=options)
+    torch.manual_seed(0)
+    by_kwargs = tiny(name, attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.3, tau=5.0)
+    assert by_kwargs.lipschitz == by_object.lipschitz == options
+    assert all(torch.equal(a, b) for a, b in zip(by_kwargs.state_dict().values(), by_object.state_dict().values()))
+    assert tiny(name, lipschitz=options, alpha_init=0.5).lipschitz == LipschitzOptions(
+        attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.5, tau=5.0)
+    expected = (12.0, 0.2) if family(name) == "cswin" else (10.0, None)
+    assert (tiny(name).lipschitz.tau, tiny(name).lipschitz.alpha_init) == expected
+    with pytest.raises(TypeError, match="unexpected keyword argument 'v_nrom'"):
+        tiny(name, v_nrom=True)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_loading_weights_skips_the_spectral_init_and_still_gives_the_file(tmp_path, monkeypatch, name):
+    """pretrained=True and create_from_checkpoint do not pay for a spectral init the load overwrites: only the
+    classifier (the layer a load with another class count re-creates) is normalised, and the logits are the file's."""
+    from lipsformer.layers import init as init_module
+    from lipsformer.weights import create_from_checkpoint
+    source = tiny(name).eval()
+    path = tmp_path / "released.pth"
+    torch.save(CONVERTERS[family(name)].released_state_dict(source), path)
+    shapes = []
+
+    def counting(weight, *args, **kwargs):
+        shapes.append(tuple(weight.shape))
+        return largest_singular_value(weight, *args, **kwargs)
+
+    monkeypatch.setattr(init_module, "largest_singular_value", counting)
+    loaded = tiny(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
+    assert shapes == [tuple(loaded.head.fc.weight.shape)]
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(source(x), loaded(x))
+    shapes.clear()
+    refit = tiny(name, num_classes=3, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert shapes == [(3, refit.num_features)]  # the new head starts spectrally normalised
+    assert largest_singular_value(refit.head.fc.weight) == pytest.approx(1.0, abs=1e-5)
+    shapes.clear()
+    again = create_from_checkpoint(path, name, **TINY[family(name)]).eval()
+    assert shapes == [tuple(again.head.fc.weight.shape)] and torch.equal(source(x), again(x))
+    shapes.clear()
+    tiny(name)
+    assert len(shapes) > 20  # a plain build still normalises every layer

@@ -160,6 +160,18 @@ def test_one_epoch_on_folder_data_steps_the_optimizer_and_writes_everything(tmp_
     ema = load_file(str(run / "last_ema.safetensors"))  # the average, not the last weights
     assert ema.keys() == weights.keys() and not torch.equal(ema["head.fc.weight"], weights["head.fc.weight"])
 
+    # LipsFormer Figure 5: per-stage |alpha| statistics in the epoch row equal those of the saved weights
+    for i in range(4):
+        alphas = torch.cat([v.abs().flatten() for k, v in weights.items()
+                            if k.startswith(f"stages.{i}.") and k.endswith(".alpha")])
+        assert alphas.numel() == 4 * 16 * 2 ** i  # conv res1, res2, attention, MLP: one alpha per channel each
+        assert epoch[f"alpha_mean_s{i}"] == pytest.approx(alphas.mean().item(), rel=1e-6)
+        assert epoch[f"alpha_std_s{i}"] == pytest.approx(alphas.std(correction=0).item(), rel=1e-5)
+    assert epoch["alpha_std_s0"] > 0  # trained: no longer the constant 1/L
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(next(run.rglob("events.out.tfevents*")))).Reload()
+    assert {"epoch/alpha_mean_s3", "epoch/alpha_std_s3"} <= set(events.Tags()["scalars"])
+
 
 def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     from lipsformer.engine.train import train
@@ -392,3 +404,29 @@ def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path):
     proc = run_train("--config", str(write_config(tmp_path / "fp16")), "--set", "mixed_precision=fp16", check=False)
     assert proc.returncode == 2 and "fp16 needs a GPU" in proc.stderr
     assert not (tmp_path / "fp16" / "run").exists()  # refused before anything was written
+
+
+def test_unreadable_val_images_are_counted_not_scored_under_the_training_rule(tmp_path):
+    from lipsformer.engine.evaluate import TooManyBadSamples
+    from lipsformer.engine.train import train
+    config = write_config(tmp_path)
+    (Path(load_config(config).data_dir) / "val" / "class_0" / "0.jpg").write_bytes(b"")
+    cfg = load_config(config, ["epochs=1", "max_bad_fraction=0.1", "ema_decay=null"])
+    train(cfg)
+    epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
+    assert (epoch["val_count"], epoch["val_bad_samples"], epoch["bad_samples"]) == (10, 1, 0)
+
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    strict = load_config(config, ["epochs=1", "ema_decay=null", f"output_dir={tmp_path / 'strict'}"])
+    with pytest.raises(TooManyBadSamples, match=r"validation: 1 of 11 images failed.*class_0/0\.jpg"):
+        train(strict)
+
+
+def test_streamed_data_receive_the_runs_seed(tmp_path):
+    from lipsformer.data import create_dataset
+    shards = make_wds(make_folder(tmp_path / "folder"), tmp_path / "shards")
+    for seed in (3, 11):
+        ds = create_dataset("wds/tiny", str(shards), "train", None, is_training=True, batch_size=4, seed=seed)
+        assert ds.reader.common_seed == seed  # shard and sample shuffling (timm ReaderWds)

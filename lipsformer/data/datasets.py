@@ -98,8 +98,9 @@ def create_loader_transform(model, is_training: bool, cfg=None):
 def create_dataset(name: str, root: Optional[str], split: str, transform, is_training: bool = False,
                    batch_size: int = 1, seed: Optional[int] = None):
     """A folder (``name=''``) or any timm dataset name; map-style ones count unreadable images and,
-    given a ``seed``, augment each sample reproducibly."""
-    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size)
+    given a ``seed``, augment each sample reproducibly; streamed ones (``wds/``, ``hfids/``) shuffle with it."""
+    streamed = {} if seed is None else dict(seed=seed)  # wds/, hfids/, tfds/ shuffle shards and samples with it
+    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size, **streamed)
     if hasattr(ds, "reader") and isinstance(ds, torch.utils.data.Dataset) and hasattr(ds.reader, "__getitem__"):
         return SafeImageDataset(ds.reader, transform, seed=seed)
     ds.transform = transform  # iterable (wds/...) datasets: timm's own error handling applies

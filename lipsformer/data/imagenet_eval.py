@@ -5,6 +5,7 @@ Every sample is ``(path, labels)``: the labels an image may be given and be righ
 (such images are left out of the score).
 """
 import json
+import logging
 import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -16,6 +17,7 @@ from torch.utils.data import Dataset
 
 EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
 Sample = Tuple[str, Tuple[int, ...]]
+_logger = logging.getLogger(__name__)
 _VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})\.")
 
 
@@ -101,7 +103,9 @@ def _images_in(folder: Path) -> List[Path]:
 
 
 class EvalDataset(Dataset):
-    """Yields ``(image, index)``; labels stay with the samples, so scoring never depends on loader order."""
+    """Yields ``(image, index, "")``, or ``(None, index, path)`` for an image that cannot be read (counted and
+    reported by the evaluation, as training counts its own); labels stay with the samples, so scoring never
+    depends on loader order. Batch it with :func:`~lipsformer.data.collate_skip_failed`."""
 
     def __init__(self, samples: Sequence[Sample], transform):
         self.samples = list(samples)
@@ -113,7 +117,8 @@ class EvalDataset(Dataset):
     def __getitem__(self, index: int):
         path = self.samples[index][0]
         try:
-            img = Image.open(path).convert("RGB")
-        except Exception as e:  # an evaluation figure over fewer images than claimed is wrong: stop
-            raise OSError(f"cannot read {path}: {e}") from None
-        return self.transform(img), index
+            img = Image.open(path).convert("RGB")  # convert() decodes, so truncated files fail here
+        except Exception as e:  # PIL raises several kinds for corrupt or empty files
+            _logger.warning(f"skipped unreadable image {path}: {e}")
+            return None, index, str(path)
+        return self.transform(img), index, ""

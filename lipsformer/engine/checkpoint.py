@@ -1,13 +1,30 @@
-"""Atomic, rotating training checkpoints on top of Accelerate's save_state / load_state."""
+"""Atomic, rotating, verified training checkpoints on top of Accelerate's save_state / load_state.
+
+Each checkpoint folder carries ``manifest.json``: the size and sha256 of every file, written before the
+folder is renamed into place. Resuming verifies it, and reads every file Accelerate would unpickle without
+running code, so a damaged or unsafe checkpoint is named instead of crashing (or being trusted) halfway.
+"""
+import hashlib
+import json
+import logging
 import os
-import re
+import pickle
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+from accelerate.utils import load as accelerate_load
+from safetensors import SafetensorError, safe_open
 
-_NAME = re.compile(r"^step_(\d{9})$")
+from ..weights import CheckpointError, sha256_of
+from .run_folder import MANIFEST, RunFolder
+
+_logger = logging.getLogger(__name__)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint or weight file could not be written (disk full, ...); what was written before is intact."""
 
 
 class TrainState:
@@ -27,16 +44,9 @@ class TrainState:
         vars(self).update(state)
 
 
-def checkpoint_dir(output_dir) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
 def latest_checkpoint(output_dir) -> Optional[Path]:
     """The newest complete checkpoint; half-written ones (``.tmp-*``) are ignored."""
-    root = checkpoint_dir(output_dir)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+    done = RunFolder(output_dir).finished_checkpoints()
     return done[-1] if done else None
 
 
@@ -47,24 +57,117 @@ def assert_finite(named_tensors, target) -> None:
         raise FloatingPointError(f"refusing to write non-finite weights to {target}: {', '.join(bad[:5])}")
 
 
+def write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file under ``folder`` in ``folder/manifest.json``."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): dict(bytes=p.stat().st_size, sha256=sha256_of(p)) for p in files}
+    with open(folder / MANIFEST, "w") as f:
+        json.dump(dict(files=entries), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_manifest(folder: Path) -> None:
+    """Raise a CheckpointError naming the first file of ``folder`` that is missing, truncated or altered."""
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder / MANIFEST} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder / MANIFEST} is unreadable ({e})") from None
+    for name, entry in entries.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{path} has {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
+                                  f"(truncated or overwritten)")
+        if sha256_of(path) != entry["sha256"]:
+            raise CheckpointError(f"{path} does not match its sha256 in the manifest (damaged or altered)")
+
+
+def check_loadable(folder: Path, model: torch.nn.Module) -> None:
+    """Read what ``accelerator.load_state`` would read, safely: the model weights' names and shapes against
+    ``model``, and every pickle with weights-only loading (Accelerate unpickles its custom states in full, and
+    skips unreadable random states silently). Raises a CheckpointError naming the file."""
+    weights = folder / "model.safetensors"
+    if weights.is_file():  # FSDP writes a sharded folder instead, checked by its own loader
+        try:
+            with safe_open(str(weights), "pt") as f:
+                saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {weights}: truncated or not safetensors ({str(e)[:200]})") from None
+        ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        wrong = sorted(set(saved) ^ set(ours)) + [f"{k} {saved[k]} vs {ours[k]}" for k in sorted(set(saved) & set(ours))
+                                                   if saved[k] != ours[k]]
+        if wrong:  # resuming needs every tensor as it was (check_state_dict would let a new classifier through)
+            raise CheckpointError(f"{weights} does not fit this run's model: {len(wrong)} tensors differ in name or "
+                                  f"shape, e.g. {', '.join(wrong[:3])}")
+    for path in sorted(folder.glob("*.pkl")) + sorted(folder.glob("*.bin")):
+        try:
+            accelerate_load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            if "Unsupported global" not in str(e):  # torch reports damaged data through the same type
+                raise CheckpointError(f"cannot read {path}: truncated or damaged ({str(e)[:200]})") from None
+            raise CheckpointError(f"refused {path}: it holds pickled objects that weights-only loading does not "
+                                  f"allow, which could run code; nothing in it was run") from None
+        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes can raise any type (struct.error, ...)
+            raise CheckpointError(f"cannot read {path}: truncated or damaged ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
+
+
+def verify_checkpoint(folder: Path, model: torch.nn.Module) -> None:
+    """The manifest's hashes, then :func:`check_loadable`; a checkpoint without a manifest (written before
+    manifests existed) is only checked for loadability."""
+    if (folder / MANIFEST).is_file():
+        verify_manifest(folder)
+    else:
+        _logger.warning(f"{folder} has no {MANIFEST}: its files cannot be verified against their hashes")
+    check_loadable(folder, model)
+
+
+def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path], List[str]]:
+    """The newest checkpoint of a run that passes :func:`verify_checkpoint`, and one line for each newer one
+    that did not (what was wrong with it). ``(None, [...])`` when there are checkpoints but none is intact."""
+    problems = []
+    for folder in reversed(RunFolder(output_dir).finished_checkpoints()):
+        try:
+            verify_checkpoint(folder, model)
+        except CheckpointError as e:
+            problems.append(f"{folder.name}: {e}")
+            continue
+        return folder, problems
+    return None, problems
+
+
 def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
-    """Write to ``.tmp-step_N`` then rename to ``step_N``, so a crash never leaves a partial checkpoint
-    that looks complete; keep the newest ``keep_last``."""
-    root = checkpoint_dir(output_dir)
-    final = root / f"step_{state.step:09d}"
+    """Write to ``.tmp-step_N``, add the manifest, then rename to ``step_N``, so a crash never leaves a partial
+    checkpoint that looks complete; keep the newest ``keep_last``. A failed write (disk full) removes the partial
+    folder, leaves the earlier checkpoints as they were, and raises SaveFailed."""
+    folder = RunFolder(output_dir)
+    final = folder.checkpoint(state.step)
     assert_finite(model.named_parameters(), final)
     if final.exists():
         return final
-    tmp = root / f".tmp-{final.name}"
+    tmp = folder.temporary(final)
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_manifest(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        earlier = RunFolder(output_dir).finished_checkpoints()
+        raise SaveFailed(
+            f"could not write checkpoint {final.name}: {e.strerror or e} ({e.filename or tmp}); the partial folder "
+            f"was removed and {earlier[-1] if earlier else 'no earlier checkpoint'} is intact: free space and "
+            f"continue with --resume auto") from None
     if accelerator.is_main_process:
         os.replace(tmp, final)
-        done = sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
-        for old in done[:-keep_last]:
+        for old in folder.finished_checkpoints()[:-keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final

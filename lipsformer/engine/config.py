@@ -12,6 +12,13 @@ class ConfigError(ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
 
 
+# timm.create_model argument -> the TrainConfig key that sets it (model_kwargs may not set these again).
+MODEL_ARGS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_size": "img_size"}
+# timm.scheduler.create_scheduler_v2 names that can step per optimizer update ('plateau' steps per epoch on a
+# metric; 'none' leaves nothing to checkpoint: use 'constant').
+SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
+
+
 @dataclass
 class TrainConfig:
     """Every knob of a training run. Defaults are the paper's Table 6 recipe for the Tiny models."""
@@ -40,8 +47,8 @@ class TrainConfig:
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.05
-    sched: str = "cosine"
-    warmup_epochs: int = 0  # the paper's point: no warmup
+    sched: str = "cosine"  # a timm scheduler (create_scheduler_v2), stepped per optimizer update: see SCHEDULERS
+    warmup_epochs: int = 0  # the paper's point: no warmup (linear from min_lr to lr when set)
     min_lr: float = 1e-5
     clip_grad: Optional[float] = None
     label_smoothing: float = 0.1
@@ -66,11 +73,14 @@ class TrainConfig:
     lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
     lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
     lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
+    lipschitz_tau_max: Optional[float] = None  # a learnable SCSA tau is clipped to (0, this] (None: free)
 
     def __post_init__(self):
+        """Every check a config can fail without running anything lives here, each naming its key."""
         checks = {
             "mixed_precision": ("bf16", "fp16", "no"),
             "on_nonfinite": ("stop", "skip"),
+            "sched": SCHEDULERS,
         }
         for key, allowed in checks.items():
             if getattr(self, key) not in allowed:
@@ -81,8 +91,23 @@ class TrainConfig:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1) (0 or null: no EMA), got {self.ema_decay}")
-        if self.lipschitz_target is not None and self.lipschitz_target <= 0:
-            raise ConfigError(f"lipschitz_target must be positive, got {self.lipschitz_target}")
+        for key in ("lipschitz_target", "lipschitz_tau_max", "lipschitz_weight_max"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
+        if self.warmup_epochs < 0:
+            raise ConfigError(f"warmup_epochs must be at least 0, got {self.warmup_epochs}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ConfigError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        duplicated = sorted(set(self.model_kwargs) & set(MODEL_ARGS))
+        if duplicated:
+            raise ConfigError(", ".join(f"model_kwargs.{k} duplicates the top-level key {MODEL_ARGS[k]}"
+                                        for k in duplicated) + "; set the top-level key instead")
+        if (self.mixup > 0 or self.cutmix > 0) and self.batch_size % 2:
+            raise ConfigError(f"mixup/cutmix need an even batch_size, got {self.batch_size}")
+
+    def model_args(self) -> Dict[str, Any]:
+        """``timm.create_model`` arguments: the top-level model keys (MODEL_ARGS) plus ``model_kwargs``."""
+        return dict({arg: getattr(self, key) for arg, key in MODEL_ARGS.items()}, **self.model_kwargs)
 
     def accumulation_steps(self, num_processes: int) -> int:
         """Gradient accumulation derived from the global batch; it must divide exactly."""

@@ -1,6 +1,8 @@
 """Top-k predictions gathered across processes, and accuracy against label sets: every sample counted once."""
 import csv
+import logging
 import time
+from dataclasses import dataclass, field
 from typing import List, Sequence
 
 import timm
@@ -8,36 +10,70 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from ..data import EvalDataset, create_loader_transform, eval_samples
+from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_samples
 from ..weights import create_from_checkpoint
+from .config import ConfigError, TrainConfig
 
 TOPK = 5
+DEFAULT_MAX_BAD_FRACTION = TrainConfig.max_bad_fraction  # one threshold for training and eval.py
+_logger = logging.getLogger(__name__)
+
+
+class TooManyBadSamples(RuntimeError):
+    """More of a pass's images failed to load than ``max_bad_fraction`` allows (training, validation, eval.py)."""
+
+
+def check_unreadable(where: str, failed: int, total: int, max_fraction: float, examples: Sequence[str]) -> None:
+    """The one rule for unreadable images: warn when some failed, stop (naming them) above ``max_fraction``."""
+    if failed:
+        _logger.warning(f"{where}: {failed} of {total} images could not be read, e.g. {list(examples[:3])}")
+    if failed > max_fraction * max(total, 1):
+        raise TooManyBadSamples(f"{where}: {failed} of {total} images failed to load (more than {max_fraction:.0%}), "
+                                f"e.g. {', '.join(examples[:5])}; fix or remove them")
+
+
+@dataclass
+class Predictions:
+    """Top-k predictions of every readable sample, and what could not be read."""
+
+    keys: torch.Tensor  # the batch's second item: a target in training, a sample index in eval.py
+    classes: torch.Tensor  # (n, k) ranked classes
+    probs: torch.Tensor  # (n, k) their softmax probabilities
+    unreadable: int = 0  # samples that failed to load, over all processes
+    failed: List[str] = field(default_factory=list)  # this process's unreadable paths
 
 
 @torch.no_grad()
-def predict(model, loader, accelerator, k: int = TOPK):
-    """``(keys, classes, probs)`` for every sample of ``loader`` across processes, in loader order.
+def predict(model, loader, accelerator, k: int = TOPK) -> Predictions:
+    """Top-``k`` predictions for every sample of ``loader`` across processes, in loader order.
 
-    ``keys`` is the batch's second item (a target in training, a sample index in eval.py); ``classes`` and
-    ``probs`` are the top-``k`` softmax classes and probabilities. Accelerate's ``gather_for_metrics`` drops
-    the samples repeated to even out the last batch.
+    Batches are ``(images, keys, failed_paths)`` as :func:`~lipsformer.data.collate_skip_failed` makes them:
+    the copies standing in for unreadable images are left out and counted, so an unreadable image is never
+    scored as its neighbour. Accelerate's ``gather_for_metrics`` drops the samples repeated to even out the
+    last batch.
     """
     model.eval()
-    keys, classes, probs = [], [], []
+    keys, classes, probs, valid, failed = [], [], [], [], []
     for batch in loader:
         images, key = batch[0], batch[1]
-        if images is None:  # a training batch whose images all failed to load
-            continue
+        bad = list(batch[2]) if len(batch) > 2 else []
+        failed += bad
+        if images is None:
+            raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
         with accelerator.autocast():
             logits = model(images)
         p, c = logits.float().softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
-        key, c, p = accelerator.gather_for_metrics((key, c, p))
+        read = torch.arange(len(images), device=c.device) < len(images) - len(bad)  # stand-ins come last
+        key, c, p, read = accelerator.gather_for_metrics((key, c, p, read))
         keys.append(key.cpu())
         classes.append(c.cpu())
         probs.append(p.cpu())
+        valid.append(read.cpu())
     if not keys:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k)
-    return torch.cat(keys), torch.cat(classes), torch.cat(probs)
+        return Predictions(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))
+    read = torch.cat(valid)
+    return Predictions(torch.cat(keys)[read], torch.cat(classes)[read], torch.cat(probs)[read],
+                       unreadable=int((~read).sum()), failed=failed)
 
 
 def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
@@ -57,30 +93,46 @@ def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
     return dict(top1=100.0 * correct1 / max(count, 1), top5=100.0 * correct5 / max(count, 1), count=count)
 
 
-def evaluate(model, loader, accelerator) -> dict:
-    """Top-1 / top-5 of a ``(images, targets, ...)`` loader (training's validation)."""
-    targets, classes, _ = predict(model, loader, accelerator)
-    return score(classes, [[t] for t in targets.tolist()])
+def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
+    """Top-1 / top-5 of a ``(images, targets, failed)`` loader (training's validation) over its readable images;
+    ``unreadable`` counts the others, under the same rule as training batches (:func:`check_unreadable`)."""
+    pred = predict(model, loader, accelerator)
+    result = score(pred.classes, [[t] for t in pred.keys.tolist()])
+    check_unreadable("validation", pred.unreadable, result["count"] + pred.unreadable, max_bad_fraction,
+                     pred.failed)
+    return dict(result, unreadable=pred.unreadable)
 
 
-def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int = 4) -> dict:
-    """Score an :class:`~lipsformer.data.EvalDataset`; the result also holds each image's ranked predictions.
+def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int = 4,
+                     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> dict:
+    """Score an :class:`~lipsformer.data.EvalDataset`; the result also holds each image's ranked predictions
+    (rows of unreadable images stay zero) and the paths of the images that could not be read.
 
-    Raises when the gathered predictions do not cover every image exactly once.
+    Unreadable images are skipped and counted as training counts them; more than ``max_bad_fraction`` of
+    them stops the evaluation (TooManyBadSamples, naming them). Raises when the gathered predictions do
+    not cover every readable image exactly once.
     """
     loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False,
-                                                        num_workers=workers))
+                                                        num_workers=workers, collate_fn=collate_skip_failed))
     start = time.perf_counter()
-    index, classes, probs = predict(model, loader, accelerator)
+    pred = predict(model, loader, accelerator)
     seconds = time.perf_counter() - start
-    order = index.argsort()
-    index, classes, probs = index[order], classes[order], probs[order]
-    if not torch.equal(index, torch.arange(len(dataset))):
-        raise RuntimeError(f"predictions cover {index.unique().numel()} distinct images in {index.numel()} rows, "
-                           f"expected each of the {len(dataset)} images once")
-    labels = [s[1] for s in dataset.samples]
+    missing = sorted(set(range(len(dataset))) - set(pred.keys.tolist()))
+    unreadable = [dataset.samples[i][0] for i in missing]
+    if len(missing) != pred.unreadable or pred.keys.numel() + len(missing) != len(dataset):
+        raise RuntimeError(f"predictions cover {pred.keys.unique().numel()} distinct images in {pred.keys.numel()} "
+                           f"rows with {pred.unreadable} unreadable, expected each of the {len(dataset)} images once")
+    check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable)
+    classes = torch.zeros(len(dataset), pred.classes.shape[1], dtype=torch.long)
+    probs = torch.zeros(len(dataset), pred.probs.shape[1])
+    classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
+    read = torch.ones(len(dataset), dtype=torch.bool)
+    read[missing] = False
+    labels = [s[1] if ok else [] for s, ok in zip(dataset.samples, read.tolist())]
     result = score(classes, labels)
-    result.update(images=len(dataset), excluded=sum(1 for s in labels if not s), seconds=seconds,
+    result.update(images=len(dataset), excluded=sum(1 for s, ok in zip(dataset.samples, read.tolist())
+                                                    if ok and not s[1]),
+                  unreadable=len(unreadable), unreadable_files=unreadable, seconds=seconds,
                   img_per_s=len(dataset) / max(seconds, 1e-9))
     return dict(result, classes=classes, probs=probs)
 
@@ -103,22 +155,32 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor)
 
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
-                   workers: int = 4, model_args=None):
+                   workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION):
     """eval.py's work: build the model (``checkpoint`` or timm's ``pretrained``), preprocess as its pretrained
     config says, score ``dataset`` on every process Accelerate launched. Returns ``(result, samples)``."""
     if (checkpoint is None) == (not pretrained):
-        raise ValueError("pass exactly one of --checkpoint PATH and --pretrained")
+        raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
     if pretrained and use_ema:
-        raise ValueError("--use-ema applies to --checkpoint; published weights hold one set")
-    samples = eval_samples(dataset, data_dir, real_labels)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=amp)
+        raise ConfigError("--use-ema applies to --checkpoint; published weights hold one set")
+    if pretrained:
+        published = timm.models.get_pretrained_cfg(model_name)
+        if published is None or not (published.url or published.hf_hub_id or published.file):
+            raise ConfigError(f"{model_name} has no published weights; evaluate a --checkpoint instead")
+    cpu = not torch.cuda.is_available()
+    if cpu and amp == "fp16":  # as training refuses it
+        raise ConfigError("--amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")
+    try:
+        samples = eval_samples(dataset, data_dir, real_labels)
+    except ValueError as e:  # the data folder or the ReaL labels do not fit the dataset's layout
+        raise ConfigError(str(e)) from None
+    accelerator = Accelerator(cpu=cpu, mixed_precision=amp)
     if checkpoint is not None:
         model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **(model_args or {}))
     else:
         model = timm.create_model(model_name, pretrained=True, **(model_args or {}))
     transform = create_loader_transform(model, is_training=False)
     result = evaluate_dataset(model.to(accelerator.device), EvalDataset(samples, transform), accelerator,
-                              batch_size, workers)
+                              batch_size, workers, max_bad_fraction)
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
                   amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process)

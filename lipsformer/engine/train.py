@@ -4,30 +4,39 @@ import functools
 import json
 import logging
 import math
+import os
+import pickle
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import timm
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
-from timm.scheduler import CosineLRScheduler
+from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform
 from ..lipschitz.bounds import lipschitz_report
+from ..layers.residual import WeightedResidual
 from ..lipschitz.constraints import keep_bound
-from .checkpoint import TrainState, assert_finite, latest_checkpoint, save_checkpoint
+from ..models._base import LipsFormerBase
+from ..weights import CheckpointError
+from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoint, latest_checkpoint,
+                         save_checkpoint, verify_checkpoint)
 from .config import ConfigError, TrainConfig
-from .ema import ShardEma
-from .evaluate import evaluate
+from .ema import ShardEma, _whole
+from .evaluate import TooManyBadSamples, check_unreadable, evaluate
+from .run_folder import RunFolder
 
 _logger = logging.getLogger(__name__)
 
@@ -36,13 +45,8 @@ class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient stopped the run."""
 
 
-class TooManyBadSamples(RuntimeError):
-    """More of an epoch's images failed to load than ``max_bad_fraction`` allows."""
-
-
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    return timm.create_model(cfg.model, num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path,
-                             img_size=cfg.img_size, **cfg.model_kwargs)
+    return timm.create_model(cfg.model, **cfg.model_args())
 
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -83,7 +87,8 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
     return loaders
 
 
-def _criterion(cfg: TrainConfig):
+def build_criterion(cfg: TrainConfig):
+    """``(mixup or None, loss)`` for the recipe's mixup / cutmix / label smoothing."""
     if cfg.mixup > 0 or cfg.cutmix > 0:
         mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.label_smoothing,
                       num_classes=cfg.num_classes)
@@ -106,6 +111,24 @@ class _Log:
         self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
 
+@torch.no_grad()
+def alpha_statistics(model: torch.nn.Module) -> Dict[str, float]:
+    """Per-stage mean and standard deviation of |alpha| over every WeightedResidual alpha of the stage (all
+    channels pooled; population std), as ``alpha_mean_s{i}`` / ``alpha_std_s{i}``: LipsFormer Figure 5's
+    curves. Empty for a model that is not a LipsFormer."""
+    if not isinstance(model, LipsFormerBase):
+        return {}
+    stats = {}
+    for i, stage in enumerate(model.stages):
+        alphas = [_whole(m.alpha).detach().float().abs().flatten() for m in stage.modules()
+                  if isinstance(m, WeightedResidual)]
+        if alphas:
+            a = torch.cat(alphas)
+            stats[f"alpha_mean_s{i}"] = a.mean().item()
+            stats[f"alpha_std_s{i}"] = a.std(correction=0).item()
+    return stats
+
+
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -114,7 +137,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
     epochs = [r for r in rows if r["kind"] == "epoch"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train])
     ax1.set(xlabel="optimizer step", ylabel="train loss", yscale="log")
     for key in ("top1", "ema_top1"):
@@ -123,181 +146,311 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
             ax2.plot(*zip(*pts), marker="o", label=key)
     ax2.set(xlabel="epoch", ylabel="val top-1 (%)")
     ax2.legend()
+    stages = sorted({k.rsplit("_s", 1)[1] for r in epochs for k in r if k.startswith("alpha_mean_s")}, key=int)
+    for i in stages:  # LipsFormer Figure 5: "alpha first grows, then stabilises"
+        pts = [(r["epoch"], r[f"alpha_mean_s{i}"], r[f"alpha_std_s{i}"]) for r in epochs if f"alpha_mean_s{i}" in r]
+        x, mean, std = (torch.tensor(v, dtype=torch.float64) for v in zip(*pts))
+        ax3.plot(x, mean, marker="o", label=f"stage {i}")
+        ax3.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax3.set(xlabel="epoch", ylabel="|alpha| per stage (mean +- std)")
+    if stages:
+        ax3.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 
 
-def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
-    """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path."""
-    out = Path(cfg.output_dir)
-    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
-        raise ValueError(f"mixup/cutmix need an even batch_size, got {cfg.batch_size}")
+@dataclass
+class _Run:
+    """Everything one run's epoch and evaluation functions share, built once by :func:`train`."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    folder: RunFolder
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ema: Optional[ShardEma]
+    mixup: Optional[Mixup]
+    criterion: torch.nn.Module
+    train_loader: Any
+    val_loader: Any
+    state: TrainState
+    log: "_Log"
+    keep: Optional[Callable[[], dict]]  # bound keeping (lipschitz_target), or None
+    last_good: Optional[Path]  # the newest checkpoint written or resumed from
+    kept: Optional[Tuple[int, float]] = None  # (step, bound) of keep()'s last projection
+
+    def diverged(self, what: str, epoch: int) -> TrainingDiverged:
+        return TrainingDiverged(f"non-finite {what} at step {self.state.step} (epoch {epoch}); "
+                                f"last good checkpoint: {self.last_good or 'none written yet'}")
+
+    def keep_bound(self) -> None:
+        self.kept = (self.state.step, self.keep()["bound"])
+
+
+@dataclass
+class _EpochMeter:
+    """The running sums of one epoch's training batches."""
+
+    failed: List[str] = field(default_factory=list)  # paths of images that could not be read
+    seen: int = 0  # samples in this process's batches
+    loss_sum: float = 0.0
+    loss_n: int = 0
+    images: int = 0  # over all processes, for the speed shown
+    window_bad: bool = False  # a non-finite loss or gradient in the current accumulation window
+    t0: float = field(default_factory=time.time)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.loss_n, 1)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+                               eps=cfg.eps)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
+    """timm's ``sched`` schedule over ``epochs``, stepped once per optimizer update; warmup (``warmup_epochs``)
+    ramps linearly from ``min_lr`` to ``lr``."""
+    scheduler, _ = create_scheduler_v2(optimizer, cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr,
+                                       warmup_lr=cfg.min_lr, warmup_epochs=cfg.warmup_epochs,
+                                       step_on_epochs=False, updates_per_epoch=updates_per_epoch)
+    return scheduler
+
+
+def _resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
+    """The checkpoint to resume from (``resume="auto"``: decided once the model exists, see :func:`_verified`)."""
+    if resume == "auto":
+        return latest_checkpoint(folder.root)
+    if resume:
+        if not Path(resume).is_dir():
+            raise FileNotFoundError(f"--resume {resume}: no such checkpoint folder")
+        return Path(resume)
+    if latest_checkpoint(folder.root) is not None:
+        raise FileExistsError(f"{folder.root} already holds checkpoints; pass --resume auto to continue that run, "
+                              f"or choose another output_dir")
+    return None
+
+
+def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path], model) -> Optional[Path]:
+    """``resume_from`` once verified; with ``--resume auto`` the newest intact checkpoint, with a warning
+    naming what was wrong with each newer one."""
+    if resume_from is None:
+        return None
+    if resume != "auto":
+        verify_checkpoint(resume_from, model)
+        return resume_from
+    intact, problems = intact_checkpoint(folder.root, model)
+    if intact is None:
+        raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: " + "; ".join(problems))
+    for problem in problems:
+        _logger.warning(f"--resume auto: skipped damaged checkpoint {problem}; falling back to {intact.name}")
+    return intact
+
+
+def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
+    """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked."""
+    folder = RunFolder(cfg.output_dir)
     accelerator = create_accelerator(cfg)
-    num_processes, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
                           "(use DDP, or leave lipschitz_target unset)")
     if cfg.ema_decay and accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ConfigError("the EMA under FSDP needs FSDP2 (fsdp_version: 2 in the accelerate config), whose "
                           "parameters are DTensor shards; or set ema_decay: null")
-
-    resume_from = None
-    if resume == "auto":
-        resume_from = latest_checkpoint(out)
-    elif resume:
-        resume_from = Path(resume)
-        if not resume_from.is_dir():
-            raise FileNotFoundError(f"--resume {resume}: no such checkpoint folder")
-    elif latest_checkpoint(out) is not None:
-        raise FileExistsError(f"{out} already holds checkpoints; pass --resume auto to continue that run, "
-                              f"or choose another output_dir")
+    resume_from = _resume_point(folder, resume)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
+        folder.root.mkdir(parents=True, exist_ok=True)
+        cfg.save(folder.config)
 
     set_seed(cfg.seed)
     model = build_model(cfg)
+    resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
-    optimizer = create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                                    eps=cfg.eps)
+    optimizer = build_optimizer(cfg, model)
     model, optimizer = accelerator.prepare(model, optimizer)
-    updates_per_epoch = math.ceil(len(train_loader) / accum)
-    scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * updates_per_epoch, lr_min=cfg.min_lr,
-                                  warmup_t=cfg.warmup_epochs * updates_per_epoch, warmup_lr_init=cfg.min_lr,
-                                  t_in_epochs=False)
+    scheduler = build_scheduler(cfg, optimizer,
+                                math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps))
     ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
-    mixup, criterion = _criterion(cfg)
+    mixup, criterion = build_criterion(cfg)
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        try:
+            accelerator.load_state(str(resume_from))
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
+            raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
         accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
                           f"batch {state.batch_in_epoch} of the epoch)")
     else:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
-    log = _Log(accelerator, out / "metrics.jsonl")
     keep = None
     if cfg.lipschitz_target is not None:
         keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
-                                 cfg.lipschitz_gamma_max, weight_max=cfg.lipschitz_weight_max)
-        keep()
-    last_good = resume_from
+                                 cfg.lipschitz_gamma_max, tau_max=cfg.lipschitz_tau_max,
+                                 weight_max=cfg.lipschitz_weight_max)
+    run = _Run(cfg, accelerator, folder, model, optimizer, scheduler, ema, mixup, criterion, train_loader,
+               val_loader, state, _Log(accelerator, folder.metrics), keep, last_good=resume_from)
+    if keep is not None:
+        run.keep_bound()
+    return run
 
+
+def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
+    """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path."""
+    run = _start(cfg, resume)
+    state, accelerator = run.state, run.accelerator
     for epoch in range(state.epoch, cfg.epochs):
-        model.train()
-        train_loader.set_epoch(epoch)
-        loader = train_loader
-        if state.batch_in_epoch:
-            loader = accelerator.skip_first_batches(train_loader, state.batch_in_epoch)
-        bar = tqdm(total=len(train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch}",
-                   disable=not accelerator.is_main_process, dynamic_ncols=True)
-        failed, seen, loss_sum, loss_n = [], 0, 0.0, 0
-        window_bad, t0, imgs = False, time.time(), 0
-        for images, targets, bad in loader:
-            failed += bad
-            if images is None:
-                raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
-            seen += targets.shape[0]
-            with accelerator.accumulate(model):
-                if mixup is not None:
-                    images, targets = mixup(images, targets)
-                with accelerator.autocast():
-                    loss = criterion(model(images), targets)
-                nonfinite = accelerator.reduce(torch.tensor([float(not torch.isfinite(loss))], device=loss.device),
-                                               "sum").item()
-                if nonfinite:
-                    window_bad = True
-                    if cfg.on_nonfinite == "stop":
-                        raise TrainingDiverged(f"non-finite loss at step {state.step} (epoch {epoch}); "
-                                               f"last good checkpoint: {last_good or 'none written yet'}")
-                else:
-                    accelerator.backward(loss)
-                if accelerator.sync_gradients and not window_bad:
-                    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad or float("inf"))
-                    if accelerator.scaler is None and not torch.isfinite(norm):
-                        window_bad = True
-                        if cfg.on_nonfinite == "stop":
-                            raise TrainingDiverged(f"non-finite gradient at step {state.step} (epoch {epoch}); "
-                                                   f"last good checkpoint: {last_good or 'none written yet'}")
-                if not window_bad:
-                    optimizer.step()
-                optimizer.zero_grad()
-            state.batch_in_epoch += 1
-            bar.update(1)
-            if not nonfinite:
-                loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
-            imgs += targets.shape[0] * num_processes
-            if accelerator.sync_gradients:
-                if window_bad:
-                    state.skipped_steps += 1
-                    window_bad = False
-                state.step += 1
-                if keep is not None and state.step % cfg.lipschitz_every_steps == 0:
-                    keep()
-                scheduler.step_update(state.step)
-                if ema is not None:
-                    ema.update(model, state.step)
-                lr = optimizer.param_groups[0]["lr"]
-                speed = imgs / max(time.time() - t0, 1e-9)
-                bar.set_postfix(loss=f"{loss_sum / max(loss_n, 1):.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
-                if state.step % cfg.log_every_steps == 0:
-                    log("train", state.step, epoch=epoch, loss=loss_sum / max(loss_n, 1), lr=lr, img_per_s=speed)
-                if state.step % cfg.checkpoint_every_steps == 0:
-                    last_good = save_checkpoint(accelerator, model, out, state, cfg.keep_last)
-        bar.close()
-
-        totals = accelerator.reduce(torch.tensor([float(len(failed)), float(seen)], device=accelerator.device), "sum")
-        n_failed, n_seen = int(totals[0]), int(totals[1])
-        if n_failed:
-            _logger.warning(f"epoch {epoch}: {n_failed} of {n_seen} images could not be read, e.g. {failed[:3]}")
-        if n_failed > cfg.max_bad_fraction * max(n_seen, 1):
-            raise TooManyBadSamples(
-                f"epoch {epoch}: {n_failed} of {n_seen} images failed to load (more than "
-                f"{cfg.max_bad_fraction:.0%}), e.g. {', '.join(failed[:5])}; fix or remove them")
-
+        row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
+        row.update(alpha_statistics(accelerator.unwrap_model(run.model)))
         state.epoch, state.batch_in_epoch = epoch + 1, 0
-        row = dict(epoch=epoch + 1, train_loss=loss_sum / max(loss_n, 1), bad_samples=n_failed, train_samples=n_seen,
-                   processes=num_processes, skipped_steps=state.skipped_steps, seconds=time.time() - t0)
-        if keep is not None:
-            row["lipschitz_bound"] = lipschitz_report(accelerator.unwrap_model(model)).bound
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
-            metrics = evaluate(model, val_loader, accelerator)
-            row.update(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"])
-            candidates = {"model": metrics["top1"]}
-            if ema is not None:
-                with ema.applied(model):
-                    ema_metrics = evaluate(model, val_loader, accelerator)
-                row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
-                candidates["ema"] = ema_metrics["top1"]
-            which = max(candidates, key=candidates.get)
-            if candidates[which] > state.best_top1:
-                state.best_top1 = candidates[which]
-                row["best"] = which
-                with ema.applied(model) if which == "ema" else contextlib.nullcontext():
-                    _save_weights(accelerator, accelerator.get_state_dict(model), out / "best.safetensors")
-            accelerator.print(f"epoch {epoch + 1}: top-1 {metrics['top1']:.2f}"
-                              + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
-        log("epoch", state.step, **row)
-        last_good = save_checkpoint(accelerator, model, out, state, cfg.keep_last)
+            row.update(evaluate_and_keep_best(run))
+        run.log("epoch", state.step, **row)
+        run.last_good = save_checkpoint(accelerator, run.model, run.folder.root, state, cfg.keep_last)
 
-    _save_weights(accelerator, accelerator.get_state_dict(model), out / "last.safetensors")
-    if ema is not None:
-        with ema.applied(model):
-            _save_weights(accelerator, accelerator.get_state_dict(model), out / "last_ema.safetensors")
+    _save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights())
+    if run.ema is not None:
+        with run.ema.applied(run.model):
+            _save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(ema=True))
     accelerator.end_training()
-    summary = dict(output_dir=str(out), checkpoint=str(last_good), best_top1=state.best_top1, step=state.step,
-                   skipped_steps=state.skipped_steps, curves=str(out / "curves.png"))
+    summary = dict(output_dir=str(run.folder.root), checkpoint=str(run.last_good), best_top1=state.best_top1,
+                   step=state.step, skipped_steps=state.skipped_steps, curves=str(run.folder.curves))
     if accelerator.is_main_process:
-        plot_curves(out / "metrics.jsonl", out / "curves.png")
+        plot_curves(run.folder.metrics, run.folder.curves)
     return summary
 
 
+def train_one_epoch(run: _Run, epoch: int) -> dict:
+    """One pass over the training data (the rest of it, after a mid-epoch resume); returns the epoch row's
+    training figures. Checkpoints are written every ``checkpoint_every_steps`` optimizer steps."""
+    cfg, accelerator, state = run.cfg, run.accelerator, run.state
+    run.model.train()
+    run.train_loader.set_epoch(epoch)
+    loader = run.train_loader
+    if state.batch_in_epoch:
+        loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
+    bar = tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch}",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    meter = _EpochMeter()
+    for images, targets, bad in loader:
+        meter.failed += bad
+        if images is None:
+            raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
+        meter.seen += targets.shape[0]
+        loss = _train_step(run, meter, images, targets, epoch)
+        state.batch_in_epoch += 1
+        bar.update(1)
+        if loss is not None:
+            meter.loss_sum, meter.loss_n = meter.loss_sum + loss, meter.loss_n + 1
+        meter.images += targets.shape[0] * accelerator.num_processes
+        if accelerator.sync_gradients:
+            _after_update(run, meter, epoch, bar)
+    bar.close()
+
+    totals = accelerator.reduce(torch.tensor([float(len(meter.failed)), float(meter.seen)],
+                                             device=accelerator.device), "sum")
+    n_failed, n_seen = int(totals[0]), int(totals[1])
+    check_unreadable(f"epoch {epoch}", n_failed, n_seen, cfg.max_bad_fraction, meter.failed)
+    row = dict(train_loss=meter.loss, bad_samples=n_failed, train_samples=n_seen,
+               processes=accelerator.num_processes, skipped_steps=state.skipped_steps,
+               seconds=time.time() - meter.t0)
+    if run.keep is not None:  # keep()'s own bound when it projected after this step, else the report's
+        step, bound = run.kept
+        row["lipschitz_bound"] = bound if step == state.step else \
+            lipschitz_report(accelerator.unwrap_model(run.model)).bound
+    return row
+
+
+def _train_step(run: _Run, meter: _EpochMeter, images, targets, epoch: int) -> Optional[float]:
+    """Forward and backward of one batch, and the optimizer step at the end of an accumulation window;
+    returns the loss, or None when it was not finite."""
+    accelerator, model, cfg = run.accelerator, run.model, run.cfg
+    with accelerator.accumulate(model):
+        if run.mixup is not None:
+            images, targets = run.mixup(images, targets)
+        with accelerator.autocast():
+            loss = run.criterion(model(images), targets)
+        nonfinite = accelerator.reduce(torch.tensor([float(not torch.isfinite(loss))], device=loss.device),
+                                       "sum").item()
+        if nonfinite:
+            meter.window_bad = True
+            if cfg.on_nonfinite == "stop":
+                raise run.diverged("loss", epoch)
+        else:
+            accelerator.backward(loss)
+        if accelerator.sync_gradients and not meter.window_bad:
+            norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad or float("inf"))
+            if accelerator.scaler is None and not torch.isfinite(norm):
+                meter.window_bad = True
+                if cfg.on_nonfinite == "stop":
+                    raise run.diverged("gradient", epoch)
+        if not meter.window_bad:
+            run.optimizer.step()
+        run.optimizer.zero_grad()
+    return None if nonfinite else loss.item()
+
+
+def _after_update(run: _Run, meter: _EpochMeter, epoch: int, bar) -> None:
+    """Bookkeeping after an optimizer update: step count, bound keeping, schedule, EMA, logging, checkpoint."""
+    cfg, state = run.cfg, run.state
+    if meter.window_bad:
+        state.skipped_steps += 1
+        meter.window_bad = False
+    state.step += 1
+    if run.keep is not None and state.step % cfg.lipschitz_every_steps == 0:
+        run.keep_bound()
+    run.scheduler.step_update(state.step)
+    if run.ema is not None:
+        run.ema.update(run.model, state.step)
+    lr = run.optimizer.param_groups[0]["lr"]
+    speed = meter.images / max(time.time() - meter.t0, 1e-9)
+    bar.set_postfix(loss=f"{meter.loss:.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
+    if state.step % cfg.log_every_steps == 0:
+        run.log("train", state.step, epoch=epoch, loss=meter.loss, lr=lr, img_per_s=speed)
+    if state.step % cfg.checkpoint_every_steps == 0:
+        run.last_good = save_checkpoint(run.accelerator, run.model, run.folder.root, state, cfg.keep_last)
+
+
+def evaluate_and_keep_best(run: _Run) -> dict:
+    """Validation top-1 / top-5 of the model (and of its EMA); the better of the two is saved as
+    ``best.safetensors`` when it beats every earlier epoch. Returns the epoch row's validation figures."""
+    accelerator, model, state, ema = run.accelerator, run.model, run.state, run.ema
+    metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
+    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"],
+               val_bad_samples=metrics["unreadable"])
+    candidates = {"model": metrics["top1"]}
+    if ema is not None:
+        with ema.applied(model):
+            ema_metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
+        row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+        candidates["ema"] = ema_metrics["top1"]
+    which = max(candidates, key=candidates.get)
+    if candidates[which] > state.best_top1:
+        state.best_top1 = candidates[which]
+        row["best"] = which
+        with ema.applied(model) if which == "ema" else contextlib.nullcontext():
+            _save_weights(accelerator, accelerator.get_state_dict(model), run.folder.best)
+    accelerator.print(f"epoch {state.epoch}: top-1 {metrics['top1']:.2f}"
+                      + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
+    return row
+
+
 def _save_weights(accelerator, state_dict: dict, path: Path) -> None:
-    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed)."""
+    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed), written beside the
+    target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
-        save_file(tensors, str(path))
+        tmp = RunFolder.temporary(path)
+        try:
+            save_file(tensors, str(tmp))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SaveFailed(f"could not write {path}: {e.strerror or e}; "
+                             f"{'the previous file is intact' if path.exists() else 'nothing was written'}") from None
+        os.replace(tmp, path)

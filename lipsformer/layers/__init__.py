@@ -3,14 +3,16 @@ from .attention import ATTENTIONS, AttentionKernel, dot_attention, l2_attention,
 from .attlip import AttLip, AttLipMixer
 from .block import LipsBlock
 from .conv_blocks import CONV_BLOCKS, ConvBlocks
-from .init import INITS, init_weights, spectral_norm_of
+from .init import INITS, init_weights
 from .norm import NORMS, CenterNorm, create_norm
+from .options import LipschitzOptions
 from .patch_embed import PatchEmbed
 from .residual import WeightedResidual
-from .windows import window_partition, window_reverse
+from .spectral import largest_singular_value
+from .windows import pad_to_multiple, window_partition, window_reverse
 
 __all__ = [
     "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
-    "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "spectral_norm_of", "NORMS", "CenterNorm",
-    "create_norm", "PatchEmbed", "WeightedResidual", "window_partition", "window_reverse",
+    "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "largest_singular_value", "LipschitzOptions", "NORMS", "CenterNorm",
+    "create_norm", "PatchEmbed", "WeightedResidual", "pad_to_multiple", "window_partition", "window_reverse",
 ]

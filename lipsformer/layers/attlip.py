@@ -14,9 +14,10 @@ import math
 from typing import Callable, Optional
 
 import torch
+from timm.layers import register_notrace_module
 from torch import nn
 
-from .windows import window_partition, window_reverse
+from .windows import pad_to_multiple, window_partition, window_reverse
 
 
 def _scores(x: torch.Tensor, weight: torch.Tensor, heads: int):
@@ -115,6 +116,7 @@ class AttLip(nn.Module):
         return f"heads={self.heads}, eta={self.eta}, steps={self.train_steps}/{self.eval_steps}"
 
 
+@register_notrace_module  # reason: windows, padding and the descent's stopping test read shapes and values
 class AttLipMixer(nn.Module):
     """AttLip as a LipsBlock token mixer on (B, H, W, C), the ``attn="attlip"`` choice of both families.
 
@@ -134,13 +136,22 @@ class AttLipMixer(nn.Module):
         self.branches = nn.ModuleList(
             AttLip(dim // nb, heads // nb, eta, train_steps, eval_steps, tol) for _ in self.windows)
 
+    def set_windows(self, windows) -> None:
+        """Other window shapes, one per branch (the weights do not depend on them)."""
+        if len(windows) != len(self.windows):
+            raise ValueError(f"{len(self.windows)} window shapes are built, got {len(windows)}")
+        self.windows = [tuple(w) for w in windows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A size a window does not divide is padded with zeros and cropped back (``strict_img_size=False``)."""
         B, H, W, C = x.shape
         parts = x.chunk(len(self.windows), dim=-1)
         outs = []
         for part, window, layer in zip(parts, self.windows, self.branches):
+            part = pad_to_multiple(part, window)
             tokens = window_partition(part, window)
-            outs.append(window_reverse(layer(tokens) - tokens, window, H, W))
+            out = window_reverse(layer(tokens) - tokens, window, *part.shape[1:3])
+            outs.append(out[:, :H, :W] if out.shape[1:3] != (H, W) else out)
         return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
     def extra_repr(self) -> str:

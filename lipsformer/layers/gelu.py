@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,7 @@ def _records_grad(*tensors) -> bool:
             and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling())
 
 
+@register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
 def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(F.gelu(u), weight, bias)``, saving only ``u`` (and the weight) for backward."""
     if not _records_grad(u, weight, bias):
@@ -73,6 +75,7 @@ def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return _GeluLinear.apply(u, weight, bias)
 
 
+@register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
 def gelu_residual(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x + F.gelu(u) * scale`` (one ``addcmul``), ``scale`` broadcasting over ``u``, saving only ``u`` (and the
     small ``scale``) for backward."""

@@ -4,24 +4,21 @@ from timm.layers import trunc_normal_
 from torch import nn
 
 from .norm import CenterNorm
+from .spectral import largest_singular_value
 
 INITS = ("spectral", "xavier", "trunc_normal")
 
 
-def spectral_norm_of(weight: torch.Tensor) -> torch.Tensor:
-    """Largest singular value of a weight viewed as (out, in * kh * kw), as the released code does."""
-    return torch.linalg.matrix_norm(weight.reshape(weight.shape[0], -1).float(), ord=2)
-
-
 @torch.no_grad()
-def init_weights(model: nn.Module, mode: str = "spectral") -> None:
+def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = True) -> None:
     r"""Initialise every Linear / Conv2d / norm of ``model`` in place.
 
     - ``spectral``: Xavier-normal, then :math:`W \leftarrow W / \sigma_{\max}(W)` so each layer
       starts 1-Lipschitz (LipsFormer eq. 9; conv weights viewed as (out, in * kh * kw));
     - ``xavier``: Xavier-normal only; ``trunc_normal``: truncated normal, std 0.02 (Swin's init).
 
-    Biases start at 0, norm weights at 1 and norm biases at 0 in every mode.
+    Biases start at 0, norm weights at 1 and norm biases at 0 in every mode. ``normalize=False`` leaves out the
+    spectral division (the one costly step), for weights that are about to be overwritten by a load.
     """
     if mode not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {mode!r}")
@@ -31,8 +28,8 @@ def init_weights(model: nn.Module, mode: str = "spectral") -> None:
                 trunc_normal_(m.weight, std=0.02)
             else:
                 nn.init.xavier_normal_(m.weight)
-                if mode == "spectral" and m.weight.device.type != "meta":
-                    m.weight.div_(spectral_norm_of(m.weight).to(m.weight.dtype))
+                if mode == "spectral" and normalize and m.weight.device.type != "meta":
+                    m.weight.div_(largest_singular_value(m.weight, certified=False))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, (CenterNorm, nn.LayerNorm)):

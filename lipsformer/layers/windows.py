@@ -2,8 +2,11 @@
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 
+@register_notrace_function  # reason: the window count comes from the input's shape
 def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
     """(B, H, W, C) -> (B * nH * nW, wh * ww, C); windows in raster order, tokens row-major inside."""
     B, H, W, C = x.shape
@@ -12,9 +15,24 @@ def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
     return x.reshape(-1, wh * ww, C)
 
 
+@register_notrace_function  # reason: int arguments may be traced values
 def window_reverse(windows: torch.Tensor, window: Tuple[int, int], H: int, W: int) -> torch.Tensor:
     """Inverse of :func:`window_partition`: (B * nH * nW, wh * ww, C) -> (B, H, W, C)."""
     wh, ww = window
     C = windows.shape[-1]
     x = windows.view(-1, H // wh, W // ww, wh, ww, C).permute(0, 1, 3, 2, 4, 5)
     return x.reshape(-1, H, W, C)
+
+
+@register_notrace_function  # reason: the padding comes from the input's shape
+def pad_to_multiple(x: torch.Tensor, multiple: Tuple[int, int]) -> torch.Tensor:
+    """Zero-pad (B, H, W, C) at the bottom and right so H and W divide by ``multiple``; ``x`` itself when they do.
+
+    The padding of ``strict_img_size=False`` models, as timm's Swin pads: padded tokens take part as zeros, and
+    the caller crops its output back to (H, W).
+    """
+    H, W = x.shape[1:3]
+    pad_h, pad_w = -H % multiple[0], -W % multiple[1]
+    if pad_h or pad_w:
+        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+    return x

@@ -1,43 +1,61 @@
 """Certified upper bounds on Lipschitz constants (l2 norms; an image or token map is one flattened vector).
 
-One function per module kind, each citing where its bound comes from. LipsFormer = Qi et al.,
-Kim = Kim, Papamakarios & Mnih, "The Lipschitz constant of self-attention".
+LipsFormer = Qi et al., Kim = Kim, Papamakarios & Mnih, "The Lipschitz constant of self-attention".
 Bounds compose by products (Lipschitz constants of compositions multiply, LipsFormer Lemma 2).
+
+**A bound is a property of a module type.** One table, :data:`BOUNDS`, maps each module type the report knows to
+the function that bounds it; :func:`lipschitz_report` walks the model through that table and raises
+:class:`NoBoundError`, naming the module and its type, for any module it meets that has no entry. Types match
+exactly (a subclass may compute something else in ``forward``, so it must register too). Attention kernels are
+dispatched the same way on their ``kind`` (:data:`KERNEL_BOUNDS`), and weighted residuals, whose bound depends on
+their branch's, on their type (:data:`RESIDUAL_BOUNDS`). A new module registers its bound next to its math::
+
+    from lipsformer.lipschitz import Bound, register_bound
+
+    @register_bound(GroupSort)
+    def groupsort_bound(module: GroupSort, hw) -> Bound:
+        return Bound(1.0, "GroupSort is a permutation on each group: 1-Lipschitz (Anil et al. 2019)")
+
+``hw`` is the (H, W) token grid the module sees (a convolution's bound depends on it). A composite module
+whose parts the report should list one by one registers rows instead (:func:`register_rows`, see
+:func:`block_rows`); a residual form registers with :func:`register_residual_bound`; an attention kernel kind
+with :func:`register_kernel_bound`.
 """
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from timm.layers import ClassifierHead, Mlp, SelectAdaptivePool2d
+from timm.layers.adaptive_avgmax_pool import (AdaptiveAvgMaxPool2d, AdaptiveCatAvgMaxPool2d,
+                                              FastAdaptiveAvgMaxPool, FastAdaptiveAvgPool,
+                                              FastAdaptiveCatAvgMaxPool, FastAdaptiveMaxPool)
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, CenterNorm
-from ..layers.block import LipsBlock
+from ..layers import AttentionKernel, AttLip, AttLipMixer, CenterNorm
+from ..layers.attention import KimL2Attention
+from ..layers.block import GeluMlp, LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
 from ..layers.residual import WeightedResidual
+from ..layers.spectral import largest_singular_value
+from ..models._base import LipsFormerBase, LipsStage
+from ..models.lipsformer_cswin import ConvDownsample, CrossShapedAttention
+from ..models.lipsformer_swin import PatchMerging, WindowAttention
 
+HW = Tuple[int, int]
 INF = math.inf
-# Matrices up to this size in their smaller dimension get an exact SVD; larger ones power iteration.
-EXACT_MAX_DIM = 4096
 
 
 # -- linear maps -------------------------------------------------------------------------------------
 def matrix_norm(weight: torch.Tensor, iters: int = 100) -> float:
     """Largest singular value of a 2-D weight (LipsFormer eq. 1: Lip of an affine map).
 
-    Matrices whose smaller side is at most ``EXACT_MAX_DIM`` get an exact SVD (certified); larger ones get
-    power iteration, a lower estimate that converges to the norm.
+    :func:`lipsformer.layers.spectral.largest_singular_value`: exact (certified) when the smaller side is at
+    most its ``EXACT_MAX_DIM``; larger ones get power iteration, a lower estimate that converges to the norm.
     """
-    w = weight.detach().double().flatten(1)
-    if min(w.shape) <= EXACT_MAX_DIM:
-        return float(torch.linalg.matrix_norm(w, ord=2))
-    v = torch.randn(w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))
-    for _ in range(iters):
-        v = w.T @ (w @ v)
-        v = v / v.norm().clamp_min(1e-300)
-    return float((w @ v).norm())
+    return largest_singular_value(weight, iters=iters)
 
 
 def conv_operator_norm(conv: nn.Conv2d, input_hw: Tuple[int, int], iters: int = 200) -> float:
@@ -85,33 +103,193 @@ def conv_bound(conv: nn.Conv2d, input_hw: Tuple[int, int]) -> float:
     return math.sqrt(overlap) * max(float(torch.linalg.matrix_norm(m.flatten(1), ord=2)) for m in groups)
 
 
-# -- pointwise maps and norms -------------------------------------------------------------------------
+
+# -- the registry ---------------------------------------------------------------------------------------
+class NoBoundError(TypeError, ValueError):
+    """A module or attention kind with no registered bound: no certificate is computed for what is not known."""
+
+
+class Bound(NamedTuple):
+    """A map's certified Lipschitz bound and where it comes from (unpacks as ``lip, note``)."""
+
+    lip: float
+    note: str = ""
+
+
+@dataclass
+class Row:
+    """One residual branch (or a non-residual layer) of the network."""
+
+    name: str
+    lip: float  # the layer's bound; for a residual, 1 + max|alpha| Lip(f)
+    branch: Optional[float] = None  # Lip(f) of a residual branch
+    alpha: Optional[float] = None  # max|alpha|
+    drop_path: float = 0.0
+    scale_by_keep: bool = True
+    note: str = ""
+
+
+RowsFn = Callable[[nn.Module, str, HW], List[Row]]
+#: module type -> ``fn(module, name, hw) -> rows``; :func:`register_bound` entries give one row.
+BOUNDS: Dict[type, RowsFn] = {}
+#: attention kernel kind -> ``fn(kernel, w, n, position_bias) -> Bound`` for the concatenated heads of one token
+#: group of ``n`` tokens; ``w`` is the projection weight viewed as (kernel.num_proj, heads, head_dim, dim).
+KERNEL_BOUNDS: Dict[str, Callable[[AttentionKernel, torch.Tensor, int, bool], Bound]] = {}
+#: residual type -> ``fn(residual, name, branch, note) -> Row``, its bound given its branch's bound ``branch``.
+RESIDUAL_BOUNDS: Dict[type, Callable[[nn.Module, str, float, str], Row]] = {}
+
+
+def _register(table: dict, keys, fn):
+    for key in keys:
+        if key in table:
+            raise ValueError(f"a Lipschitz bound for {getattr(key, '__qualname__', key)!r} is already registered "
+                             f"({table[key].__qualname__})")
+        table[key] = fn
+    return fn
+
+
+def register_rows(*types: type):
+    """Decorator: ``fn(module, name, hw) -> List[Row]`` bounds modules of ``types`` part by part."""
+    return lambda fn: _register(BOUNDS, types, fn)
+
+
+def register_bound(*types: type):
+    """Decorator: ``fn(module, hw) -> Bound`` (or a float) bounds modules of ``types`` as one map (one row)."""
+    def wrap(fn):
+        def rows(module: nn.Module, name: str, hw: HW) -> List[Row]:
+            b = fn(module, hw)
+            b = Bound(*b) if isinstance(b, tuple) else Bound(float(b))
+            return [Row(name, b.lip, note=b.note)]
+        rows.__qualname__ = fn.__qualname__
+        _register(BOUNDS, types, rows)
+        return fn
+    return wrap
+
+
+def register_kernel_bound(*kinds: str):
+    """Decorator: ``fn(kernel, w, n, position_bias) -> Bound`` bounds attention kernels of ``kinds``."""
+    return lambda fn: _register(KERNEL_BOUNDS, kinds, fn)
+
+
+def register_residual_bound(*types: type):
+    """Decorator: ``fn(residual, name, branch, note) -> Row`` bounds residual maps of ``types`` around a branch."""
+    return lambda fn: _register(RESIDUAL_BOUNDS, types, fn)
+
+
+def _lookup(table: dict, module: nn.Module, name: str):
+    fn = table.get(type(module))
+    if fn is None:
+        cls = type(module)
+        where = f"module {name!r}" if name else "a module"
+        raise NoBoundError(f"no Lipschitz bound is registered for {where} of type {cls.__module__}.{cls.__qualname__}; "
+                           f"register one (lipsformer.lipschitz.register_bound({cls.__qualname__})) before certifying")
+    return fn
+
+
+def module_rows(module: nn.Module, name: str, hw: HW) -> List[Row]:
+    """The rows of ``module`` (named ``name``, on an (H, W) token grid) from the registry; unknown types raise."""
+    return _lookup(BOUNDS, module, name)(module, name, hw)
+
+
+def module_bound(module: nn.Module, hw: HW = (1, 1), name: str = "") -> Bound:
+    """``module``'s bound as one map: the product of its rows (their notes joined)."""
+    rows = module_rows(module, name, hw)
+    notes = "; ".join(dict.fromkeys(r.note for r in rows if r.note))
+    return Bound(math.prod(r.lip for r in rows), notes)
+
+
+def residual_row(name: str, residual: nn.Module, branch: float, note: str = "") -> Row:
+    """The row of a residual map around a branch of bound ``branch``, from :data:`RESIDUAL_BOUNDS`."""
+    return _lookup(RESIDUAL_BOUNDS, residual, name)(residual, name, branch, note)
+
+
+# -- linear maps, pointwise maps and norms ------------------------------------------------------------
+@register_bound(nn.Linear)
+def linear_bound(linear: nn.Linear, hw: HW) -> Bound:
+    """A Linear on every token: the largest singular value of its weight (LipsFormer eq. 1)."""
+    return Bound(matrix_norm(linear.weight))
+
+
+@register_bound(nn.Conv2d)
+def conv2d_bound(conv: nn.Conv2d, hw: HW) -> Bound:
+    """A Conv2d on (C, H, W): :func:`conv_bound`."""
+    return Bound(conv_bound(conv, hw))
+
+
+@register_rows(nn.Identity, nn.Dropout, nn.Flatten)
+def identity_rows(module: nn.Module, name: str, hw: HW) -> List[Row]:
+    """Identity (bound 1, no row); dropout is the identity at evaluation; flattening keeps the l2 norm."""
+    return []
+
+
 def gelu_bound() -> float:
     r"""GELU's largest slope: :math:`\Phi(x) + x\varphi(x)` peaks at :math:`x = \sqrt 2` (about 1.1289)."""
     x = math.sqrt(2.0)
     return 0.5 * (1 + math.erf(x / math.sqrt(2))) + x * math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
 
 
+@register_bound(nn.GELU)
+def gelu_module_bound(act: nn.GELU, hw: HW) -> Bound:
+    if act.approximate != "none":
+        raise NoBoundError(f"no Lipschitz bound is registered for GELU(approximate={act.approximate!r})")
+    return Bound(gelu_bound())
+
+
+@register_bound(nn.ReLU)
+def relu_bound(act: nn.ReLU, hw: HW) -> Bound:
+    return Bound(1.0)
+
+
+@register_bound(CenterNorm)
+def center_norm_bound(norm: CenterNorm, hw: HW) -> Bound:
+    """CenterNorm: ``D/(D-1) * max|gamma|`` (LipsFormer eq. 2)."""
+    return Bound(norm.scale * float(norm.weight.detach().abs().max()))
+
+
+@register_bound(nn.LayerNorm)
+def layer_norm_bound(norm: nn.LayerNorm, hw: HW) -> Bound:
+    """LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1: its Jacobian grows without bound as the variance goes to 0)."""
+    return Bound(INF, "LayerNorm is not Lipschitz (LipsFormer Sec. 4.1.1)")
+
+
 def norm_bound(norm: nn.Module) -> float:
     """CenterNorm: ``D/(D-1) * max|gamma|`` (LipsFormer eq. 2); LayerNorm is not Lipschitz (LipsFormer
-    Sec. 4.1.1: its Jacobian grows without bound as the variance goes to 0); Identity: 1."""
-    if isinstance(norm, CenterNorm):
-        return norm.scale * float(norm.weight.detach().abs().max())
-    if isinstance(norm, nn.LayerNorm):
-        return INF
-    if isinstance(norm, nn.Identity):
-        return 1.0
-    raise TypeError(f"no Lipschitz bound for norm {type(norm).__name__}")
+    Sec. 4.1.1); Identity: 1; any other type raises :class:`NoBoundError`."""
+    return module_bound(norm).lip
 
 
-def residual_bound(residual: WeightedResidual, branch: float) -> float:
-    """Weighted residual ``x + alpha * f(x)``: ``1 + max|alpha| * Lip(f)`` (LipsFormer eq. 4)."""
-    return 1.0 + float(residual.alpha.detach().abs().max()) * branch
+@register_residual_bound(WeightedResidual)
+def weighted_residual_row(residual: WeightedResidual, name: str, branch: float, note: str = "") -> Row:
+    """Weighted residual ``x + alpha * f(x)``: ``1 + max|alpha| * Lip(f)`` (LipsFormer eq. 4), with its DropPath."""
+    drop = residual.drop_path
+    alpha = float(residual.alpha.detach().abs().max())
+    return Row(name, 1.0 + alpha * branch, branch, alpha, float(getattr(drop, "drop_prob", 0.0)),
+               bool(getattr(drop, "scale_by_keep", True)), note)
+
+
+def residual_bound(residual: nn.Module, branch: float) -> float:
+    """A residual map's bound given its branch's, e.g. ``1 + max|alpha| * Lip(f)`` (LipsFormer eq. 4)."""
+    return residual_row("", residual, branch).lip
+
+
+@register_bound(Mlp)
+def timm_mlp_bound(mlp: Mlp, hw: HW) -> Bound:
+    """timm's Mlp: fc2 . norm . act . fc1 (dropout is the identity at evaluation)."""
+    return Bound(math.prod(module_bound(m, hw).lip for m in (mlp.fc1, mlp.act, mlp.norm, mlp.fc2)))
+
+
+@register_bound(GeluMlp)
+def gelu_mlp_bound(mlp: GeluMlp, hw: HW) -> Bound:
+    """:class:`GeluMlp`: fc2 . GELU . fc1, the GELU fused into fc2 whatever ``act`` says (so ``act`` must be GELU)."""
+    if type(mlp.act) is not nn.GELU or not isinstance(mlp.norm, nn.Identity):
+        raise NoBoundError(f"GeluMlp computes fc2(GELU(fc1(x))); its act {type(mlp.act).__name__} and norm "
+                           f"{type(mlp.norm).__name__} must be GELU and Identity to be bounded")
+    return Bound(matrix_norm(mlp.fc2.weight) * gelu_bound() * matrix_norm(mlp.fc1.weight))
 
 
 def mlp_bound(mlp: nn.Module) -> float:
-    """timm's Mlp: fc2 . GELU . fc1 (dropout is the identity at evaluation)."""
-    return matrix_norm(mlp.fc2.weight) * gelu_bound() * matrix_norm(mlp.fc1.weight)
+    """An MLP's bound from the registry (timm's Mlp: fc2 . GELU . fc1)."""
+    return module_bound(mlp).lip
 
 
 # -- attention ----------------------------------------------------------------------------------------
@@ -210,39 +388,59 @@ def attlip_bound() -> float:
     return 1.0
 
 
+
+@register_kernel_bound("dot")
+def dot_kernel_bound(kernel: AttentionKernel, w: torch.Tensor, n: int, position_bias: bool) -> Bound:
+    return Bound(INF, "dot-product attention is not Lipschitz (Kim Thm 3.1)")
+
+
+@register_kernel_bound("l2")
+def l2_kernel_bound(kernel: AttentionKernel, w: torch.Tensor, n: int, position_bias: bool) -> Bound:
+    """Kim Theorem 3.2 for tied weights with the A_h factor (``tied_qk=True``), proven without a logit bias."""
+    if not kernel.kim:
+        return Bound(INF, "untied L2 attention is not Lipschitz (Kim Lemma F.1): set tied_qk=True")
+    if position_bias:
+        return Bound(INF, "a relative position bias is outside Kim Thm 3.2")
+    return Bound(kim_heads_bound(w[0], w[-1], n), f"Kim Thm 3.2, N={n}")
+
+
+@register_kernel_bound("scsa")
+def scsa_kernel_bound(kernel: AttentionKernel, w: torch.Tensor, n: int, position_bias: bool) -> Bound:
+    """LipsFormer Theorem 1 per head (normalised v); an additive logit bias leaves it unchanged."""
+    if kernel.nu is None:
+        return Bound(INF, "SCSA with unnormalised v (released default) is outside Theorem 1: set v_norm=True")
+    tau = abs(float(kernel.tau))
+    per_head = [scsa_bound(w[0, h], w[1, h], w[2, h], n, tau, kernel.nu, kernel.eps) for h in range(w.shape[1])]
+    return Bound(math.sqrt(sum(b * b for b in per_head)), f"LipsFormer Thm 1, N={n}")
+
+
 def attention_heads_bound(kernel: AttentionKernel, qkv_weight: torch.Tensor, heads: int, n: int,
-                          position_bias: bool = False) -> Tuple[float, str]:
+                          position_bias: bool = False) -> Bound:
     """``sqrt(sum_h Lip(head_h)^2)``: the Lipschitz bound of the concatenated heads of one token group.
 
-    Returns the bound and a note. Dot-product attention is not Lipschitz (Kim Theorem 3.1); L2 attention is
-    Lipschitz with tied weights and the A_h factor (Kim Theorem 3.2; ``tied_qk=True``), a theorem proven without a
-    logit bias; SCSA with unnormalised v (the released code) is outside Theorem 1 and grows with the input scale.
+    Returns the bound and a note, from the kernel kind's entry in :data:`KERNEL_BOUNDS` (an unknown kind raises
+    :class:`NoBoundError`). Dot-product attention is not Lipschitz (Kim Theorem 3.1); L2 attention is Lipschitz
+    with tied weights and the A_h factor (Kim Theorem 3.2; ``tied_qk=True``), a theorem proven without a logit
+    bias; SCSA with unnormalised v (the released code) is outside Theorem 1 and grows with the input scale.
     """
+    fn = KERNEL_BOUNDS.get(kernel.kind)
+    if fn is None:
+        raise NoBoundError(f"no Lipschitz bound is registered for attention kind {kernel.kind!r}; register one "
+                           f"(lipsformer.lipschitz.register_kernel_bound({kernel.kind!r})) before certifying")
     dim = qkv_weight.shape[1]
-    w = qkv_weight.detach().view(kernel.num_proj, heads, -1, dim)
-    if kernel.kind == "dot":
-        return INF, "dot-product attention is not Lipschitz (Kim Thm 3.1)"
-    if kernel.kind == "l2":
-        if not kernel.kim:
-            return INF, "untied L2 attention is not Lipschitz (Kim Lemma F.1): set tied_qk=True"
-        if position_bias:
-            return INF, "a relative position bias is outside Kim Thm 3.2"
-        return kim_heads_bound(w[0], w[-1], n), f"Kim Thm 3.2, N={n}"
-    if kernel.nu is None:
-        return INF, "SCSA with unnormalised v (released default) is outside Theorem 1: set v_norm=True"
-    tau = abs(float(kernel.tau))
-    per_head = [scsa_bound(w[0, h], w[1, h], w[2, h], n, tau, kernel.nu, kernel.eps) for h in range(heads)]
-    return math.sqrt(sum(b * b for b in per_head)), f"LipsFormer Thm 1, N={n}"
+    return fn(kernel, qkv_weight.detach().view(kernel.num_proj, heads, -1, dim), n, position_bias)
 
 
-def window_attention_bound(attn: nn.Module) -> Tuple[float, str]:
+@register_bound(WindowAttention)
+def window_attention_bound(attn: WindowAttention, hw: HW = None) -> Bound:
     """Swin windows: windows are independent, so the bound is that of one window of ``N`` tokens, then proj."""
     n = attn.window[0] * attn.window[1]
     heads, note = attention_heads_bound(attn.kernel, attn.qkv.weight, attn.num_heads, n, position_bias=True)
-    return heads * matrix_norm(attn.proj.weight), note
+    return Bound(heads * matrix_norm(attn.proj.weight), note)
 
 
-def cross_shaped_attention_bound(attn: nn.Module, resolution: Tuple[int, int]) -> Tuple[float, str]:
+@register_bound(CrossShapedAttention)
+def cross_shaped_attention_bound(attn: CrossShapedAttention, resolution: HW) -> Bound:
     """CSwin: each branch is ``(heads(q, k, v) + LePE(v)) / sqrt(branch heads)`` on its stripes; the branches
     act on disjoint channels and are concatenated (root of the sum of squares), then projected."""
     nb = len(attn.windows)
@@ -255,23 +453,23 @@ def cross_shaped_attention_bound(attn: nn.Module, resolution: Tuple[int, int]) -
         notes.add(note)
         lepe_lip = conv_bound(lepe, resolution) * matrix_norm(w[-1, b])
         branches.append((heads + lepe_lip) / math.sqrt(attn.branch_heads))
-    return math.sqrt(sum(b * b for b in branches)) * matrix_norm(attn.proj.weight), "; ".join(sorted(notes))
+    return Bound(math.sqrt(sum(b * b for b in branches)) * matrix_norm(attn.proj.weight), "; ".join(sorted(notes)))
+
+
+@register_bound(KimL2Attention)
+def kim_l2_attention_bound(attn: KimL2Attention, hw: HW) -> Bound:
+    """Kim Theorem 3.2 on the ``H * W`` tokens of one group."""
+    n = hw[0] * hw[1]
+    return Bound(kim_l2_bound(attn, n), f"Kim Thm 3.2, N={n}")
+
+
+@register_bound(AttLip, AttLipMixer)
+def attlip_module_bound(attn: nn.Module, hw: HW) -> Bound:
+    """AttLip Theorem 4: prox (and ``I - prox``, the mixer) is firmly non-expansive."""
+    return Bound(attlip_bound(), "AttLip Thm 4: I - prox is firmly non-expansive")
 
 
 # -- blocks and the network ---------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One residual branch (or a non-residual layer) of the network."""
-
-    name: str
-    lip: float  # the layer's bound; for a residual, 1 + max|alpha| Lip(f)
-    branch: Optional[float] = None  # Lip(f) of a residual branch
-    alpha: Optional[float] = None  # max|alpha|
-    drop_path: float = 0.0
-    scale_by_keep: bool = True
-    note: str = ""
-
-
 @dataclass
 class LipschitzReport:
     rows: List[Row] = field(default_factory=list)
@@ -324,13 +522,8 @@ def _power10(x: float) -> float:
     return 10.0 ** x if x < 308 else INF
 
 
-def _residual_row(name: str, residual: WeightedResidual, branch: float, note: str = "") -> Row:
-    drop = residual.drop_path
-    return Row(name, residual_bound(residual, branch), branch, float(residual.alpha.detach().abs().max()),
-               float(getattr(drop, "drop_prob", 0.0)), bool(getattr(drop, "scale_by_keep", True)), note)
-
-
-def conv_blocks_rows(name: str, convs: ConvBlocks, hw: Tuple[int, int]) -> List[Row]:
+@register_rows(ConvBlocks)
+def conv_blocks_rows(convs: ConvBlocks, name: str, hw: HW) -> List[Row]:
     """Configurations B-D: ``x + s1 GELU(pw(GELU(dw1 x)))`` then ``x + s2 GELU(dw2 x)``."""
     rows = []
     if convs.dw1 is None:
@@ -339,60 +532,104 @@ def conv_blocks_rows(name: str, convs: ConvBlocks, hw: Tuple[int, int]) -> List[
     branch = g * conv_bound(convs.dw1, hw)
     if convs.pw is not None:
         branch *= g * conv_bound(convs.pw, hw)
-    rows.append(_residual_row(f"{name}.res1", convs.res1, branch))
+    rows.append(residual_row(f"{name}.res1", convs.res1, branch))
     if convs.dw2 is not None:
-        rows.append(_residual_row(f"{name}.res2", convs.res2, g * conv_bound(convs.dw2, hw)))
+        rows.append(residual_row(f"{name}.res2", convs.res2, g * conv_bound(convs.dw2, hw)))
     return rows
 
 
-def block_rows(name: str, block: LipsBlock, hw: Tuple[int, int]) -> List[Row]:
-    rows = conv_blocks_rows(f"{name}.convs", block.convs, hw)
-    if isinstance(block.attn, AttLipMixer):
-        attn, note = attlip_bound(), "AttLip Thm 4: I - prox is firmly non-expansive"
-    elif hasattr(block.attn, "window"):
-        attn, note = window_attention_bound(block.attn)
-    else:
-        attn, note = cross_shaped_attention_bound(block.attn, hw)
-    rows.append(_residual_row(f"{name}.res_attn", block.res_attn, attn, note))
-    rows.append(Row(f"{name}.norm1", norm_bound(block.norm1)))
-    rows.append(_residual_row(f"{name}.res_mlp", block.res_mlp, mlp_bound(block.mlp)))
-    rows.append(Row(f"{name}.norm2", norm_bound(block.norm2)))
+@register_rows(LipsBlock)
+def block_rows(block: LipsBlock, name: str, hw: HW) -> List[Row]:
+    """Conv blocks, ``N1(x + alpha1 attn(x))``, ``N2(x + alpha2 mlp(x))``: the mixer and MLP by their types."""
+    rows = module_rows(block.convs, f"{name}.convs", hw)
+    attn, note = module_bound(block.attn, hw, f"{name}.attn")
+    rows.append(residual_row(f"{name}.res_attn", block.res_attn, attn, note))
+    rows += module_rows(block.norm1, f"{name}.norm1", hw)
+    mlp, note = module_bound(block.mlp, hw, f"{name}.mlp")
+    rows.append(residual_row(f"{name}.res_mlp", block.res_mlp, mlp, note))
+    rows += module_rows(block.norm2, f"{name}.norm2", hw)
     return rows
 
 
-def downsample_rows(name: str, down: nn.Module, hw: Tuple[int, int]) -> List[Row]:
-    """Swin patch merging (a 2x2 regrouping: norm-preserving, then norm and Linear) or CSwin conv + norm."""
-    if isinstance(down, nn.Identity):
-        return []
-    if hasattr(down, "reduction"):
-        return [Row(f"{name}.norm", norm_bound(down.norm)), Row(f"{name}.reduction", matrix_norm(down.reduction.weight))]
-    return [Row(f"{name}.conv", conv_bound(down.conv, hw)), Row(f"{name}.norm", norm_bound(down.norm))]
+@register_rows(PatchMerging)
+def patch_merging_rows(down: PatchMerging, name: str, hw: HW) -> List[Row]:
+    """Swin patch merging: a 2x2 regrouping (a permutation, norm-preserving), then norm and Linear."""
+    return module_rows(down.norm, f"{name}.norm", hw) + module_rows(down.reduction, f"{name}.reduction", hw)
+
+
+@register_rows(ConvDownsample)
+def conv_downsample_rows(down: ConvDownsample, name: str, hw: HW) -> List[Row]:
+    """CSwin downsampling: a 2x2 stride-2 conv on the ``hw`` input grid, then norm."""
+    return module_rows(down.conv, f"{name}.conv", hw) + module_rows(down.norm, f"{name}.norm", hw)
+
+
+@register_rows(PatchEmbed)
+def patch_embed_rows(embed: PatchEmbed, name: str, hw: HW) -> List[Row]:
+    """The stride-``patch`` conv on the image, then the norm on the token grid."""
+    return module_rows(embed.proj, f"{name}.proj", embed.img_size) + module_rows(embed.norm, f"{name}.norm", hw)
+
+
+@register_bound(FastAdaptiveAvgPool)
+def avg_pool_bound(pool: nn.Module, hw: HW) -> Bound:
+    """Mean over N tokens: ``||mean(X) - mean(Y)|| <= ||X - Y|| / sqrt(N)`` (Cauchy-Schwarz)."""
+    return Bound(1.0 / math.sqrt(hw[0] * hw[1]))
+
+
+@register_bound(FastAdaptiveMaxPool)
+def max_pool_bound(pool: nn.Module, hw: HW) -> Bound:
+    """Max over tokens, per channel: ``|max a - max b| <= max |a - b|``, so 1."""
+    return Bound(1.0)
+
+
+@register_bound(FastAdaptiveAvgMaxPool, AdaptiveAvgMaxPool2d)
+def avgmax_pool_bound(pool: nn.Module, hw: HW) -> Bound:
+    """(mean + max) / 2: at most the mean of the two bounds."""
+    return Bound(0.5 * (1.0 / math.sqrt(hw[0] * hw[1]) + 1.0))
+
+
+@register_bound(FastAdaptiveCatAvgMaxPool, AdaptiveCatAvgMaxPool2d)
+def catavgmax_pool_bound(pool: nn.Module, hw: HW) -> Bound:
+    """[mean, max] concatenated: the root of the sum of the squared bounds."""
+    return Bound(math.sqrt(1.0 / (hw[0] * hw[1]) + 1.0))
+
+
+@register_bound(SelectAdaptivePool2d)
+def select_pool_bound(pool: SelectAdaptivePool2d, hw: HW) -> Bound:
+    """timm's selectable global pool: the bound of the pool it holds (identity for ``''``)."""
+    return Bound(module_bound(pool.pool, hw, "global_pool.pool").lip * module_bound(pool.flatten, hw).lip)
+
+
+@register_rows(ClassifierHead)
+def classifier_head_rows(head: ClassifierHead, name: str, hw: HW) -> List[Row]:
+    """timm's head: global pool, dropout (identity at evaluation), fc, flatten."""
+    return [row for part in ("global_pool", "drop", "fc", "flatten")
+            for row in module_rows(getattr(head, part), f"{name}.{part}", hw)]
 
 
 @torch.no_grad()
 def lipschitz_report(model: nn.Module, input_size: Optional[Tuple[int, int, int]] = None) -> LipschitzReport:
     """Every layer's certified bound and the network bound (eq. 19; eq. 21 with DropPath) of a LipsFormer
     at its input size (C, H, W), which is fixed when the model is built: ``input_size`` only checks it.
-    Inputs and outputs are measured in the l2 norm of the whole tensor."""
+    Inputs and outputs are measured in the l2 norm of the whole tensor. Every module is bounded by its type
+    (:data:`BOUNDS`); a module of a type with no registered bound raises :class:`NoBoundError` naming it."""
+    if not isinstance(model, LipsFormerBase):
+        cls = type(model)
+        raise NoBoundError(f"lipschitz_report bounds LipsFormer models; got {cls.__module__}.{cls.__qualname__}")
     embed: PatchEmbed = model.patch_embed
     built = (embed.proj.in_channels, *embed.img_size)
     if input_size is not None and tuple(input_size) != built:
         raise ValueError(f"input_size {tuple(input_size)} differs from the size the model was built for, {built}; "
                          f"build it with img_size={tuple(input_size[1:])} to bound it at that size")
-    rows = [Row("patch_embed.proj", conv_bound(embed.proj, embed.img_size)),
-            Row("patch_embed.norm", norm_bound(embed.norm))]
     hw = embed.grid_size
-    for i, stage in enumerate(model.stages):
-        rows += downsample_rows(f"stages.{i}.downsample", stage.downsample, hw)
-        if not isinstance(stage.downsample, nn.Identity):
-            hw = (hw[0] // 2, hw[1] // 2)
+    rows = module_rows(embed, "patch_embed", hw)
+    for i, (stage, info) in enumerate(zip(model.stages, model.feature_info)):
+        if type(stage) is not LipsStage:
+            raise NoBoundError(f"stages.{i} is a {type(stage).__qualname__}, not a LipsStage (downsample, blocks)")
+        out_hw = (embed.img_size[0] // info["reduction"], embed.img_size[1] // info["reduction"])
+        rows += module_rows(stage.downsample, f"stages.{i}.downsample", hw)
+        hw = out_hw
         for j, block in enumerate(stage.blocks):
-            rows += block_rows(f"stages.{i}.blocks.{j}", block, hw)
-    rows.append(Row("norm", norm_bound(model.norm)))
-    head = model.head
-    if getattr(head, "global_pool", None) is not None and not isinstance(head.global_pool, nn.Identity):
-        # mean over N tokens: ||mean(X) - mean(Y)|| <= ||X - Y|| / sqrt(N) (Cauchy-Schwarz)
-        rows.append(Row("head.global_pool", 1.0 / math.sqrt(hw[0] * hw[1])))
-    if isinstance(head.fc, nn.Linear):
-        rows.append(Row("head.fc", matrix_norm(head.fc.weight)))
+            rows += module_rows(block, f"stages.{i}.blocks.{j}", hw)
+    rows += module_rows(model.norm, "norm", hw)
+    rows += module_rows(model.head, "head", hw)
     return LipschitzReport(rows)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import KimL2Attention
-from .bounds import kim_theorem_3_2, matrix_norm
+from .bounds import Bound, NoBoundError, kim_l2_bound, kim_l2_inf_bound, kim_theorem_3_2, module_bound, register_bound
 
 NORMS = ("2", "inf")
 
@@ -51,38 +51,37 @@ class ContractiveL2Attention(nn.Module):
         return f"norm={self.norm!r}"
 
 
-def _linear_bound(m: nn.Linear, n: int, norm: str) -> float:
-    # a Linear on every token: l2 of the flattened tokens -> sigma_max; l-inf -> largest row sum of |W|
-    return matrix_norm(m.weight) if norm == "2" else float(m.weight.detach().abs().sum(1).max())
-
-
-def _kim_bound(m: KimL2Attention, n: int, norm: str) -> float:
-    w = [p.weight.detach().double() for p in (m.q, m.v, m.proj)]
-    return float(kim_theorem_3_2(*w, m.heads, n, norm))
-
-
-def _contractive_bound(m: ContractiveL2Attention, n: int, norm: str) -> float:
-    # Lip_norm(attn / B) = Lip_norm(attn) / B, with B the layer's own normaliser (in its norm, as it computes it)
+@register_bound(ContractiveL2Attention)
+def contractive_l2_attention_bound(attn: ContractiveL2Attention, hw) -> Bound:
+    """l2: Theorem 3.2 of the inner attention (float64) over the normaliser the layer divides by (its own dtype):
+    1 up to rounding when the layer's norm is l2 too."""
+    n = hw[0] * hw[1]
     with torch.no_grad():
-        own = float(m.bound(n))
-    return 1.0 if norm == m.norm else _kim_bound(m.attn, n, norm) / own
+        own = float(attn.bound(n))
+    return Bound(kim_l2_bound(attn.attn, n) / own, f"Kim Thm 3.2 (l2) / Thm 3.2 ({attn.norm}), N={n}")
 
 
-# Branch modules with a certified bound Lip_norm(f) on n tokens; exact types (a subclass may change forward).
-BRANCH_BOUNDS = {
-    nn.Linear: _linear_bound,
-    KimL2Attention: _kim_bound,
-    ContractiveL2Attention: _contractive_bound,
-}
+def _inf_bound(f: nn.Module, n: int) -> float:
+    """Certified Lip-inf of the branch types invert() knows in that norm (the registry holds l2 bounds)."""
+    if type(f) is nn.Linear:  # on every token: the largest row sum of |W|
+        return float(f.weight.detach().abs().sum(1).max())
+    if type(f) is KimL2Attention:
+        return kim_l2_inf_bound(f, n)
+    if type(f) is ContractiveL2Attention:
+        with torch.no_grad():
+            own = float(f.bound(n))
+        return kim_l2_inf_bound(f.attn, n) / own
+    raise NoBoundError(f"no certified Lipschitz-inf bound for {type(f).__name__}; in l-inf, invert() knows "
+                       f"nn.Linear, KimL2Attention and ContractiveL2Attention (norm='2' uses the bounds registry)")
 
 
 def branch_bound(f: nn.Module, n: int, norm: str = "2") -> float:
-    """Certified ``Lip_norm(f)`` of a residual branch on ``n`` tokens; an error for a type with no bound."""
-    fn = BRANCH_BOUNDS.get(type(f))
-    if fn is None:
-        raise TypeError(f"no certified Lipschitz bound for {type(f).__name__}; invertible branches: "
-                        f"{', '.join(t.__name__ for t in BRANCH_BOUNDS)}")
-    return fn(f, n, _check_norm(norm))
+    """Certified ``Lip_norm(f)`` of a residual branch on ``n`` tokens: l2 from the bounds registry
+    (:func:`~lipsformer.lipschitz.bounds.module_bound`), l-inf from Theorem 3.2's other form; an unknown type raises
+    :class:`~lipsformer.lipschitz.bounds.NoBoundError`."""
+    if _check_norm(norm) == "2":
+        return module_bound(f, (1, n)).lip
+    return _inf_bound(f, n)
 
 
 class InvertibleResidual(nn.Module):

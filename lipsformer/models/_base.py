@@ -5,6 +5,7 @@ optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``
 build those pieces; this class gives them the methods timm and its tools expect.
 """
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -15,8 +16,12 @@ from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq, loa
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from ..layers import LipsBlock
+from ..layers import LipsBlock, LipschitzOptions, init_weights
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
+
+
+# True while timm builds a model whose weights it loads next (``pretrained=True``): the costly spectral init is left out.
+_WEIGHTS_WILL_LOAD: ContextVar[bool] = ContextVar("lipsformer_weights_will_load", default=False)
 
 
 class LipsStage(nn.Module):
@@ -43,38 +48,51 @@ class LipsFormerBase(nn.Module):
     norm: nn.Module
     num_features: int
     feature_info: List[dict]
-    checkpoint_filter_fn: Callable[[dict, nn.Module], dict]  # the family's released-layout conversion
+    lipschitz: LipschitzOptions
+    output_fmt = "NHWC"  # forward_features' layout, as timm's Swin declares it
 
     def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
                       stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],
-                      drop_path_rate: float, alpha_init: Optional[float], **block_kwargs) -> None:
+                      drop_path_rate: float, lipschitz: LipschitzOptions, **block_kwargs) -> None:
         """Stages of :class:`LipsBlock` after ``patch_embed``, doubling channels and halving resolution.
 
         ``downsample(dim)`` opens stages 2 onwards; ``stage_mixer(i, dim, res)`` checks stage ``i`` and returns
-        a factory of its token mixer (one per block). ``alpha_init=None`` means ``1 / sum(depths)``.
+        a factory of its token mixer (one per block). ``lipschitz`` sets the blocks' Lipschitz choices
+        (``alpha_init=None`` means ``1 / sum(depths)``) and is kept as ``self.lipschitz``.
         Sets ``stages``, ``feature_info`` and ``num_features``.
         """
+        self.lipschitz = lipschitz
         dpr = drop_path_rates(drop_path_rate, sum(depths))
-        alpha_init = 1.0 / sum(depths) if alpha_init is None else alpha_init
+        alpha_init = 1.0 / sum(depths) if lipschitz.alpha_init is None else lipschitz.alpha_init
+        block_kwargs.update(lipschitz.block_kwargs(alpha_init))
         patch = self.patch_embed.patch_size[0]
         stages, self.feature_info = [], []
-        dim, res = embed_dim, self.patch_embed.grid_size
-        for i, depth in enumerate(depths):
+        dim = embed_dim
+        for i, (depth, res) in enumerate(zip(depths, self._stage_resolutions(len(depths)))):
             down = nn.Identity()
             if i > 0:
-                if res[0] % 2 or res[1] % 2:
-                    raise ValueError(f"stage {i} cannot halve an odd resolution {res}; "
-                                     f"use an img_size divisible by {patch * 2 ** (len(depths) - 1)}")
                 down = downsample(dim)
-                dim, res = dim * 2, (res[0] // 2, res[1] // 2)
+                dim = dim * 2
             mixer = stage_mixer(i, dim, res)
             offset = sum(depths[:i])
-            blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], alpha_init=alpha_init, **block_kwargs)
-                      for j in range(depth)]
+            blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], **block_kwargs) for j in range(depth)]
             stages.append(LipsStage(down, blocks))
             self.feature_info.append(dict(num_chs=dim, reduction=patch * 2 ** i, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
         self.num_features = dim
+
+    def _stage_resolutions(self, num_stages: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Each stage's (H, W) at the size ``patch_embed`` is built for; an odd size to halve is an error."""
+        num_stages = len(self.stages) if num_stages is None else num_stages
+        patch = self.patch_embed.patch_size[0]
+        res = [self.patch_embed.grid_size]
+        for i in range(1, num_stages):
+            h, w = res[-1]
+            if h % 2 or w % 2:
+                raise ValueError(f"stage {i} cannot halve an odd resolution {(h, w)}; "
+                                 f"use an img_size divisible by {patch * 2 ** (num_stages - 1)}")
+            res.append((h // 2, w // 2))
+        return res
 
     def _build_head(self, num_classes: int, global_pool: str, drop_rate: float) -> None:
         self.num_classes = num_classes
@@ -82,6 +100,15 @@ class LipsFormerBase(nn.Module):
         self.head_hidden_size = self.num_features
         self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
                                    input_fmt="NHWC")
+
+    def _init_weights(self, mode: str) -> None:
+        """:func:`lipsformer.layers.init_weights` over the model. When the weights are about to be loaded
+        (timm's ``pretrained=True``, :func:`lipsformer.weights.create_from_checkpoint`) the spectral division is
+        left out except for the classifier, the one layer a load re-creates (another class count)."""
+        loading = _WEIGHTS_WILL_LOAD.get()
+        init_weights(self, mode, normalize=not loading)
+        if loading:
+            init_weights(self.head, mode)
 
     # -- timm face ---------------------------------------------------------------------------
     @torch.jit.ignore
@@ -101,7 +128,12 @@ class LipsFormerBase(nn.Module):
         )
 
     def load_pretrained(self, path: str) -> None:
-        """timm's ``custom_load`` hook for url and file weights: a download must match the config's sha256
+        """timm's ``custom_load`` hook for url and file weights; each family passes its ``checkpoint_filter_fn``
+        to :meth:`load_pretrained_file`."""
+        raise NotImplementedError(f"{type(self).__name__} must define load_pretrained")
+
+    def load_pretrained_file(self, path: str, filter_fn: Callable[[dict, nn.Module], dict]) -> None:
+        """Load weights at ``path`` converted by ``filter_fn``: a download must match the config's sha256
         (a mismatching one is removed from the cache), and the file is read without running pickled code."""
         cfg = dict(self.pretrained_cfg)
         if not cfg.get("file") and cfg.get("sha256"):
@@ -112,7 +144,7 @@ class LipsFormerBase(nn.Module):
                 raise CheckpointError(f"{e}; the cached copy was removed") from None
         cfg["file"] = str(path)
         self.pretrained_cfg = cfg
-        state_dict = self.checkpoint_filter_fn(read_checkpoint(path), self)
+        state_dict = filter_fn(read_checkpoint(path), self)
         head = state_dict.get(f"{cfg['classifier']}.weight")
         if head is not None:  # the file's own class count: its head is kept when it fits the model
             cfg["num_classes"] = head.shape[0]
@@ -206,14 +238,16 @@ def rename_prefix(key: str, renames, inverse: bool = False) -> str:
 
 
 def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
-                     rename: Callable[[str], Optional[str]]) -> dict:
+                     rename: Callable[[str], Optional[str]],
+                     adapt: Optional[Callable[[dict, nn.Module], dict]] = None) -> dict:
     """Our state dict from a released-layout one (raw or wrapped); one already in our layout passes through.
     Either way it is checked to fit ``model`` (:func:`lipsformer.weights.check_state_dict`).
 
     ``released_marker`` is a key prefix only the released layout has; ``rename`` maps a released key to ours,
     or to ``None`` for buffers we rebuild and modules the released code builds but never uses. The released
     code builds its 1x1 conv (``nin``) even without conv blocks: it is dropped when the model has none. Released
-    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau.
+    checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau. ``adapt(state_dict, model)``
+    then fits tensors to the model's configuration (e.g. bias tables to its window size) before the check.
     """
     state_dict = unwrap_state_dict(state_dict)
     if any(k.startswith(released_marker) for k in state_dict):
@@ -229,22 +263,32 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
             if name.endswith(".tau") and name not in converted:
                 converted[name] = value.detach().clone()
         state_dict = converted
+    if adapt is not None:
+        state_dict = adapt(state_dict, model)
     check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
     return state_dict
 
 
-def create_model(model_cls, variant: str, pretrained: bool, **kwargs):
-    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates."""
+def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],
+                 **kwargs):
+    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates.
+
+    timm applies ``checkpoint_filter_fn`` to state dicts it reads itself; files and urls go through the
+    family's ``load_pretrained`` (``custom_load``), which applies the same function."""
     out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
     overlay = kwargs.get("pretrained_cfg_overlay")
     if overlay and (overlay.get("file") or overlay.get("url")):
         # timm resets custom_load for a new source; ours reads every layout safely, so keep it
         kwargs["pretrained_cfg_overlay"] = dict(overlay, custom_load=overlay.get("custom_load", True))
-    return build_model_with_cfg(
-        model_cls, variant, pretrained,
-        pretrained_filter_fn=model_cls.checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
-        **kwargs)
+    token = _WEIGHTS_WILL_LOAD.set(bool(pretrained))
+    try:
+        return build_model_with_cfg(
+            model_cls, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(feature_cls="getter", out_indices=out_indices),
+            **kwargs)
+    finally:
+        _WEIGHTS_WILL_LOAD.reset(token)
 
 
 @dataclass

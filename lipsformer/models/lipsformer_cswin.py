@@ -13,18 +13,19 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-from timm.layers import to_2tuple
+from timm.layers import register_notrace_module, to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, PatchEmbed, create_norm, init_weights
-from ..layers.windows import window_partition, window_reverse
+from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
 
+@register_notrace_module  # reason: stripes and padding read the input's shape
 class CrossShapedAttention(nn.Module):
     """CSwin attention on (B, H, W, C) with locally-enhanced positional encoding (LePE).
 
@@ -40,8 +41,8 @@ class CrossShapedAttention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
-        H, W = resolution
-        self.windows = [(H, W)] if full else [(H, split_size), (split_size, W)]
+        self.split_size, self.full = split_size, full
+        self.set_resolution(resolution)
         if num_heads % len(self.windows):
             raise ValueError(f"num_heads {num_heads} must be even for two stripe branches")
         self.branch_heads = num_heads // len(self.windows)
@@ -53,13 +54,24 @@ class CrossShapedAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def set_resolution(self, resolution: Tuple[int, int]) -> None:
+        """The stripes (or the whole map) for a stage of ``resolution``; the weights do not depend on it."""
+        H, W = resolution
+        self.windows = [(H, W)] if self.full else [(H, self.split_size), (self.split_size, W)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C). The stripes span the input's own H and W; a size the split does not
+        divide (``strict_img_size=False``) is padded with zeros and cropped back."""
         B, H, W, C = x.shape
-        P, nb = self.kernel.num_proj, len(self.windows)
-        qkv = self.qkv(x).view(B, H, W, P, nb, C // nb)
+        if not self.full:
+            x = pad_to_multiple(x, (self.split_size, self.split_size))
+        Hp, Wp = x.shape[1:3]
+        windows = [(Hp, Wp)] if self.full else [(Hp, self.split_size), (self.split_size, Wp)]
+        P, nb = self.kernel.num_proj, len(windows)
+        qkv = self.qkv(x).view(B, Hp, Wp, P, nb, C // nb)
         outs = []
-        for b, (part, window, lepe) in enumerate(zip(qkv.unbind(4), self.windows, self.lepe)):
-            windows = window_partition(part.reshape(B, H, W, -1), window)  # (Bw, N, P * Cb)
+        for b, (part, window, lepe) in enumerate(zip(qkv.unbind(4), windows, self.lepe)):
+            windows = window_partition(part.reshape(B, Hp, Wp, -1), window)  # (Bw, N, P * Cb)
             Bw, N, _ = windows.shape
             q, k, v = self.kernel.split(windows.view(Bw, N, P, self.branch_heads, -1))
             if self.kernel.kim:
@@ -67,8 +79,10 @@ class CrossShapedAttention(nn.Module):
             out = self.kernel(q, k, v).transpose(1, 2).reshape(Bw, N, -1)
             v_map = windows.view(Bw, window[0], window[1], P, -1)[..., -1, :].permute(0, 3, 1, 2)
             out = out + lepe(v_map).flatten(2).transpose(1, 2)
-            outs.append(window_reverse(out / math.sqrt(self.branch_heads), window, H, W))
+            outs.append(window_reverse(out / math.sqrt(self.branch_heads), window, Hp, Wp))
         x = outs[0] if nb == 1 else torch.cat(outs, dim=-1)
+        if (Hp, Wp) != (H, W):
+            x = x[:, :H, :W]
         return self.proj_drop(self.proj(x))
 
     def extra_repr(self) -> str:
@@ -76,7 +90,8 @@ class CrossShapedAttention(nn.Module):
 
 
 class ConvDownsample(nn.Module):
-    """2x2 stride-2 conv then norm: (B, H, W, C) -> (B, H/2, W/2, C_out)."""
+    """2x2 stride-2 conv then norm: (B, H, W, C) -> (B, H/2, W/2, C_out); an odd H or W is zero-padded first
+    (``strict_img_size=False``), giving ceil(H / 2)."""
 
     def __init__(self, dim: int, out_dim: int, norm: str = "center"):
         super().__init__()
@@ -84,7 +99,20 @@ class ConvDownsample(nn.Module):
         self.norm = create_norm(norm, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
+        return self.norm(self.conv(pad_to_multiple(x, (2, 2)).permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
+
+
+def stage_stripes(i: int, res: Tuple[int, int], split: int, last: bool) -> Tuple[bool, list]:
+    """Stage ``i``'s attention: ``(full, windows)``, full attention in the last stage and where the stage equals
+    its split size (released rule), else vertical and horizontal stripes, which the split must divide."""
+    full = last or res == to_2tuple(split)
+    if not full and (res[0] % split or res[1] % split):
+        g = math.gcd(*res)
+        fits = [d for d in range(1, g + 1) if g % d == 0]
+        raise ValueError(f"stage {i} resolution {res} is not divisible by split size {split}; split sizes that "
+                         f"divide it: {', '.join(map(str, fits))} (choose split_size and img_size so that every "
+                         f"stage divides)")
+    return full, [res] if full else [(res[0], split), (split, res[1])]
 
 
 class LipsFormerCSwin(LipsFormerBase):
@@ -96,13 +124,17 @@ class LipsFormerCSwin(LipsFormerBase):
             :class:`lipsformer.models.LipsFormerSwin`.
         split_size: stripe width per stage; a stage whose size equals its split size, and the
             last stage, use full attention (released rule); every other stage must divide by it.
-        norm, attn, tau, learn_tau, v_norm, nu, tied_qk, init, conv_blocks, fused_attn, attlip_eta,
-            attlip_steps, attlip_tol: the Lipschitz choices, as for the Swin family (tau defaults to 12, the released
-            value); with ``attn="attlip"`` each stripe branch is an AttLip block on its half of the channels.
-        alpha_init: initial residual weights. The released CSwin code initialises every residual
-            weight to 0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is
-            never used), so 0.2 is the default; ``None`` means ``1 / sum(depths)`` as for Swin.
+        strict_img_size: inputs must have ``img_size`` (default). ``False``: any size runs; stripes span the
+            input's own height and width, padded with zeros where the split, patch or 2x2 downsampling does not
+            divide and cropped back, so stage ``i`` maps are ceil(H / (patch * 2^i)) high.
+        lipschitz, and its fields as keyword arguments: the Lipschitz choices, as for the Swin family
+            (:class:`lipsformer.layers.LipschitzOptions`); with ``attn="attlip"`` each stripe branch is an AttLip
+            block on its half of the channels. Defaults: the released CSwin code's, tau 12 and ``alpha_init``
+            0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is never used);
+            ``alpha_init=None`` means ``1 / sum(depths)`` as for Swin.
     """
+
+    lipschitz_defaults = dict(tau=12.0, alpha_init=0.2)
 
     def __init__(
             self,
@@ -120,47 +152,66 @@ class LipsFormerCSwin(LipsFormerBase):
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
-            norm: str = "center",
-            attn: str = "scsa",
-            tau: float = 12.0,
-            learn_tau: bool = False,
-            v_norm: bool = False,
-            nu: float = 1.0,
-            tied_qk: bool = False,
-            alpha_init: Optional[float] = 0.2,
-            init: str = "spectral",
-            conv_blocks: str = "D",
-            fused_attn: bool = True,
-            attlip_eta: float = 1.0,
-            attlip_steps: Tuple[int, int] = (2, 20),
-            attlip_tol: float = 1e-6,
+            strict_img_size: bool = True,
+            lipschitz: Optional[LipschitzOptions] = None,
+            **lipschitz_kwargs,
     ):
         super().__init__()
+        lips = LipschitzOptions.from_kwargs(type(self).__name__, self.lipschitz_defaults, lipschitz,
+                                            **lipschitz_kwargs)
         if not len(depths) == len(num_heads) == len(split_size):
             raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and split_size "
                              f"{tuple(split_size)} must have the same length")
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
-        kernel = dict(tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu, tied_qk=tied_qk, fused=fused_attn)
+        self.split_size = tuple(split_size)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 
         def stage_mixer(i, dim, res):
             split = split_size[i]
-            full = i == len(depths) - 1 or res == to_2tuple(split)
-            if not full and (res[0] % split or res[1] % split):
-                raise ValueError(f"stage {i} resolution {res} is not divisible by split size {split}; "
-                                 f"choose split_size and img_size so that every stage divides")
-            if attn == "attlip":
-                windows = [res] if full else [(res[0], split), (split, res[1])]
-                return lambda: AttLipMixer(dim, num_heads[i], windows, attlip_eta, *attlip_steps, attlip_tol)
-            return lambda: CrossShapedAttention(dim, num_heads[i], res, split, full=full, qkv_bias=qkv_bias,
-                                                proj_drop=proj_drop_rate, kernel=AttentionKernel(attn, **kernel))
+            full, windows = stage_stripes(i, res, split, i == len(depths) - 1)
+            return lips.mixer(dim, num_heads[i], windows, lambda kernel: CrossShapedAttention(
+                dim, num_heads[i], res, split, kernel, full=full, qkv_bias=qkv_bias, proj_drop=proj_drop_rate))
 
-        self._build_stages(
-            embed_dim, depths, lambda dim: ConvDownsample(dim, dim * 2, norm), stage_mixer, drop_path_rate,
-            mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, drop=proj_drop_rate, attn_norm=False,
-            alpha_init=alpha_init)
+        self._build_stages(embed_dim, depths, lambda dim: ConvDownsample(dim, dim * 2, lips.norm), stage_mixer,
+                           drop_path_rate, lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=False)
         self.norm = nn.Identity()  # the released CSwin code has no final norm
         self._build_head(num_classes, global_pool, drop_rate)
-        init_weights(self, init)
+        self._init_weights(lips.init)
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size=None, split_size: Optional[Sequence[int]] = None) -> None:
+        """Take inputs of another size and/or use other stripe widths. CSwin has no position table (LePE is a
+        convolution), so every weight carries over; a stage may not change between stripes and full attention
+        (its LePE convolutions differ in number)."""
+        split_size = self.split_size if split_size is None else tuple(split_size)
+        if len(split_size) != len(self.stages):
+            raise ValueError(f"split_size {split_size} must have one size per stage ({len(self.stages)})")
+        built = self.patch_embed.img_size
+        self.patch_embed.set_input_size(built if img_size is None else img_size)
+        try:
+            plan = [stage_stripes(i, res, split, i == len(self.stages) - 1)
+                    for i, (res, split) in enumerate(zip(self._stage_resolutions(), split_size))]
+            for i, (stage, (full, _)) in enumerate(zip(self.stages, plan)):
+                now = len(stage.blocks[0].attn.windows) == 1
+                if full != now:
+                    raise ValueError(f"stage {i} would change from {'full attention' if now else 'stripes'} to "
+                                     f"{'full attention' if full else 'stripes'}; its weights cannot carry over: "
+                                     f"choose an img_size and split_size that keep it")
+        except ValueError:
+            self.patch_embed.set_input_size(built)
+            raise
+        for stage, res, split, (_, windows) in zip(self.stages, self._stage_resolutions(), split_size, plan):
+            for block in stage.blocks:
+                if isinstance(block.attn, AttLipMixer):
+                    block.attn.set_windows(windows)
+                else:
+                    block.attn.split_size = split
+                    block.attn.set_resolution(res)
+        self.split_size = split_size
+
+    @torch.jit.ignore
+    def load_pretrained(self, path: str) -> None:
+        """timm's ``custom_load`` hook: weights of either layout, converted by :func:`checkpoint_filter_fn`."""
+        self.load_pretrained_file(path, checkpoint_filter_fn)
 
 
 # -- released checkpoint layout <-> ours --------------------------------------------------------
@@ -199,8 +250,6 @@ def checkpoint_filter_fn(state_dict: dict, model: LipsFormerCSwin) -> dict:
     return convert_released(state_dict, model, "stage1", _released_to_ours)
 
 
-LipsFormerCSwin.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
-
 
 def released_state_dict(model: LipsFormerCSwin) -> dict:
     """Our state dict in the released code's layout (the inverse of :func:`checkpoint_filter_fn`).
@@ -226,7 +275,7 @@ def released_state_dict(model: LipsFormerCSwin) -> dict:
 
 
 def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
-    return create_model(LipsFormerCSwin, variant, pretrained, **kwargs)
+    return create_model(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 # No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and

@@ -10,12 +10,12 @@ CenterNorm, average pooling and a linear head; spectral initialisation.
 from typing import Optional, Sequence, Tuple
 
 import torch
-from timm.layers import to_2tuple, trunc_normal_
+from timm.layers import register_notrace_module, resize_rel_pos_bias_table, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, PatchEmbed, create_norm, init_weights
-from ..layers.windows import window_partition, window_reverse
+from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
                     rename_prefix)
 
@@ -30,6 +30,7 @@ def relative_position_index(window: Tuple[int, int]) -> torch.Tensor:
     return (rel[..., 0] + wh - 1) * (2 * ww - 1) + (rel[..., 1] + ww - 1)
 
 
+@register_notrace_module  # reason: window partitioning and padding read the input's shape
 class WindowAttention(nn.Module):
     """Multi-head attention inside non-overlapping windows of (B, H, W, C), with relative position bias."""
 
@@ -49,6 +50,21 @@ class WindowAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def set_window(self, window: Tuple[int, int]) -> None:
+        """Attend in windows of another size: the bias table is resized as timm's Swin resizes it (bicubic,
+        ``resize_rel_pos_bias_table``) into a new parameter, and the index buffer is rebuilt."""
+        window = tuple(window)
+        if window == self.window:
+            return
+        table = self.relative_position_bias_table
+        with torch.no_grad():
+            resized = resize_rel_pos_bias_table(table.detach(), new_window_size=window,
+                                                new_bias_shape=((2 * window[0] - 1) * (2 * window[1] - 1), self.num_heads))
+        self.relative_position_bias_table = nn.Parameter(resized.to(table.dtype), requires_grad=table.requires_grad)
+        self.register_buffer("relative_position_index", relative_position_index(window).to(table.device),
+                             persistent=False)
+        self.window = window
+
     def position_bias(self) -> torch.Tensor:
         """(1, heads, N, N): four dimensions, which CPU's fused SDPA kernel needs (it refuses a 3-d mask)."""
         n = self.window[0] * self.window[1]
@@ -56,7 +72,11 @@ class WindowAttention(nn.Module):
         return bias.view(n, n, self.num_heads).permute(2, 0, 1).unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C); a size the window does not divide (``strict_img_size=False``) is padded
+        with zeros and cropped back."""
         B, H, W, C = x.shape
+        x = pad_to_multiple(x, self.window)
+        Hp, Wp = x.shape[1:3]
         windows = window_partition(x, self.window)
         Bw, N, _ = windows.shape
         q, k, v = self.kernel.split(self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1))
@@ -66,15 +86,18 @@ class WindowAttention(nn.Module):
         # an explicit copy, not reshape: the fused CPU kernel's output makes reshape trace as a view, which the
         # torch.export-based ONNX exporter then replays on an unfused, differently laid out output and fails
         out = out.clone(memory_format=torch.contiguous_format).view(Bw, N, C)
-        out = self.proj_drop(self.proj(out))
-        return window_reverse(out, self.window, H, W)
+        out = window_reverse(self.proj_drop(self.proj(out)), self.window, Hp, Wp)
+        return out if (Hp, Wp) == (H, W) else out[:, :H, :W]
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, window={self.window}"
 
 
+@register_notrace_module  # reason: padding and the 2x2 regrouping read the input's shape
 class PatchMerging(nn.Module):
-    """Concatenate each 2x2 neighbourhood, norm(4C), Linear(4C, 2C, no bias): (B, H, W, C) -> (B, H/2, W/2, 2C)."""
+    """Concatenate each 2x2 neighbourhood, norm(4C), Linear(4C, 2C, no bias): (B, H, W, C) -> (B, H/2, W/2, 2C).
+
+    An odd H or W is zero-padded first (``strict_img_size=False``)."""
 
     def __init__(self, dim: int, norm: str = "center"):
         super().__init__()
@@ -82,10 +105,20 @@ class PatchMerging(nn.Module):
         self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = pad_to_multiple(x, (2, 2))  # an odd size (strict_img_size=False) gives ceil(H / 2), as timm's Swin
         B, H, W, C = x.shape
         # channel order (h0 w0, h1 w0, h0 w1, h1 w1), as the released code's torch.cat([x0, x1, x2, x3])
         x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
         return self.reduction(self.norm(x))
+
+
+def stage_window(i: int, res: Tuple[int, int], window_size: int) -> Tuple[int, int]:
+    """Stage ``i``'s window: ``window_size``, or the whole stage when it is no larger (released rule)."""
+    window = to_2tuple(min(res)) if min(res) <= window_size else to_2tuple(window_size)
+    if res[0] % window[0] or res[1] % window[1]:
+        raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
+                         f"choose window_size and img_size so that every stage divides")
+    return window
 
 
 class LipsFormerSwin(LipsFormerBase):
@@ -97,17 +130,16 @@ class LipsFormerSwin(LipsFormerBase):
             attends over the whole stage (released rule); every stage must divide by its window.
         drop_rate: classifier dropout; proj_drop_rate: dropout after MLP and attention projections.
         drop_path_rate: stochastic depth, linear over blocks, the same inside a block.
-        norm: ``center`` | ``layer`` | ``none`` (Table 3).
-        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip``; tau, learn_tau, v_norm, nu, tied_qk: see
-            :class:`lipsformer.layers.AttentionKernel` (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form).
-        attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
-            evaluation) and solver tolerance;
-            see :class:`lipsformer.layers.AttLipMixer`.
-        alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released).
-        init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
-        conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3).
-        fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
+        strict_img_size: inputs must have ``img_size`` (default). ``False``: any size runs, padded with zeros
+            where a patch, window or 2x2 merge does not divide and cropped back, so stage ``i`` maps are
+            ceil(H / (patch * 2^i)) high (for detection / segmentation backbones), as timm's Swin.
+        lipschitz: the Lipschitz choices as one :class:`lipsformer.layers.LipschitzOptions`; its fields
+            (``norm``, ``attn``, ``tau``, ``learn_tau``, ``v_norm``, ``nu``, ``tied_qk``, ``alpha_init``, ``init``,
+            ``conv_blocks``, ``fused_attn``, ``attlip_eta``, ``attlip_steps``, ``attlip_tol``) are also keyword
+            arguments, replacing the object's. Defaults: the released Swin (tau 10, alpha 1 / sum(depths)).
     """
+
+    lipschitz_defaults = {}  # the released Swin's values are LipschitzOptions' own defaults
 
     def __init__(
             self,
@@ -125,44 +157,55 @@ class LipsFormerSwin(LipsFormerBase):
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.1,
-            norm: str = "center",
-            attn: str = "scsa",
-            tau: float = 10.0,
-            learn_tau: bool = False,
-            v_norm: bool = False,
-            nu: float = 1.0,
-            tied_qk: bool = False,
-            alpha_init: Optional[float] = None,
-            init: str = "spectral",
-            conv_blocks: str = "D",
-            fused_attn: bool = True,
-            attlip_eta: float = 1.0,
-            attlip_steps: Tuple[int, int] = (2, 20),
-            attlip_tol: float = 1e-6,
+            strict_img_size: bool = True,
+            lipschitz: Optional[LipschitzOptions] = None,
+            **lipschitz_kwargs,
     ):
         super().__init__()
+        lips = LipschitzOptions.from_kwargs(type(self).__name__, self.lipschitz_defaults, lipschitz,
+                                            **lipschitz_kwargs)
         if len(depths) != len(num_heads):
             raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} must have the same length")
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm)
-        kernel = dict(tau=tau, learn_tau=learn_tau, v_norm=v_norm, nu=nu, tied_qk=tied_qk, fused=fused_attn)
+        self.window_size = window_size
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 
         def stage_mixer(i, dim, res):
-            window = to_2tuple(min(res)) if min(res) <= window_size else to_2tuple(window_size)
-            if res[0] % window[0] or res[1] % window[1]:
-                raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
-                                 f"choose window_size and img_size so that every stage divides")
-            if attn == "attlip":
-                return lambda: AttLipMixer(dim, num_heads[i], [window], attlip_eta, *attlip_steps, attlip_tol)
-            return lambda: WindowAttention(dim, num_heads[i], window, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-                                           kernel=AttentionKernel(attn, **kernel))
+            window = stage_window(i, res, window_size)
+            return lips.mixer(dim, num_heads[i], [window], lambda kernel: WindowAttention(
+                dim, num_heads[i], window, kernel, qkv_bias=qkv_bias, proj_drop=proj_drop_rate))
 
-        self._build_stages(
-            embed_dim, depths, lambda dim: PatchMerging(dim, norm), stage_mixer, drop_path_rate,
-            mlp_ratio=mlp_ratio, norm=norm, conv_blocks=conv_blocks, drop=proj_drop_rate, attn_norm=True,
-            alpha_init=alpha_init)
-        self.norm = create_norm(norm, self.num_features)
+        self._build_stages(embed_dim, depths, lambda dim: PatchMerging(dim, lips.norm), stage_mixer, drop_path_rate,
+                           lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=True)
+        self.norm = create_norm(lips.norm, self.num_features)
         self._build_head(num_classes, global_pool, drop_rate)
-        init_weights(self, init)
+        self._init_weights(lips.init)
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size=None, window_size: Optional[int] = None) -> None:
+        """Take inputs of another size and/or attend in windows of another size, as timm's
+        ``SwinTransformer.set_input_size``: each relative position bias table is resized (bicubic, timm's
+        ``resize_rel_pos_bias_table``, as :func:`checkpoint_filter_fn` resizes a loaded one) into a new parameter,
+        index buffers are rebuilt, every other weight carries over. Create the optimizer afterwards."""
+        window_size = self.window_size if window_size is None else window_size
+        built = self.patch_embed.img_size
+        self.patch_embed.set_input_size(built if img_size is None else img_size)
+        try:
+            windows = [stage_window(i, res, window_size) for i, res in enumerate(self._stage_resolutions())]
+        except ValueError:
+            self.patch_embed.set_input_size(built)
+            raise
+        for stage, window in zip(self.stages, windows):
+            for block in stage.blocks:
+                if isinstance(block.attn, AttLipMixer):
+                    block.attn.set_windows([window])
+                else:
+                    block.attn.set_window(window)
+        self.window_size = window_size
+
+    @torch.jit.ignore
+    def load_pretrained(self, path: str) -> None:
+        """timm's ``custom_load`` hook: weights of either layout, converted by :func:`checkpoint_filter_fn`."""
+        self.load_pretrained_file(path, checkpoint_filter_fn)
 
 
 # -- released checkpoint layout <-> ours --------------------------------------------------------
@@ -180,15 +223,31 @@ def _released_to_ours(key: str) -> Optional[str]:
     return key
 
 
+def _resize_bias_tables(state_dict: dict, model: LipsFormerSwin) -> dict:
+    """Each relative position bias table whose shape differs from the model's, resized to the model's window as
+    timm's Swin ``checkpoint_filter_fn`` does (bicubic, ``resize_rel_pos_bias_table``)."""
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        if not key.endswith(".relative_position_bias_table"):
+            continue
+        try:
+            attn = model.get_submodule(key.rsplit(".", 1)[0])
+        except AttributeError:
+            continue  # not in this model: check_state_dict names it
+        shape = attn.relative_position_bias_table.shape
+        if isinstance(attn, WindowAttention) and value.shape != shape and value.shape[1] == shape[1]:
+            out[key] = resize_rel_pos_bias_table(value, new_window_size=attn.window, new_bias_shape=shape)
+    return out
+
+
 def checkpoint_filter_fn(state_dict: dict, model: LipsFormerSwin) -> dict:
     """Convert a released-layout LipsFormer-Swin state dict (raw or under ``"model"``) to ours.
 
-    A state dict already in our layout passes through unchanged.
+    A state dict already in our layout passes through unchanged. Relative position bias tables for another
+    window size (another ``img_size`` or ``window_size``) are resized to the model's (bicubic, as timm).
     """
-    return convert_released(state_dict, model, "layers.", _released_to_ours)
+    return convert_released(state_dict, model, "layers.", _released_to_ours, adapt=_resize_bias_tables)
 
-
-LipsFormerSwin.checkpoint_filter_fn = staticmethod(checkpoint_filter_fn)
 
 
 def released_state_dict(model: LipsFormerSwin) -> dict:
@@ -215,7 +274,7 @@ def released_state_dict(model: LipsFormerSwin) -> dict:
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
-    return create_model(LipsFormerSwin, variant, pretrained, **kwargs)
+    return create_model(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({

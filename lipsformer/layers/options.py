@@ -1,0 +1,75 @@
+"""The Lipschitz choices of a LipsFormer model, in one typed object shared by both families.
+
+Every field is a keyword argument of ``timm.create_model`` for every family
+(``timm.create_model("lipsformer_swin_t", attn="attlip", v_norm=True)``); a family only sets its own
+defaults (e.g. CSwin's tau 12). Adding an option is one field here, plus its use in the layer it changes.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .attention import AttentionKernel
+from .attlip import AttLipMixer
+
+
+@dataclass(frozen=True)
+class LipschitzOptions:
+    """The paper's Lipschitz switches (LipsFormer Table 3) and their parameters; defaults are the released Swin's.
+
+    Args:
+        norm: ``center`` | ``layer`` | ``none`` (Table 3).
+        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip``.
+        tau, learn_tau, v_norm, nu, tied_qk: see :class:`lipsformer.layers.AttentionKernel`
+            (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form).
+        alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released Swin).
+        init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
+        conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3).
+        fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
+        attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
+            evaluation) and solver tolerance; see :class:`lipsformer.layers.AttLipMixer`.
+    """
+
+    norm: str = "center"
+    attn: str = "scsa"
+    tau: float = 10.0
+    learn_tau: bool = False
+    v_norm: bool = False
+    nu: float = 1.0
+    tied_qk: bool = False
+    alpha_init: Optional[float] = None
+    init: str = "spectral"
+    conv_blocks: str = "D"
+    fused_attn: bool = True
+    attlip_eta: float = 1.0
+    attlip_steps: Tuple[int, int] = (2, 20)
+    attlip_tol: float = 1e-6
+
+    @classmethod
+    def from_kwargs(cls, owner: str, defaults: Mapping, options: Optional["LipschitzOptions"] = None,
+                    **kwargs) -> "LipschitzOptions":
+        """``options`` (or ``cls(**defaults)``) with ``kwargs`` replaced; an unknown name is a ``TypeError``
+        worded as Python words one for ``owner``'s signature."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
+        return dataclasses.replace(options or cls(**defaults), **kwargs)
+
+    def kernel(self) -> AttentionKernel:
+        """A fresh attention kernel of this choice (``attn`` other than ``attlip``)."""
+        return AttentionKernel(self.attn, tau=self.tau, learn_tau=self.learn_tau, v_norm=self.v_norm, nu=self.nu,
+                               tied_qk=self.tied_qk, fused=self.fused_attn)
+
+    def mixer(self, dim: int, heads: int, windows: Sequence[Tuple[int, int]],
+              attention: Callable[[AttentionKernel], nn.Module]) -> Callable[[], nn.Module]:
+        """A factory of one token mixer per block: ``AttLipMixer`` over ``windows`` for ``attn="attlip"``, else
+        the family's ``attention(kernel)`` with a fresh kernel."""
+        if self.attn == "attlip":
+            return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol)
+        return lambda: attention(self.kernel())
+
+    def block_kwargs(self, alpha_init: float) -> dict:
+        """The :class:`lipsformer.layers.LipsBlock` arguments these options set (``alpha_init`` resolved)."""
+        return dict(norm=self.norm, conv_blocks=self.conv_blocks, alpha_init=alpha_init)

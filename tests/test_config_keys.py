@@ -1,0 +1,273 @@
+"""Every TrainConfig key is live: set to a non-default value, it changes something a user can observe.
+
+``KEYS`` maps every field of TrainConfig to ``Case(value, check)``. All values are set at once in one
+configuration, which is built (``_start``: accelerator, model, loaders, optimizer, schedule, EMA, criterion,
+bound keeping), trained one epoch by hand, and also trained in full by ``train()`` (two epochs of three
+updates on a tiny model); each ``check(probe)`` asserts what its key changed. A key whose value cannot share
+that configuration (``dataset``: streamed data) is ``alone``: its check builds what it needs from the probe.
+``test_the_table_covers_every_key`` fails when a key is added to TrainConfig without a case here, so a dead
+or untested key fails the suite.
+
+To add a key: one ``Case`` in ``KEYS`` with a value other than the default and a check against the probe.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from timm.data.transforms import RandomResizedCropAndInterpolation
+from timm.layers import DropPath
+from torchvision import transforms as T
+
+from lipsformer.engine.config import ConfigError, TrainConfig, load_config
+from lipsformer.engine.run_folder import RunFolder
+
+from test_train import make_folder, make_wds, read_metrics
+
+LR, MIN_LR, UPDATES_PER_EPOCH = 1e-3, 1e-4, 3  # 24 images, batch 4, accumulation 2
+
+
+@dataclass
+class Probe:
+    cfg: TrainConfig
+    tmp: Path
+    run: Any  # lipsformer.engine.train._Run built by _start (output_dir: tmp/objects), then trained one epoch
+    # (its accelerator's state is reset before train() runs: read accelerator settings from ``initial``)
+    initial: Dict[str, Any]  # what the run held right after _start, before any update
+    keep_calls: int  # keep_bound calls during the hand-run epoch (after the one at start)
+    clip_max_norms: List[float]  # max_norm of every gradient clip during that epoch
+    nan_step: Any  # what _train_step did with a batch of NaN images
+    summary: Dict[str, Any]  # train(cfg) in full
+    rows: List[dict] = field(default_factory=list)  # its metrics.jsonl
+
+    def epochs(self):
+        return [r for r in self.rows if r["kind"] == "epoch"]
+
+    def train_rows(self):
+        return [r for r in self.rows if r["kind"] == "train"]
+
+
+@dataclass
+class Case:
+    value: Any
+    check: Callable[[Probe], Any]
+    alone: bool = False  # set only in its own check, not in the shared configuration
+
+
+def _transforms(loader) -> list:
+    return list(loader.dataset.transform.transforms)
+
+
+def _of_type(loader, kind) -> list:
+    return [t for t in _transforms(loader) if isinstance(t, kind)]
+
+
+def _lr_ramp(p: Probe):
+    """Warmup: linear from min_lr to lr over the first epoch's updates (timm's warmup_t), logged per step."""
+    lrs = [r["lr"] for r in p.train_rows()]
+    expected = [MIN_LR + t * (LR - MIN_LR) / UPDATES_PER_EPOCH for t in range(1, UPDATES_PER_EPOCH)] + [LR]
+    assert lrs[:UPDATES_PER_EPOCH] == pytest.approx(expected, rel=1e-12)
+
+
+def _dataset_is_streamed_and_seeded(p: Probe):
+    from lipsformer.engine.train import build_loaders, create_accelerator
+    shards = make_wds(make_folder(p.tmp / "wds_folder"), p.tmp / "shards")
+    cfg = dataclasses.replace(p.cfg, dataset="wds/tiny", data_dir=str(shards), train_split="train",
+                              val_split="val")
+    try:
+        train_loader, _ = build_loaders(cfg, p.run.model, create_accelerator(cfg))
+    finally:
+        _reset_accelerate()
+    assert isinstance(train_loader.dataset, torch.utils.data.IterableDataset)
+    assert train_loader.dataset.reader.common_seed == p.cfg.seed
+
+
+def _spectral_norms(model) -> List[float]:
+    return [torch.linalg.matrix_norm(m.weight.detach(), 2).item() for m in model.modules()
+            if isinstance(m, torch.nn.Linear)]
+
+
+KEYS: Dict[str, Case] = {
+    # model
+    "model": Case("lipsformer_swin_t", lambda p: p.run.model.pretrained_cfg["architecture"] == "lipsformer_swin_t"),
+    "model_kwargs": Case(dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2,
+                              v_norm=True, learn_tau=True),
+                         lambda p: p.run.model.num_features == 16 * 8 and len(p.run.model.stages[2].blocks) == 1),
+    "num_classes": Case(4, lambda p: p.initial["logits"].shape == (4, 4)),
+    "drop_path": Case(0.1, lambda p: max(m.drop_prob for m in p.run.model.modules() if isinstance(m, DropPath))
+                      == pytest.approx(0.1)),
+    "img_size": Case(32, lambda p: p.initial["val_batch"].shape[-2:] == (32, 32)
+                     and p.initial["train_batch"].shape[-2:] == (32, 32)),
+    "crop_pct": Case(1.0, lambda p: _of_type(p.run.val_loader, T.Resize)[0].size == 32),  # 0.9: 35
+    "interpolation": Case("bilinear", lambda p: _of_type(p.run.val_loader, T.Resize)[0].interpolation
+                          == T.InterpolationMode.BILINEAR),
+    # data
+    "data_dir": Case("<tmp>/data", lambda p: Path(p.run.train_loader.dataset.reader.root).parent
+                     == Path(p.cfg.data_dir)),
+    "dataset": Case("wds/tiny", _dataset_is_streamed_and_seeded, alone=True),
+    "train_split": Case("tr", lambda p: Path(p.run.train_loader.dataset.reader.root).name == "tr"),
+    "val_split": Case("va", lambda p: Path(p.run.val_loader.dataset.reader.root).name == "va"),
+    "workers": Case(0, lambda p: p.run.train_loader.num_workers == 0 and p.run.val_loader.num_workers == 0),
+    "max_bad_fraction": Case(0.1, lambda p: [r["bad_samples"] for r in p.epochs()] == [1, 1]),  # 1 of 24: > 1%
+    # optimisation
+    "epochs": Case(2, lambda p: [r["epoch"] for r in p.epochs()] == [1, 2]),
+    "global_batch": Case(8, lambda p: p.initial["accumulation"] == 2
+                         and p.summary["step"] == 2 * UPDATES_PER_EPOCH),
+    "batch_size": Case(4, lambda p: p.initial["train_batch"].shape[0] == 4),
+    "opt": Case("adam", lambda p: type(p.run.optimizer.optimizer) is torch.optim.Adam),
+    "lr": Case(LR, lambda p: p.run.scheduler.base_values[0] == LR),
+    "betas": Case((0.8, 0.99), lambda p: all(g["betas"] == (0.8, 0.99) for g in p.run.optimizer.param_groups)),
+    "eps": Case(1e-6, lambda p: all(g["eps"] == 1e-6 for g in p.run.optimizer.param_groups)),
+    "weight_decay": Case(0.02, lambda p: max(g["weight_decay"] for g in p.run.optimizer.param_groups) == 0.02),
+    "sched": Case("constant", lambda p: {r["lr"] for r in p.train_rows()[UPDATES_PER_EPOCH:]} == {LR}),  # no decay
+    "warmup_epochs": Case(1, _lr_ramp),
+    "min_lr": Case(MIN_LR, lambda p: p.initial["lr"] == MIN_LR),  # where the warmup starts
+    "clip_grad": Case(0.5, lambda p: p.clip_max_norms == [0.5] * UPDATES_PER_EPOCH),
+    "label_smoothing": Case(0.2, lambda p: p.run.mixup.label_smoothing == 0.2),
+    "aa": Case(None, lambda p: not any("RandAugment" in type(t).__name__ for t in _transforms(p.run.train_loader))),
+    "reprob": Case(0.0, lambda p: not any("RandomErasing" in type(t).__name__
+                                          for t in _transforms(p.run.train_loader))),
+    "hflip": Case(0.0, lambda p: not _of_type(p.run.train_loader, T.RandomHorizontalFlip)),
+    "scale": Case((0.5, 1.0), lambda p: _of_type(p.run.train_loader, RandomResizedCropAndInterpolation)[0].scale
+                  == (0.5, 1.0)),
+    "mixup": Case(0.5, lambda p: p.run.mixup.mixup_alpha == 0.5),
+    "cutmix": Case(0.5, lambda p: p.run.mixup.cutmix_alpha == 0.5),
+    "ema_decay": Case(0.9, lambda p: p.run.ema.decay == 0.9 and all("ema_top1" in r for r in p.epochs()[1:])),
+    "mixed_precision": Case("no", lambda p: p.initial["mixed_precision"] == "no"),
+    # run
+    "seed": Case(7, lambda p: torch.equal(p.initial["patch_embed"], p.initial["patch_embed_seed_7"])),
+    "output_dir": Case("<tmp>/run", lambda p: yaml.safe_load(RunFolder(p.cfg.output_dir).config.read_text())
+                       ["output_dir"] == p.cfg.output_dir and RunFolder(p.cfg.output_dir).weights().is_file()),
+    "checkpoint_every_steps": Case(1, lambda p: [c.name for c in RunFolder(p.cfg.output_dir).finished_checkpoints()]
+                                   == [f"step_{s:09d}" for s in (3, 4, 5, 6)]),  # every 1000: epoch ends only
+    "keep_last": Case(4, lambda p: len(RunFolder(p.cfg.output_dir).finished_checkpoints()) == 4),
+    "on_nonfinite": Case("skip", lambda p: p.nan_step is None),  # "stop" raises TrainingDiverged
+    "log_every_steps": Case(1, lambda p: [r["step"] for r in p.train_rows()] == list(range(1, 7))),
+    "eval_every_epochs": Case(2, lambda p: "top1" not in p.epochs()[0] and "top1" in p.epochs()[1]),
+    # bound keeping
+    "lipschitz_target": Case(1e20, lambda p: all(0 < r["lipschitz_bound"] <= 1e20 for r in p.epochs())),
+    "lipschitz_gamma_max": Case(0.5, lambda p: p.initial["max_gamma"] == 0.5),  # initialised at 1
+    "lipschitz_weight_max": Case(0.9, lambda p: max(p.initial["spectral_norms"]) <= 0.9 + 1e-5),
+    "lipschitz_every_steps": Case(2, lambda p: p.keep_calls == UPDATES_PER_EPOCH // 2),
+    "lipschitz_tau_max": Case(5.0, lambda p: p.initial["taus"] and max(p.initial["taus"]) == 5.0),  # initialised 10
+}
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    from accelerate.utils import set_seed
+    from lipsformer.engine.train import _EpochMeter, _start, _train_step, build_model, train, train_one_epoch
+    from lipsformer.layers import AttentionKernel, CenterNorm
+    tmp = tmp_path_factory.mktemp("keys")
+    data = make_folder(tmp / "data")
+    (data / "train").rename(data / "tr")
+    (data / "val").rename(data / "va")
+    (data / "tr" / "class_2" / "1.jpg").write_bytes(b"")  # one unreadable training image of 24
+    values = {k: c.value for k, c in KEYS.items() if not c.alone}
+    values.update(data_dir=str(data), output_dir=str(tmp / "run"))
+    cfg = load_config(None, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                             for k, v in values.items()])
+
+    run = _start(dataclasses.replace(cfg, output_dir=str(tmp / "objects")), None)
+    model = run.accelerator.unwrap_model(run.model)
+    model.eval()
+    train_batch = next(iter(run.train_loader))[0]
+    val_batch = next(iter(run.val_loader))[0]
+    set_seed(7)
+    initial = dict(
+        train_batch=train_batch, val_batch=val_batch, lr=run.optimizer.param_groups[0]["lr"],
+        accumulation=run.accelerator.gradient_accumulation_steps, mixed_precision=run.accelerator.mixed_precision,
+        logits=model(val_batch[:4]).detach(), patch_embed=model.patch_embed.proj.weight.detach().clone(),
+        patch_embed_seed_7=build_model(cfg).patch_embed.proj.weight.detach().clone(),
+        max_gamma=max(m.weight.abs().max().item() for m in model.modules() if isinstance(m, CenterNorm)),
+        spectral_norms=_spectral_norms(model),
+        taus=[float(m.tau.detach()) for m in model.modules() if isinstance(m, AttentionKernel)])
+    calls, norms = [], []
+    keep, clip = run.keep, run.accelerator.clip_grad_norm_
+    run.keep = lambda: calls.append(1) or keep()
+    run.accelerator.clip_grad_norm_ = lambda params, max_norm, *a, **k: norms.append(max_norm) or clip(
+        params, max_norm, *a, **k)
+    train_one_epoch(run, 0)
+    images, targets, _ = next(iter(run.train_loader))
+    nan_step = _train_step(run, _EpochMeter(), torch.full_like(images, math.nan), targets, 0)
+    _reset_accelerate()
+
+    summary = train(cfg)
+    _reset_accelerate()
+    return Probe(cfg, tmp, run, initial, len(calls), norms, nan_step, summary, read_metrics(Path(cfg.output_dir)))
+
+
+def test_the_table_covers_every_key_with_a_non_default_value():
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert sorted(KEYS) == sorted(names), "every TrainConfig key needs a Case in KEYS (and no other)"
+    default = TrainConfig()
+    same = [k for k, c in KEYS.items() if c.value == getattr(default, k)]
+    assert not same, f"these cases set the default value, so they cannot show the key is live: {same}"
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_key_changes_something_observable(probe, key):
+    result = KEYS[key].check(probe)
+    assert result is None or result, f"{key}={KEYS[key].value!r} left no trace"
+
+
+def test_default_schedule_is_todays_cosine_without_warmup_step_for_step():
+    from timm.scheduler import CosineLRScheduler
+    from lipsformer.engine.train import build_scheduler
+    cfg = TrainConfig(epochs=3)
+
+    def lrs(make):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        sched = make(opt)
+        out = []
+        for t in range(3 * 5 + 1):
+            sched.step_update(t)
+            out.append(opt.param_groups[0]["lr"])
+        return out
+
+    ours = lrs(lambda opt: build_scheduler(cfg, opt, 5))
+    before = lrs(lambda opt: CosineLRScheduler(opt, t_initial=3 * 5, lr_min=cfg.min_lr, warmup_t=0,
+                                               warmup_lr_init=cfg.min_lr, t_in_epochs=False))
+    assert ours == before  # bit-identical
+    assert ours[0] == cfg.lr and ours[-1] == pytest.approx(cfg.min_lr)
+
+
+def test_warmup_ramps_as_timms_scheduler_does(probe):
+    """The run's logged lr per update against timm's own scheduler built independently."""
+    from timm.scheduler import StepLRScheduler
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    timm_sched = StepLRScheduler(opt, decay_t=1, decay_rate=1.0, warmup_t=UPDATES_PER_EPOCH,
+                                 warmup_lr_init=MIN_LR, t_in_epochs=False)
+    expected = []
+    for t in range(1, 2 * UPDATES_PER_EPOCH + 1):
+        timm_sched.step_update(t)
+        expected.append(opt.param_groups[0]["lr"])
+    assert [r["lr"] for r in probe.train_rows()] == expected
+    assert expected[0] < expected[1] < expected[2] == LR  # it does ramp
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model_kwargs.img_size=64", "model_kwargs.img_size duplicates the top-level key img_size"),
+    ("model_kwargs.drop_path_rate=0.3", "model_kwargs.drop_path_rate duplicates the top-level key drop_path"),
+    ("model_kwargs.num_classes=10", "model_kwargs.num_classes duplicates the top-level key num_classes"),
+    ("sched=plateau", "sched must be one of"),
+    ("warmup_epochs=-1", "warmup_epochs must be at least 0"),
+    ("lipschitz_tau_max=0", "lipschitz_tau_max must be positive"),
+    ("max_bad_fraction=1.5", "max_bad_fraction must be in [0, 1]"),
+    ("batch_size=3", "mixup/cutmix need an even batch_size"),
+])
+def test_bad_values_are_config_errors_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["global_batch=6", override] if "batch_size" in override else [override])
+    assert message in str(err.value)
