@@ -11,6 +11,7 @@ weights. The proximal problem is solved by gradient descent with Armijo backtrac
 fewer steps while training, more at evaluation (the paper trains with 1-3 and evaluates with 20).
 """
 import math
+from typing import Callable, Optional
 
 import torch
 from timm.layers import register_notrace_module
@@ -53,11 +54,12 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
 
 def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
                 tol: float = 1e-6, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
-                step_init: float = 1.0) -> torch.Tensor:
+                step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
     """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index.
 
     The step sizes are chosen without gradient tracking, so the output stays differentiable through the
-    (unrolled) descent steps, as in training with a few steps.
+    (unrolled) descent steps, as in training with a few steps. ``callback(k, y_k, g_k)``, if given, sees each
+    iterate and the subproblem's gradient there (k = 0 is the input; AttLip Fig. 1 plots ``||g_k||``).
     """
     x0 = x
     y = x
@@ -66,8 +68,10 @@ def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 
         return attlip_potential(z, weight, heads) + (z - x0).pow(2).sum((-1, -2)) / (2 * eta)
 
     lam = torch.full(x.shape[:-2], step_init, dtype=x.dtype, device=x.device)
-    for _ in range(steps):
+    for k in range(steps):
         g = attlip_grad(y, weight, heads) + (y - x0) / eta
+        if callback is not None:
+            callback(k, y, g)
         with torch.no_grad():
             g_sq = g.pow(2).sum((-1, -2))
             if float(g_sq.max().sqrt()) <= tol:

@@ -364,6 +364,42 @@ def kim_l2_bound(attn: nn.Module, n: int) -> float:
     return kim_heads_bound(w_q, w_v, n) * matrix_norm(attn.proj.weight)
 
 
+def kim_theorem_3_2(w_q: torch.Tensor, w_v: torch.Tensor, w_o: torch.Tensor, heads: int, n: int,
+                    norm: str = "2") -> torch.Tensor:
+    r"""Kim et al. Theorem 3.2 for L2-MHA on ``n`` tokens, as a tensor (differentiable in the weights, so a layer
+    can divide by it and train through the denominator, as Kim et al. Sec. 5.3 do).
+
+    Weights in ``nn.Linear`` layout: ``w_q``, ``w_v`` (H d, D) with heads stacked by rows (the paper's
+    :math:`W^{Q,h}`, :math:`W^{V,h}` are the transposed row blocks) and ``w_o`` (D, D) (the paper's :math:`W^O` is
+    its transpose). ``norm="2"``:
+    :math:`\frac{\sqrt N}{\sqrt{D/H}}(4\phi^{-1}(N-1) + 1)\sqrt{\sum_h \|W^{Q,h}\|_2^2\|W^{V,h}\|_2^2}\,\|W^O\|_2`;
+    ``norm="inf"`` (the norm of the flattened N x D input, max abs entry):
+    :math:`(4\phi^{-1}(N-1) + 1/\sqrt{D/H})\,\|W^{O\top}\|_\infty \max_h \|W^{Q,h}\|_\infty\|W^{Q,h\top}\|_\infty
+    \max_h \|W^{V,h\top}\|_\infty`, with :math:`\|M\|_\infty` the largest row sum of :math:`|M|`.
+    """
+    d = w_q.shape[0] // heads
+    q, v = w_q.view(heads, d, -1), w_v.view(heads, d, -1)  # row blocks = W^{.,h} transposed, (H, d, D)
+    phi = 4 * lambert_phi_inverse(n - 1)
+    if norm == "2":
+        per_head = torch.linalg.matrix_norm(q, ord=2) * torch.linalg.matrix_norm(v, ord=2)
+        return (math.sqrt(n / d) * (phi + 1) * per_head.pow(2).sum().sqrt()
+                * torch.linalg.matrix_norm(w_o, ord=2))
+    if norm == "inf":
+        q_inf = q.abs().sum(1).amax(-1)  # ||W^{Q,h}||_inf: rows of W^{Q,h} are the columns of the block
+        q_t_inf = q.abs().sum(2).amax(-1)  # ||W^{Q,h T}||_inf: rows of the block
+        v_t_inf = v.abs().sum(2).amax(-1)  # ||W^{V,h T}||_inf
+        o_t_inf = w_o.abs().sum(1).amax()  # ||W^{O T}||_inf: rows of the Linear weight
+        return (phi + d ** -0.5) * o_t_inf * (q_inf * q_t_inf).amax() * v_t_inf.amax()
+    raise ValueError(f"norm must be '2' or 'inf', got {norm!r}")
+
+
+def kim_l2_inf_bound(attn: nn.Module, n: int) -> float:
+    """Theorem 3.2, l-infinity form, for :class:`~lipsformer.layers.attention.KimL2Attention` on ``n`` tokens
+    (Kim et al. Fig. 2 measures its asymptotic tightness; ``benchmarks/kim_tightness.py``)."""
+    w = [m.weight.detach().double() for m in (attn.q, attn.v, attn.proj)]
+    return float(kim_theorem_3_2(*w, attn.heads, n, norm="inf"))
+
+
 def attlip_bound() -> float:
     """AttLip (AttLip Theorem 4): a proximal step of a convex potential is firmly non-expansive, so 1 for any
     weights, eta and N (up to the solver's tolerance); so is ``I - prox``, the mixer of :class:`AttLipMixer`."""
