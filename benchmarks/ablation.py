@@ -86,6 +86,7 @@ def run(row: Row, seed: int, args) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from lipsformer.engine.config import load_config
+    from lipsformer.engine.run_folder import RunFolder
     from lipsformer.engine.train import TrainingDiverged, train
 
     out = Path(args.out) / f"{row.name.replace('=', '_')}_seed{seed}"
@@ -108,8 +109,7 @@ def run(row: Row, seed: int, args) -> dict:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     result["seconds"] = round(time.time() - t0, 1)
-    log = out / "metrics.jsonl"
-    metrics = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    metrics = RunFolder(out).read_metrics()
     result["loss"] = [(m["step"], m["loss"]) for m in metrics if m["kind"] == "train"]
     epochs = [m for m in metrics if m["kind"] == "epoch"]
     if epochs:

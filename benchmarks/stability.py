@@ -26,6 +26,7 @@ def run(variant: str, seed: int, args) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from lipsformer.engine.config import load_config
+    from lipsformer.engine.run_folder import RunFolder
     from lipsformer.engine.train import TrainingDiverged, train
 
     out = Path(args.out) / f"{variant}_seed{seed}"
@@ -42,7 +43,7 @@ def run(variant: str, seed: int, args) -> dict:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    metrics = RunFolder(out).read_metrics()
     row["loss"] = [(m["step"], m["loss"]) for m in metrics if m["kind"] == "train"]
     return row
 

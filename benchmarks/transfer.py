@@ -45,6 +45,7 @@ def run(name: str, out: Path, overrides) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from lipsformer.engine.config import load_config
+    from lipsformer.engine.run_folder import RunFolder
     from lipsformer.engine.train import train
 
     folder = out / name
@@ -55,7 +56,7 @@ def run(name: str, out: Path, overrides) -> dict:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = RunFolder(folder).read_metrics()
     last = [r for r in rows if r["kind"] == "epoch"][-1]
     init = next(r for r in rows if r["kind"] == "init")
     return dict(arm=name, img_size=cfg.img_size, train_images=last["train_samples"], top1=last["top1"],

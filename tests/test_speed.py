@@ -1,18 +1,14 @@
 """engine/speed.py and its TrainConfig keys (compile, compile_mode, compile_memory_budget, channels_last,
 grad_checkpointing, tf32): each reaches the model or the process, and none changes what a run computes."""
 import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_train import PY, ROOT, TINY_RUN, make_folder, run_train, write_config
+from test_train import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
 
-from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
 
@@ -115,28 +111,8 @@ def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
                model_kwargs=dict(TINY_RUN["model_kwargs"], depths=[1, 1], num_heads=[1, 2]))
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    reference = tmp_path / "reference"
-    run_train("--config", str(config), "--output-dir", str(reference))
-
-    interrupted = tmp_path / "interrupted"
-    proc = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir", str(interrupted)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while time.time() < deadline:  # kill mid-epoch 2, after step 8 of 12 is safely on disk
-        ckpt = latest_checkpoint(interrupted)
-        if ckpt is not None and int(ckpt.name.split("_")[1]) >= 8:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    step = int(latest_checkpoint(interrupted).name.split("_")[1])
-    assert 8 <= step < 12, "the kill must land before the run finishes"
-    run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto")
-    for name in ("last.safetensors", "last_ema.safetensors"):
-        a, b = load_file(str(reference / name)), load_file(str(interrupted / name))
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), name
-    assert yaml.safe_load((reference / "config.yaml").read_text())["compile"] is True
+    assert_killed_run_resumes_exactly(config, tmp_path, total_steps=12, timeout=600)
+    assert yaml.safe_load((tmp_path / "reference" / "config.yaml").read_text())["compile"] is True
 
 
 def test_eval_channels_last_scores_like_the_default(tmp_path):

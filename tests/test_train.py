@@ -183,17 +183,17 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
-    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1, workers=workers)
+def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps: int, timeout: float = 240) -> None:
+    """Train ``config`` once uninterrupted, once killed with SIGKILL mid-epoch 2 (after step 8 is on disk) and
+    resumed with ``--resume auto``: both end with the same weights and EMA, bit for bit."""
     reference = tmp_path / "reference"
     run_train("--config", str(config), "--output-dir", str(reference))
 
     interrupted = tmp_path / "interrupted"
     proc = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir", str(interrupted)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline:  # kill mid-epoch 2, after step 8 of 18 is safely on disk
+    deadline = time.time() + timeout
+    while time.time() < deadline:  # kill mid-epoch 2, after step 8 is safely on disk
         ckpt = latest_checkpoint(interrupted)
         if ckpt is not None and int(ckpt.name.split("_")[1]) >= 8:
             break
@@ -201,12 +201,18 @@ def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     step = int(latest_checkpoint(interrupted).name.split("_")[1])
-    assert 8 <= step < 18, "the kill must land before the run finishes"
+    assert 8 <= step < total_steps, "the kill must land before the run finishes"
     run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto")
     for name in ("last.safetensors", "last_ema.safetensors"):
         a, b = load_file(str(reference / name)), load_file(str(interrupted / name))
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
+    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1, workers=workers)
+    assert_killed_run_resumes_exactly(config, tmp_path, total_steps=18)
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):

@@ -14,6 +14,7 @@ reads finished runs from it::
       checkpoints/.damaged-step_N/  checkpoints --resume auto skipped, set aside so the run can write them again
       lipsformer/            TensorBoard events
 """
+import json
 import re
 from pathlib import Path
 from typing import List, Optional
@@ -30,6 +31,14 @@ TMP_PREFIX = ".tmp-"  # a checkpoint being written; never taken for a finished o
 DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside (kept for inspection)
 
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
+
+
+def read_metrics(path: Path) -> List[dict]:
+    """The rows of a ``metrics.jsonl`` file in order; none when it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class RunFolder:
@@ -56,6 +65,10 @@ class RunFolder:
     @property
     def best(self) -> Path:
         return self.root / BEST
+
+    def read_metrics(self) -> List[dict]:
+        """The rows of ``metrics.jsonl`` in order (none when the run wrote none, e.g. it stopped at once)."""
+        return read_metrics(self.metrics)
 
     def weights(self, ema: bool = False) -> Path:
         """The final weights (``last.safetensors``), or their EMA."""

@@ -37,7 +37,7 @@ from .ema import ShardEma, _whole
 from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, margin_criterion
-from .run_folder import RunFolder
+from .run_folder import RunFolder, read_metrics
 from .speed import compile_model, prepare_model, set_tf32
 
 _logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_path)
     train = [r for r in rows if r["kind"] == "train"]
     epochs = [r for r in rows if r["kind"] == "epoch"]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
