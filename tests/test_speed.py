@@ -103,6 +103,38 @@ def test_channels_last_model_gives_the_same_outputs():
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_cpu_backward_has_no_racing_scatter_add():
+    """The backward of the relative-position-bias gather is a scatter-add. Inductor's CPU code for it was a
+    parallel loop of atomic adds, whose float sum depends on thread timing (a resumed compiled run then ended
+    with different bias tables, CI 2026-11-23); compile_model compiles CPU models in deterministic mode, which
+    lowers it to ATen's index_put_."""
+    from torch._inductor.utils import run_and_get_code
+    from lipsformer.models.lipsformer_swin import WindowAttention
+    from lipsformer.layers.attention import AttentionKernel
+
+    class Bias(torch.nn.Module):  # the gather at Swin-T's window, without the cost of compiling a whole model
+        def __init__(self):
+            super().__init__()
+            self.attn = WindowAttention(96, 3, (7, 7), AttentionKernel("scsa"))
+
+        def forward(self, scale):
+            return self.attn.position_bias() * scale
+
+    torch._dynamo.reset()
+    model, was = Bias(), torch.are_deterministic_algorithms_enabled()
+    try:
+        compile_model(model)
+        assert torch.are_deterministic_algorithms_enabled()
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            _, code = run_and_get_code(lambda: model(torch.randn(1, 3, 49, 49)).sum().backward())
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch._dynamo.reset()
+    assert len(code) >= 2  # forward and backward were generated
+    assert not any("atomic_add" in c for c in code)
+    assert model.attn.relative_position_bias_table.grad.abs().sum() > 0
+
+
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
     inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""

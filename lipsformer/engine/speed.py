@@ -11,7 +11,8 @@ them through these functions:
 
 None of them changes a model's outputs beyond floating-point rounding: channels-last is a memory layout,
 checkpointing recomputes the same forward pass, compiling fuses the same operations (a compiled CPU step is
-bit-identical from run to run, so a resumed compiled run matches an uninterrupted one; tested).
+bit-identical from run to run, so a resumed compiled run matches an uninterrupted one; tested: see
+:func:`compile_model` for what that takes).
 """
 from typing import Optional
 
@@ -57,6 +58,14 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     (``torch._functorch.config.activation_memory_budget``, process-wide): the share of the saved activations
     that backward may keep, the rest recomputed. ``None`` keeps the compiler's default (1.0: keep whatever is
     cheaper than recomputing).
+
+    A model on the CPU is compiled with ``torch.use_deterministic_algorithms(True, warn_only=True)``
+    (process-wide). Without it, inductor lowers the backward of the relative-position-bias gather
+    (``table[index]``, a scatter-add) to a parallel OpenMP loop of atomic adds whose order, and so whose float
+    sum, depends on thread timing: a killed and resumed compiled run then sometimes ended with a different bias
+    table on two cores (the CI failure of 2026-11-23; reproduced with a cold inductor cache). With the flag the scatter-add runs
+    as ATen's ``index_put_``, as in eager mode. CUDA models are left as they are (Triton's atomic adds keep
+    their speed; bit-exact resume is promised on the CPU only).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
@@ -65,5 +74,7 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
             raise ValueError(f"compile_memory_budget must be in (0, 1], got {memory_budget}")
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = float(memory_budget)
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model.compile(mode=None if mode == "default" else mode, dynamic=False)
     return model
