@@ -6,6 +6,7 @@ from .conv_blocks import ACTS, CONV_BLOCKS, ConvBlocks, create_act
 from .groupsort import GroupSort, group_sort
 from .init import INITS, init_weights
 from .norm import NORMS, CenterNorm, create_norm
+from .normalized import LINEARS, NormalizedConv2d, NormalizedLinear, normalize_linear_maps
 from .options import LipschitzOptions
 from .patch_embed import PatchEmbed
 from .residual import RESIDUALS, ConvexResidual, WeightedResidual, create_residual
@@ -17,4 +18,5 @@ __all__ = [
     "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "largest_singular_value", "LipschitzOptions", "NORMS", "CenterNorm",
     "create_norm", "PatchEmbed", "WeightedResidual", "pad_to_multiple", "window_partition", "window_reverse",
     "ACTS", "create_act", "GroupSort", "group_sort", "RESIDUALS", "ConvexResidual", "create_residual",
+    "LINEARS", "NormalizedLinear", "NormalizedConv2d", "normalize_linear_maps",
 ]

@@ -124,11 +124,13 @@ class AttLipMixer(nn.Module):
     stripes, or the whole map); each group of tokens goes through its branch's :class:`AttLip`. The mixer
     returns ``prox(x) - x``, so the block's weighted residual ``x + alpha * (prox(x) - x)`` moves from ``x``
     toward ``prox(x)``. ``I - prox`` is firmly non-expansive like ``prox``, so the mixer is 1-Lipschitz.
+    ``delta=False`` returns ``prox(x)`` itself (for a convex residual ``(1 - a) x + a prox(x)``; also 1-Lipschitz).
     """
 
     def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
-                 tol: float = 1e-6):
+                 tol: float = 1e-6, delta: bool = True):
         super().__init__()
+        self.delta = delta
         nb = len(windows)
         if dim % nb or heads % nb:
             raise ValueError(f"dim {dim} and heads {heads} must divide over {nb} window shapes")
@@ -150,9 +152,10 @@ class AttLipMixer(nn.Module):
         for part, window, layer in zip(parts, self.windows, self.branches):
             part = pad_to_multiple(part, window)
             tokens = window_partition(part, window)
-            out = window_reverse(layer(tokens) - tokens, window, *part.shape[1:3])
+            out = layer(tokens)
+            out = window_reverse(out - tokens if self.delta else out, window, *part.shape[1:3])
             outs.append(out[:, :H, :W] if out.shape[1:3] != (H, W) else out)
         return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
     def extra_repr(self) -> str:
-        return f"windows={self.windows}"
+        return f"windows={self.windows}, delta={self.delta}"

@@ -4,6 +4,7 @@ from timm.layers import trunc_normal_
 from torch import nn
 
 from .norm import CenterNorm
+from .normalized import NormalizedConv2d, NormalizedLinear
 from .spectral import largest_singular_value
 
 INITS = ("spectral", "xavier", "trunc_normal")
@@ -24,12 +25,14 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
         raise ValueError(f"init must be one of {INITS}, got {mode!r}")
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Conv2d)):
+            # a normalised layer's ``weight`` is computed from its parameter ``raw_weight``, which init writes
+            w = m.raw_weight if isinstance(m, (NormalizedLinear, NormalizedConv2d)) else m.weight
             if mode == "trunc_normal":
-                trunc_normal_(m.weight, std=0.02)
+                trunc_normal_(w, std=0.02)
             else:
-                nn.init.xavier_normal_(m.weight)
-                if mode == "spectral" and normalize and m.weight.device.type != "meta":
-                    m.weight.div_(largest_singular_value(m.weight, certified=False))
+                nn.init.xavier_normal_(w)
+                if mode == "spectral" and normalize and w.device.type != "meta":
+                    w.div_(largest_singular_value(w, certified=False))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, (CenterNorm, nn.LayerNorm)):

@@ -33,6 +33,14 @@ class LipschitzOptions:
             (``(1 - a) x + a f(x)`` with one scalar ``a`` in [0, 1]: 1-Lipschitz when ``f`` is;
             :class:`lipsformer.layers.residual.ConvexResidual`).
         act: ``gelu`` (LipsFormer) | ``groupsort`` (MaxMin, 1-Lipschitz) in the MLPs and conv blocks.
+        linear: ``plain`` | ``normalized``: every Linear, and every non-overlapping convolution (patch embedding,
+            downsampling, 1x1), divides its weight by its exact largest singular value in each forward
+            (:class:`lipsformer.layers.normalized.NormalizedLinear` / ``NormalizedConv2d``; bound 1, and the
+            gradient sees the normalisation, unlike keeping the norm by projection after each step).
+        attlip_prox: ``attn="attlip"``: the mixer returns ``prox(x)`` instead of ``prox(x) - x``. Under a convex
+            residual ``(1 - a) x + a prox(x)`` moves the tokens toward their proximal point and is the identity at
+            ``a = 0``; with ``prox(x) - x`` it is ``(1 - 2a) x + a prox(x)``, which contracts by ``1 - a``
+            (both 1-Lipschitz mixers: AttLip Thm 4).
     """
 
     norm: str = "center"
@@ -51,6 +59,8 @@ class LipschitzOptions:
     attlip_tol: float = 1e-6
     residual: str = "add"
     act: str = "gelu"
+    linear: str = "plain"
+    attlip_prox: bool = False
 
     @classmethod
     def from_kwargs(cls, owner: str, defaults: Mapping, options: Optional["LipschitzOptions"] = None,
@@ -73,7 +83,8 @@ class LipschitzOptions:
         """A factory of one token mixer per block: ``AttLipMixer`` over ``windows`` for ``attn="attlip"``, else
         the family's ``attention(kernel)`` with a fresh kernel."""
         if self.attn == "attlip":
-            return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol)
+            return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
+                                       delta=not self.attlip_prox)
         return lambda: attention(self.kernel())
 
     def block_kwargs(self, alpha_init: float) -> dict:

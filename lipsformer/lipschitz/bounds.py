@@ -34,6 +34,7 @@ from timm.layers.adaptive_avgmax_pool import (AdaptiveAvgMaxPool2d, AdaptiveCatA
 from torch import nn
 
 from ..layers import AttentionKernel, AttLip, AttLipMixer, CenterNorm, ConvexResidual, GroupSort
+from ..layers.normalized import NormalizedConv2d, NormalizedLinear
 from ..layers.attention import KimL2Attention
 from ..layers.block import GeluMlp, LipsBlock
 from ..layers.conv_blocks import ConvBlocks
@@ -213,6 +214,19 @@ def linear_bound(linear: nn.Linear, hw: HW) -> Bound:
 @register_bound(nn.Conv2d)
 def conv2d_bound(conv: nn.Conv2d, hw: HW) -> Bound:
     """A Conv2d on (C, H, W): :func:`conv_bound`."""
+    return Bound(conv_bound(conv, hw))
+
+
+@register_bound(NormalizedLinear)
+def normalized_linear_bound(linear: NormalizedLinear, hw: HW) -> Bound:
+    """A spectrally normalised Linear: the largest singular value of the matrix its forward uses (its ``weight``,
+    the parameter divided by its norm), computed from the weights, not assumed 1."""
+    return Bound(matrix_norm(linear.weight))
+
+
+@register_bound(NormalizedConv2d)
+def normalized_conv2d_bound(conv: NormalizedConv2d, hw: HW) -> Bound:
+    """A normalised non-overlapping Conv2d: :func:`conv_bound` of the kernel its forward uses."""
     return Bound(conv_bound(conv, hw))
 
 

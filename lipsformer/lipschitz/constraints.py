@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..layers import AttentionKernel, CenterNorm, ConvexResidual
+from ..layers import AttentionKernel, CenterNorm, ConvexResidual, NormalizedConv2d, NormalizedLinear
 from .bounds import conv_bound, lipschitz_report, matrix_norm
 
 # each convolution's input (H, W) in the model it was measured in (weak: dropped with the model)
@@ -81,6 +81,8 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
     """
     if conv_max is not None:
         for conv, hw in conv_input_sizes(model).items():
+            if isinstance(conv, NormalizedConv2d):  # normalised in its forward: nothing to project
+                continue
             norm = conv_bound(conv, hw)
             if norm > conv_max:
                 conv.weight.mul_(conv_max / norm)
@@ -91,7 +93,7 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
             m.weight.clamp_(-gamma_max, gamma_max)
         if isinstance(m, AttentionKernel) and isinstance(m.tau, torch.Tensor) and tau_max is not None:
             m.tau.clamp_(1e-6, tau_max)
-        if isinstance(m, nn.Linear) and weight_max is not None:
+        if isinstance(m, nn.Linear) and not isinstance(m, NormalizedLinear) and weight_max is not None:
             norm = matrix_norm(m.weight)
             if norm > weight_max:
                 m.weight.mul_(weight_max / norm)

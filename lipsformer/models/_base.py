@@ -17,6 +17,7 @@ from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..layers import LipsBlock, LipschitzOptions, init_weights
+from ..layers.normalized import LINEARS, normalize_linear_maps
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
@@ -109,6 +110,15 @@ class LipsFormerBase(nn.Module):
         init_weights(self, mode, normalize=not loading)
         if loading:
             init_weights(self.head, mode)
+        self._apply_linear_option(self)
+
+    def _apply_linear_option(self, module: nn.Module) -> None:
+        """``lipschitz.linear``: ``normalized`` turns ``module``'s Linear and non-overlapping Conv2d layers into
+        their spectrally normalised forms (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
+        if self.lipschitz.linear not in LINEARS:
+            raise ValueError(f"linear must be one of {LINEARS}, got {self.lipschitz.linear!r}")
+        if self.lipschitz.linear == "normalized":
+            normalize_linear_maps(module)
 
     # -- timm face ---------------------------------------------------------------------------
     @torch.jit.ignore
@@ -165,6 +175,7 @@ class LipsFormerBase(nn.Module):
         if global_pool is not None:
             self.global_pool = global_pool
         self.head.reset(num_classes, pool_type=global_pool)
+        self._apply_linear_option(self.head)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> (B, H/32, W/32, num_features), channels last."""

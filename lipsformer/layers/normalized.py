@@ -1,0 +1,115 @@
+"""Spectrally normalised linear maps: the weight divided by its exact largest singular value in every forward.
+
+Keeping a layer's norm at 1 by projection (rescaling the weight after each optimizer step, as
+:func:`lipsformer.lipschitz.constraints.keep_bound` does) leaves the gradient blind to the constraint: the step
+pushes the norm up and the projection takes it back. Dividing inside the graph (as 1-Lipschitz CNNs do) lets the
+gradient see the normalisation, so it only moves the weight along directions that keep the map's scale, and the
+layer's top singular direction is norm-preserving at every step.
+
+The normalised weight *is* the module's ``weight``: every reader (``forward``, fused paths that read
+``module.weight``, the certified bounds in :mod:`lipsformer.lipschitz.bounds`) sees the same matrix. The parameter
+(``raw_weight``, saved as ``weight`` so that state dicts keep ``nn.Linear``'s keys) is free; its scale is
+irrelevant. Writes to ``weight`` in place would change a temporary: write to ``raw_weight``.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEARS = ("plain", "normalized")
+
+
+def _normalized(w: torch.Tensor) -> torch.Tensor:
+    """``w`` viewed as (out, in * kh * kw) divided by its largest singular value (an SVD, differentiable)."""
+    sigma = torch.linalg.matrix_norm(w.flatten(1), ord=2)
+    return w / sigma.clamp_min(torch.finfo(w.dtype).tiny)
+
+
+class _RawWeight:
+    """The parameter behind a normalised ``weight`` (stored as ``weight`` in ``_parameters`` and state dicts)."""
+
+    @property
+    def raw_weight(self) -> nn.Parameter:
+        return self._parameters["weight"]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = self._parameters.get("weight")
+        if w is None:  # during nn.Module.__init__, before the parameter is registered
+            raise AttributeError("weight")
+        return _normalized(w)
+
+    @torch.no_grad()
+    def _copy_from(self, module: nn.Module) -> None:
+        self.raw_weight.copy_(module.weight)
+        if module.bias is not None:
+            self.bias.copy_(module.bias)
+
+
+class NormalizedLinear(_RawWeight, nn.Linear):
+    r"""``nn.Linear`` with weight :math:`W / \sigma_{\max}(W)`: spectral norm exactly 1 (up to float rounding) at
+    every forward; its certified bound is the largest singular value of that matrix, computed from the weights.
+    ``LipschitzOptions(linear="normalized")`` turns every Linear of a model into one."""
+
+    def reset_parameters(self) -> None:
+        nn.init.orthogonal_(self.raw_weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "NormalizedLinear":
+        """A normalised copy of ``linear`` (same parameters, device and dtype)."""
+        w = linear.weight
+        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=w.device,
+                  dtype=w.dtype)
+        out._copy_from(linear)
+        return out
+
+
+class NormalizedConv2d(_RawWeight, nn.Conv2d):
+    r"""A non-overlapping ``nn.Conv2d`` (stride equal to the kernel, no padding or dilation; a 1x1 conv, a patch
+    embedding, a 2x2 downsampling) whose reshaped kernel (out, in * kh * kw) is divided by its largest singular
+    value. Its patches do not overlap, so the operator norm is exactly that matrix's, 1 at every input size;
+    overlapping convolutions have size-dependent norms and are refused (keep them with ``lipschitz_conv_max``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if (tuple(self.stride) != tuple(self.kernel_size) or tuple(self.padding) != (0, 0)
+                or tuple(self.dilation) != (1, 1) or self.groups != 1):
+            raise ValueError(f"NormalizedConv2d needs stride == kernel, no padding, dilation or groups; got "
+                             f"kernel {self.kernel_size}, stride {self.stride}, padding {self.padding}, "
+                             f"dilation {self.dilation}, groups {self.groups}")
+
+    def reset_parameters(self) -> None:
+        nn.init.orthogonal_(self.raw_weight.view(self.out_channels, -1))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight, self.bias, self.stride)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d) -> "NormalizedConv2d":
+        w = conv.weight
+        out = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+                  dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, device=w.device,
+                  dtype=w.dtype)
+        out._copy_from(conv)
+        return out
+
+
+def non_overlapping(conv: nn.Conv2d) -> bool:
+    """Whether ``conv``'s patches are disjoint (stride == kernel, no padding, dilation or groups)."""
+    return (tuple(conv.stride) == tuple(conv.kernel_size) and tuple(conv.padding) == (0, 0)
+            and tuple(conv.dilation) == (1, 1) and conv.groups == 1)
+
+
+def normalize_linear_maps(model: nn.Module) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` and every non-overlapping ``nn.Conv2d`` of ``model`` (exact types) by
+    its normalised copy (:class:`NormalizedLinear`, :class:`NormalizedConv2d`); overlapping convolutions stay."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, NormalizedLinear.from_linear(child))
+            elif type(child) is nn.Conv2d and non_overlapping(child):
+                setattr(parent, name, NormalizedConv2d.from_conv(child))
+    return model
