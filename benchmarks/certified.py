@@ -13,8 +13,9 @@ held-out digits, in pixel space:
 - the certified bound L, computed from the trained weights (``lipschitz_report`` for the LipsFormers, the product of
   the layers' exact operator norms for the CNN), the normalisation's 1/std included;
 - clean accuracy; certified accuracy at eps 0.1 / 0.25 / 0.5 (correct with margin > sqrt(2) L eps, Tsuzuku et al.);
-- accuracy under an l2 PGD attack at the same eps on ``--attack-images`` images spread over the classes (random start plus
-  ``--restarts`` more, ``--pgd-steps`` steps; every image counts as broken if any run changes its prediction), beside
+- accuracy under an l2 PGD attack (``lipsformer.lipschitz.certify.pgd_l2``) at the same eps on ``--attack-images``
+  images spread over the classes (``--restarts`` random starts, ``--pgd-steps`` steps; an image counts as broken
+  if any iterate of any run changes its prediction), beside
   the certified accuracy on the same images: certified <= attacked <= clean must hold;
 - a measured lower bound of L: the largest difference quotient ||f(x + d) - f(x)|| / ||d|| found by projected gradient
   ascent (``lipsformer.lipschitz.maximize_difference_quotient``) from a few held-out images.
@@ -118,7 +119,7 @@ def register_cnn() -> None:
         return LipschitzCNN(**kwargs)
 
 
-# -- certificates and attacks (radius = margin / (sqrt(2) L), Tsuzuku et al. 2018) ------------------------
+# -- the model on pixels ------------------------------------------------------------------------------
 class PixelModel(nn.Module):
     """The model on pixels in [0, 1]: the input normalisation inside, so perturbations are in pixel space."""
 
@@ -130,41 +131,6 @@ class PixelModel(nn.Module):
 
     def forward(self, x):
         return self.model((x - self.mean) / self.std)
-
-
-def margins(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """True logit minus the largest other one (negative when misclassified)."""
-    true = logits.gather(1, labels[:, None])[:, 0]
-    other = logits.scatter(1, labels[:, None], -math.inf).amax(1)
-    return true - other
-
-
-def certified_radius(logits, labels, bound: float) -> torch.Tensor:
-    """Per-image l2 radius within which the prediction cannot change; 0 where misclassified."""
-    if not math.isfinite(bound):
-        return torch.zeros(len(labels))
-    return (margins(logits, labels) / (math.sqrt(2.0) * bound)).clamp_min(0.0)
-
-
-def pgd_l2(f, x, y, eps: float, steps: int, restarts: int, seed: int = 0) -> torch.Tensor:
-    """True where some l2 PGD run (random start in the ball, steps of 2.5 eps / steps on the margin, pixels kept
-    in [0, 1]) changes the prediction."""
-    gen = torch.Generator().manual_seed(seed)
-    broken = torch.zeros(len(y), dtype=torch.bool)
-    for _ in range(restarts + 1):
-        d = torch.randn(x.shape, generator=gen)
-        d = d * (eps * torch.rand(len(x), 1, 1, 1, generator=gen) / d.flatten(1).norm(dim=1).view(-1, 1, 1, 1))
-        for _ in range(steps):
-            d.requires_grad_(True)
-            loss = -margins(f((x + d).clamp(0, 1)), y).sum()
-            (g,) = torch.autograd.grad(loss, d)
-            with torch.no_grad():
-                d = d + 2.5 * eps / steps * g / g.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1)
-                d = d * (eps / d.flatten(1).norm(dim=1).clamp_min(eps)).view(-1, 1, 1, 1)
-                d = (x + d).clamp(0, 1) - x
-        with torch.no_grad():
-            broken |= f(x + d).argmax(1) != y
-    return broken
 
 
 def load_images(folder: Path):
@@ -211,36 +177,40 @@ def train_run(name: str, args):
     return model.eval(), cfg, summary
 
 
-def model_bound(model) -> float:
-    from lipsformer.lipschitz import lipschitz_report
+def pixel_bound(model) -> float:
+    """L in pixel space, from the weights: ``lipschitz.certify.pixel_lipschitz`` (the report's bound times the
+    normalisation's 1/std) for the LipsFormers, the product of the layers' exact norms over min(std) for the CNN."""
+    from lipsformer.lipschitz.certify import normalization, pixel_lipschitz
     if isinstance(model, LipschitzCNN):
-        return model.lipschitz_bound()
-    return lipschitz_report(model).bound
+        return model.lipschitz_bound() / float(normalization(model)[1].min())
+    return pixel_lipschitz(model).bound
 
 
 def evaluate_run(name: str, model, args, xv, yv) -> dict:
-    from timm.data import resolve_data_config
-
+    """Certificates (``lipschitz.certify.certified_radius`` / ``certified_accuracy``) on every held-out image,
+    ``lipschitz.certify.pgd_l2`` on the attack subset, and a measured lower bound of L."""
     from lipsformer.lipschitz import maximize_difference_quotient
+    from lipsformer.lipschitz.certify import certified_accuracy, certified_radius, normalization, pgd_l2
 
-    data = resolve_data_config({}, model=model)
-    f = PixelModel(model, data["mean"], data["std"]).eval()
-    bound = model_bound(model) / min(data["std"])  # pixel space: the normalisation's 1/std counts
+    mean, std = normalization(model)
+    f = PixelModel(model, mean.flatten().tolist(), std.flatten().tolist()).eval()
+    bound = pixel_bound(model)  # pixel space: the normalisation's 1/std counts
     with torch.no_grad():
         logits = torch.cat([f(x) for x in xv.split(120)])
     correct = logits.argmax(1) == yv
-    radius = certified_radius(logits, yv, bound)
+    radius = certified_radius(logits, bound).float()  # margin / (sqrt(2) L) (Tsuzuku et al. 2018)
     row = dict(model=name, bound=bound, clean=100 * correct.float().mean().item(),
                median_radius_correct=float(radius[correct].median()) if correct.any() else 0.0)
     sub = torch.linspace(0, len(yv) - 1, args.attack_images).round().long()  # spread over every class
     row["clean_subset"] = 100 * correct[sub].float().mean().item()
+    certified, certified_sub = certified_accuracy(radius, correct, EPS), certified_accuracy(radius[sub], correct[sub], EPS)
     for eps in EPS:
-        row[f"certified@{eps}"] = 100 * (radius > eps).float().mean().item()
-        broken = pgd_l2(f, xv[sub], yv[sub], eps, args.pgd_steps, args.restarts)
+        row[f"certified@{eps}"] = certified[eps]
+        broken = pgd_l2(model, xv[sub], yv[sub], eps, mean, std, args.pgd_steps, args.restarts)
         row[f"attacked@{eps}"] = 100 * (correct[sub] & ~broken).float().mean().item()
-        row[f"certified_subset@{eps}"] = 100 * (radius[sub] > eps).float().mean().item()
+        row[f"certified_subset@{eps}"] = certified_sub[eps]
         # soundness: a certified image must never be broken
-        row[f"certified_but_broken@{eps}"] = int(((radius[sub] > eps) & broken).sum())
+        row[f"certified_but_broken@{eps}"] = int((correct[sub] & (radius[sub] > eps) & broken).sum())
     lower = 0.0
     for i in range(args.quotient_images):
         r = maximize_difference_quotient(lambda x: f(x[None])[0], xv[int(sub[i])], radius=0.5, steps=args.quotient_steps,
@@ -270,7 +240,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--attack-images", type=int, default=60)
     parser.add_argument("--pgd-steps", type=int, default=10)
-    parser.add_argument("--restarts", type=int, default=1)
+    parser.add_argument("--restarts", type=int, default=2, help="PGD runs from random starts in the ball")
     parser.add_argument("--quotient-images", type=int, default=2)
     parser.add_argument("--quotient-steps", type=int, default=20)
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run (key=value)")

@@ -241,22 +241,114 @@ def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from certified import LipschitzCNN, certified_radius, pgd_l2
+    from certified import LipschitzCNN, pixel_bound
 
     from lipsformer.lipschitz import maximize_difference_quotient
+    from lipsformer.lipschitz.certify import certified_radius, normalization, pgd_l2
 
     cnn = LipschitzCNN(num_classes=4, widths=(16, 32, 64))
     with torch.no_grad():
         for conv in cnn.convs:
             conv.lin.raw.mul_(5.0)  # the forward divides by the exact norm whatever the raw weights
     assert cnn.lipschitz_bound() <= 1.0 + 1e-5
+    mean, std = normalization(cnn)
+    assert pixel_bound(cnn) == pytest.approx(cnn.lipschitz_bound() / float(std.min()))
     x = torch.rand(6, 3, 32, 32)
     q = maximize_difference_quotient(lambda z: cnn(z[None])[0], x[0], radius=0.5, steps=10)["lower_bound"]
     assert 0 < q <= cnn.lipschitz_bound() + 1e-5
     with torch.no_grad():
         logits = cnn(x)
     labels = logits.argmax(1)
-    radius = certified_radius(logits, labels, cnn.lipschitz_bound())
-    # an attack at each image's own certified radius changes nothing
-    for i in range(6):
-        assert not pgd_l2(cnn, x[i:i + 1], labels[i:i + 1], float(radius[i]), steps=10, restarts=2)[0]
+    radius = certified_radius(logits, cnn.lipschitz_bound())
+    # an attack at each image's own certified radius changes nothing (the CNN takes pixels: mean 0, std 1 here)
+    zero, one = torch.zeros(3, 1, 1), torch.ones(3, 1, 1)
+    assert not pgd_l2(cnn, x, labels, radius.float(), zero, one, steps=10, restarts=3).any()
+    assert pgd_l2(cnn, x, labels, 3 * radius.float() + 0.5, zero, one, steps=10, restarts=3).any()
+
+
+# -- spectrally normalised linear maps (linear="normalized") and the prox mixer (attlip_prox) -------------
+def test_normalized_linear_divides_by_its_norm_inside_the_graph():
+    from lipsformer.layers import NormalizedConv2d, NormalizedLinear, init_weights
+    from lipsformer.lipschitz.bounds import module_bound
+
+    plain = torch.nn.Linear(12, 5)
+    with torch.no_grad():
+        plain.weight.mul_(7.0)
+    lin = NormalizedLinear.from_linear(plain)
+    assert list(lin.state_dict()) == list(plain.state_dict())  # a Linear's keys: checkpoints load either way
+    sigma = torch.linalg.matrix_norm(plain.weight.detach().double(), ord=2)
+    assert torch.equal(lin.raw_weight, plain.weight)
+    assert float(torch.linalg.matrix_norm(lin.weight.detach().double(), ord=2)) == pytest.approx(1.0, abs=1e-6)
+    x = torch.randn(3, 12)
+    assert torch.allclose(lin(x), torch.nn.functional.linear(x, plain.weight / sigma.float(), plain.bias), atol=1e-6)
+    # the gradient sees the division: the map does not depend on the raw weight's scale, so no gradient along it
+    lin(x).pow(2).sum().backward()
+    assert abs(float((lin.raw_weight.grad * lin.raw_weight).sum())) < 1e-4 * float(lin.raw_weight.grad.norm())
+    assert module_bound(lin).lip == pytest.approx(1.0, abs=1e-6)
+    init_weights(lin, "xavier")  # init writes the parameter, not a temporary
+    assert not torch.equal(lin.raw_weight, plain.weight)
+    conv = NormalizedConv2d(3, 8, 2, stride=2)
+    with torch.no_grad():
+        conv.raw_weight.mul_(9.0)
+    assert module_bound(conv, (8, 8)).lip == pytest.approx(1.0, abs=1e-6)
+    assert dense_operator_norm(conv, (8, 8)) == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="stride == kernel"):
+        NormalizedConv2d(3, 8, 3, padding=1)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_normalized_model_bound_holds_and_keeping_leaves_it_alone(name):
+    from lipsformer.layers import NormalizedConv2d, NormalizedLinear
+    from lipsformer.lipschitz import lipschitz_report, maximize_difference_quotient
+    from lipsformer.lipschitz.constraints import keep_bound
+
+    model = certifiable(name, linear="normalized", attlip_prox=True, attlip_steps=(1, 10)).eval()
+    kinds = {type(m) for m in model.modules()}
+    assert NormalizedLinear in kinds and NormalizedConv2d in kinds and torch.nn.Linear not in kinds
+    assert type(model.head.fc) is NormalizedLinear and type(model.patch_embed.proj) is NormalizedConv2d
+    with pytest.raises(ValueError, match="linear must be one of"):
+        certifiable(name, linear="orthogonal")
+    with torch.no_grad():  # raw weights far from norm 1: the normalised maps do not care
+        for m in model.modules():
+            if isinstance(m, (NormalizedLinear, NormalizedConv2d)):
+                m.raw_weight.mul_(5.0)
+    raw = {n: p.clone() for n, p in model.named_parameters()}
+    keep_bound(model, 1.01, weight_max=1.0, conv_max=1.0)  # projects only the overlapping (depth-wise) convs
+    for n, m in model.named_modules():
+        if isinstance(m, (NormalizedLinear, NormalizedConv2d)):
+            assert torch.equal(m.raw_weight, raw[f"{n}.weight"])
+    report = lipschitz_report(model)
+    norm_rows = [r for r in report.rows if isinstance(model.get_submodule(r.name), (NormalizedLinear, NormalizedConv2d))]
+    assert norm_rows and all(r.lip == pytest.approx(1.0, abs=1e-5) for r in norm_rows)
+    bound = report.bound
+    assert bound <= 1.01
+    lower = maximize_difference_quotient(model, torch.rand(1, 3, 32, 32), radius=0.5, steps=5)["lower_bound"]
+    assert 0 < lower <= bound
+
+
+def test_attlip_prox_mixer_returns_the_proximal_point():
+    from lipsformer.layers import AttLipMixer, ConvexResidual
+    from lipsformer.layers.attlip import attlip_prox
+    from lipsformer.lipschitz import maximize_difference_quotient
+    from lipsformer.lipschitz.bounds import module_bound
+
+    torch.manual_seed(0)
+    delta = AttLipMixer(8, 2, [(4, 4)], eval_steps=30).eval()
+    prox = AttLipMixer(8, 2, [(4, 4)], eval_steps=30, delta=False).eval()
+    prox.load_state_dict(delta.state_dict())
+    x = 3 * torch.randn(2, 4, 4, 8)
+    tokens = x.reshape(2, 16, 8)
+    expected = attlip_prox(tokens, prox.branches[0].weight, 2, steps=30).reshape(2, 4, 4, 8)
+    assert torch.allclose(prox(x), expected, atol=1e-5)
+    assert torch.allclose(delta(x), expected - x, atol=1e-5)
+    assert not torch.allclose(prox(x), delta(x), atol=1e-2)
+    assert module_bound(prox).lip == 1.0
+    q = maximize_difference_quotient(prox, x, radius=1.0, steps=8)["lower_bound"]
+    assert q <= 1.0 + 1e-4
+    # under a convex residual at a = 0 the block is the identity; with prox(x) - x at a = 1/2 it is prox(x) / 2
+    res = ConvexResidual(8, 0.0)
+    assert torch.equal(res(x, prox(x)), x)
+    res_half = ConvexResidual(8, 0.5)
+    assert torch.allclose(res_half(x, delta(x)), 0.5 * expected, atol=1e-5)
+    model = certifiable("lipsformer_cswin_t", attlip_prox=True)
+    assert all(not m.delta for m in model.modules() if isinstance(m, AttLipMixer))
