@@ -4,7 +4,7 @@ from timm.layers import trunc_normal_
 from torch import nn
 
 from .norm import CenterNorm
-from .spectral import largest_singular_value
+from .spectral import largest_singular_values
 
 INITS = ("spectral", "xavier", "trunc_normal")
 
@@ -22,6 +22,7 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     """
     if mode not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {mode!r}")
+    to_normalize = []
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Conv2d)):
             if mode == "trunc_normal":
@@ -29,9 +30,12 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
             else:
                 nn.init.xavier_normal_(m.weight)
                 if mode == "spectral" and normalize and m.weight.device.type != "meta":
-                    m.weight.div_(largest_singular_value(m.weight, certified=False))
+                    to_normalize.append(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, (CenterNorm, nn.LayerNorm)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+    # all norms at once, over the cores (the random draws above are unchanged: the estimate has its own generator)
+    for weight, sigma in zip(to_normalize, largest_singular_values(to_normalize)):
+        weight.div_(sigma)
