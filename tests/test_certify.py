@@ -41,6 +41,25 @@ def test_pixel_lipschitz_is_the_reports_bound_times_the_normalisations():
     assert certified_radius(logits, 2.0).tolist() == pytest.approx([2.0 / (math.sqrt(2) * 2.0), 0.0])
 
 
+def test_images_of_another_size_than_the_bound_are_refused():
+    """strict_img_size=False runs any size, but the bound holds at the size the model was built for: certifying
+    other sizes would be a wrong answer, so it stops naming both sizes."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from lipsformer.lipschitz import NoBoundError
+    from lipsformer.lipschitz.certify import certify_dataset
+    model = timm.create_model("lipsformer_cswin_t", **dict(CERTIFIABLE, strict_img_size=False)).eval()
+    try:
+        accelerator = Accelerator(cpu=True)
+        loader = [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))]
+        assert certify_dataset(model, loader, accelerator, [[0], [1]], certify_eps=[0.1])["count"] == 2
+        with pytest.raises(NoBoundError, match="for 32x32 inputs, the model was given 40x40"):
+            certify_dataset(model, [(torch.randn(2, 3, 40, 40), torch.tensor([0, 1]))], accelerator, [[0], [1]])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def test_no_certified_image_changes_its_prediction_under_pgd_at_its_radius():
     """Try to break each certificate: PGD with many random restarts at each image's own certified radius. The
     same attack at a larger radius flips most images (it has teeth)."""

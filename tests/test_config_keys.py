@@ -96,6 +96,8 @@ def _finetune(p: Probe, **keys):
     """The probe's configuration with fine-tuning keys set, started from the probe's finished run folder."""
     from lipsformer.engine.finetune import start_model
     init = {} if "pretrained" in keys else dict(init_checkpoint=p.cfg.output_dir)
+    if keys.get("freeze") or keys.get("freeze_stages"):  # bound keeping and a frozen backbone are refused together
+        init.update(lipschitz_target=None, lipschitz_conv_max=None)
     return start_model(dataclasses.replace(p.cfg, **dict(init, **keys)))
 
 

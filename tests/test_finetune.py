@@ -235,6 +235,9 @@ def test_fine_tuning_keys_are_checked_when_the_config_loads(override, message):
         load_config(None, [override])
     with pytest.raises(ConfigError, match="set one of pretrained"):
         load_config(None, ["pretrained=lipsformer_swin_t.official_in1k", "init_checkpoint=x.pth"])
+    for frozen in ("freeze=backbone", "freeze_stages=1"):  # bound keeping would rescale the frozen weights
+        with pytest.raises(ConfigError, match="frozen ones included"):
+            load_config(None, [frozen, "lipschitz_target=2"])
 
 
 def test_train_cli_prints_one_line_and_exits_2_for_a_tag_without_weights(tmp_path, data):

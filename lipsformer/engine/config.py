@@ -139,6 +139,10 @@ class TrainConfig:
             raise ConfigError(f"layer_decay must be in (0, 1] (null: off), got {self.layer_decay}")
         if self.freeze_stages < 0:
             raise ConfigError(f"freeze_stages must be 0 or more, got {self.freeze_stages}")
+        if (self.freeze or self.freeze_stages) and self.lipschitz_target is not None:
+            raise ConfigError("lipschitz_target rescales the residual weights (and lipschitz_weight_max / "
+                              "lipschitz_conv_max the weights) of the whole model after every step, frozen ones "
+                              "included: unset freeze / freeze_stages or lipschitz_target")
 
         for key in ("lipschitz_conv_max", "margin_bound"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:

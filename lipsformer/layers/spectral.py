@@ -1,4 +1,7 @@
 """The spectral norm of a weight: one function for the spectral init and the certified bounds."""
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Sequence
+
 import torch
 
 # Up to this size of the smaller side the certified route is exact (an eigenvalue of the Gram matrix); above it,
@@ -63,3 +66,21 @@ def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: 
         v = w.T @ (w @ v)
         v = v / v.norm().clamp_min(1e-300)
     return float((w @ v).norm())
+
+
+def largest_singular_values(weights: Sequence[torch.Tensor]) -> List[float]:
+    """:func:`largest_singular_value` with ``certified=False`` (the spectral init's estimate) of each of ``weights``,
+    computed by ``torch.get_num_threads()`` Python threads at once, largest weights first. Lanczos is a long chain of
+    small, memory-bound products that one core cannot keep busy; torch releases the GIL inside them, so the weights
+    of a model share the cores (Swin-T's spectral init: 0.47x of the serial time, README Speed). Each value is the
+    one the serial call gives, bit for bit."""
+    workers = min(len(weights), torch.get_num_threads())
+    if workers <= 1:
+        return [largest_singular_value(w, certified=False) for w in weights]
+    order = sorted(range(len(weights)), key=lambda i: -weights[i].numel())
+    with ThreadPoolExecutor(workers) as pool:
+        values = list(pool.map(lambda i: largest_singular_value(weights[i], certified=False), order))
+    out = [0.0] * len(weights)
+    for i, value in zip(order, values):
+        out[i] = value
+    return out

@@ -21,7 +21,7 @@ import torch
 from timm.data import resolve_data_config
 from torch import nn
 
-from .bounds import LipschitzReport, lipschitz_report
+from .bounds import LipschitzReport, NoBoundError, lipschitz_report
 
 SQRT2 = math.sqrt(2.0)
 
@@ -143,6 +143,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     certifies, or ""), ``certified`` and ``attacked`` ({eps: %}), ``count`` and ``radius`` (per image, by index).
     """
     L = pixel_lipschitz(accelerator.unwrap_model(model), report)
+    built = tuple(accelerator.unwrap_model(model).patch_embed.img_size)
     mean, std = normalization(accelerator.unwrap_model(model))
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     model.eval()
@@ -152,6 +153,10 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
         if images is None:
             continue
         images = images.float()
+        if tuple(images.shape[-2:]) != built:  # strict_img_size=False runs other sizes; the bound is not theirs
+            raise NoBoundError(f"the certified bound is for {built[0]}x{built[1]} inputs, the model was given "
+                               f"{images.shape[-2]}x{images.shape[-1]}: build it at that size (img_size, "
+                               f"eval.py --img-size) to certify there")
         stand_ins = len(batch[2]) if len(batch) > 2 else 0
         read = torch.arange(len(images), device=images.device) < len(images) - stand_ins
         with torch.no_grad():
