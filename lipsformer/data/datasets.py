@@ -84,9 +84,13 @@ def collate_skip_failed(batch: List[Tuple[Any, ...]]):
 def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
     """timm's data config from the model's pretrained config, at the size the model is built for (a model built
     at 32 px gets 32 px images, whatever size its published config names); ``crop_pct`` / ``interpolation``
-    override the config, as in timm's validate.py."""
-    return resolve_data_config(dict(input_size=(model.patch_embed.proj.in_channels, *model.patch_embed.img_size),
-                                    crop_pct=crop_pct, interpolation=interpolation), model=model)
+    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/certified.py's CNN) keeps the
+    input size its pretrained config names."""
+    from ..models._base import LipsFormerBase
+    size = None
+    if isinstance(model, LipsFormerBase):
+        size = (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)
+    return resolve_data_config(dict(input_size=size, crop_pct=crop_pct, interpolation=interpolation), model=model)
 
 
 def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
