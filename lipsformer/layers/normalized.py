@@ -60,7 +60,7 @@ class NormalizedLinear(_RawWeight, nn.Linear):
     ``LipschitzOptions(linear="normalized")`` turns every Linear of a model into one."""
 
     def reset_parameters(self) -> None:
-        nn.init.orthogonal_(self.raw_weight)
+        nn.init.xavier_normal_(self.raw_weight)  # the scale does not matter: the forward divides it out
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -89,7 +89,7 @@ class NormalizedConv2d(_RawWeight, nn.Conv2d):
                              f"dilation {self.dilation}, groups {self.groups}")
 
     def reset_parameters(self) -> None:
-        nn.init.orthogonal_(self.raw_weight.view(self.out_channels, -1))
+        nn.init.xavier_normal_(self.raw_weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
