@@ -198,6 +198,7 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     if "num_classes" not in args and head is not None:
         args["num_classes"] = head.shape[0]
     overlay = dict(meta.get("pretrained_cfg") or {})
+    overlay.update(args.pop("pretrained_cfg_overlay", None) or {})  # a run's own (e.g. the certified configs' std 1)
     overlay.update(file=str(file), state_dict=state_dict, custom_load=False)
     if "num_classes" in args:
         overlay["num_classes"] = head.shape[0] if new_head and head is not None else args["num_classes"]

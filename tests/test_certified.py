@@ -352,3 +352,23 @@ def test_attlip_prox_mixer_returns_the_proximal_point():
     assert torch.allclose(res_half(x, delta(x)), 0.5 * expected, atol=1e-5)
     model = certifiable("lipsformer_cswin_t", attlip_prox=True)
     assert all(not m.delta for m in model.modules() if isinstance(m, AttLipMixer))
+
+
+def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_layers(tmp_path):
+    """What eval.py does with a certified run: the run's own pretrained_cfg_overlay (std 1) and the normalised
+    layers come back, with the same logits (the overlay used to clash with the file's own)."""
+    from safetensors.torch import save_file
+
+    from lipsformer.layers import NormalizedLinear
+    from lipsformer.weights import create_from_checkpoint
+
+    kw = dict(TINY["cswin"], init="xavier", residual="convex", act="groupsort", norm="none", linear="normalized",
+              num_classes=4)
+    model = timm.create_model("lipsformer_cswin_t", **kw).eval()
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    net = create_from_checkpoint(tmp_path / "w.safetensors", "lipsformer_cswin_t",
+                                 pretrained_cfg_overlay=dict(mean=(0.5,) * 3, std=(1.0,) * 3), **kw).eval()
+    assert tuple(net.pretrained_cfg["std"]) == (1.0,) * 3 and type(net.head.fc) is NormalizedLinear
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(net(x), model(x), atol=1e-6)
