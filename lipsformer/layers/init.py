@@ -39,6 +39,6 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
         elif isinstance(m, (CenterNorm, nn.LayerNorm)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
-    # all norms at once, over the cores (the random draws above are unchanged: the estimate has its own generator)
+    # all norms at once (the random draws above are unchanged: the estimate has its own generator)
     for weight, sigma in zip(to_normalize, largest_singular_values(to_normalize)):
         weight.div_(sigma)
