@@ -6,7 +6,6 @@ from timm.optim import create_optimizer_v2
 
 from lipsformer.flops import PAPER, count_flops, count_params
 from lipsformer.layers import largest_singular_value
-from lipsformer.layers.spectral import largest_singular_values
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 from lipsformer.weights import CheckpointError
 
@@ -318,11 +317,11 @@ def test_loading_weights_skips_the_spectral_init_and_still_gives_the_file(tmp_pa
     torch.save(CONVERTERS[family(name)].released_state_dict(source), path)
     shapes = []
 
-    def counting(weights):
-        shapes.extend(tuple(w.shape) for w in weights)
-        return largest_singular_values(weights)
+    def counting(weight, *args, **kwargs):
+        shapes.append(tuple(weight.shape))
+        return largest_singular_value(weight, *args, **kwargs)
 
-    monkeypatch.setattr(init_module, "largest_singular_values", counting)
+    monkeypatch.setattr(init_module, "largest_singular_value", counting)
     loaded = tiny(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path))).eval()
     assert shapes == [tuple(loaded.head.fc.weight.shape)]
     x = torch.randn(2, 3, 32, 32)

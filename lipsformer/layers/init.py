@@ -5,7 +5,7 @@ from torch import nn
 
 from .norm import CenterNorm
 from .normalized import NormalizedConv2d, NormalizedLinear
-from .spectral import largest_singular_values
+from .spectral import largest_singular_value
 
 INITS = ("spectral", "xavier", "trunc_normal")
 
@@ -23,7 +23,6 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     """
     if mode not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {mode!r}")
-    to_normalize = []
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Conv2d)):
             # a normalised layer's ``weight`` is computed from its parameter ``raw_weight``, which init writes
@@ -33,12 +32,9 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
             else:
                 nn.init.xavier_normal_(w)
                 if mode == "spectral" and normalize and w.device.type != "meta":
-                    to_normalize.append(w)
+                    w.div_(largest_singular_value(w, certified=False))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, (CenterNorm, nn.LayerNorm)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
-    # all norms at once (the random draws above are unchanged: the estimate has its own generator)
-    for weight, sigma in zip(to_normalize, largest_singular_values(to_normalize)):
-        weight.div_(sigma)

@@ -1,6 +1,4 @@
 """The spectral norm of a weight: one function for the spectral init and the certified bounds."""
-from typing import List, Sequence
-
 import torch
 
 # Up to this size of the smaller side the certified route is exact (an eigenvalue of the Gram matrix); above it,
@@ -66,10 +64,3 @@ def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: 
         v = v / v.norm().clamp_min(1e-300)
     return float((w @ v).norm())
 
-
-def largest_singular_values(weights: Sequence[torch.Tensor]) -> List[float]:
-    """:func:`largest_singular_value` with ``certified=False`` (the spectral init's estimate) of each of ``weights``:
-    the init's one call for a whole model, so a faster route for many weights at once has one place to go. (One
-    Python thread per core was tried: 0.47x of the serial time on loaded cores, but 0.88x on idle ones and 1.00x
-    with one intra-op thread: Lanczos here is bound by Python overhead, not by the products.)"""
-    return [largest_singular_value(w, certified=False) for w in weights]

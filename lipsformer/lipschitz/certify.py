@@ -142,9 +142,10 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     certified <= attacked <= clean at every eps. Returns ``lipschitz`` (pixel-space L), ``reason`` (why nothing
     certifies, or ""), ``certified`` and ``attacked`` ({eps: %}), ``count`` and ``radius`` (per image, by index).
     """
-    L = pixel_lipschitz(accelerator.unwrap_model(model), report)
-    built = tuple(accelerator.unwrap_model(model).patch_embed.img_size)
-    mean, std = normalization(accelerator.unwrap_model(model))
+    bare = accelerator.unwrap_model(model)
+    L = pixel_lipschitz(bare, report)
+    built = tuple(bare.patch_embed.img_size)
+    mean, std = normalization(bare)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     model.eval()
     keys, radii, corrects, robusts, valid = [], [], [], [], []
