@@ -11,6 +11,21 @@ TINY = {
 }
 
 
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide state (AcceleratorState, GradientState), so the next Accelerator in this
+    process starts from its own arguments."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Reset Accelerate's state after the test (modules that train in-process use it for every test)."""
+    yield
+    reset_accelerate()
+
+
 def family(name: str) -> str:
     return "cswin" if "cswin" in name else "swin"
 

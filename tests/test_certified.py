@@ -5,7 +5,7 @@ import pytest
 import timm
 import torch
 
-from conftest import TINY, family
+from conftest import TINY, family, reset_accelerate
 from lipsformer.layers import ConvexResidual, GroupSort, create_residual
 
 
@@ -181,18 +181,9 @@ def test_groupsort_and_certifiable_model_bounds_cover_measured_quotients():
 
 
 # -- the config keys, through train() -----------------------------------------------------------------
-@pytest.fixture
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def test_margin_and_conv_keeping_keys_change_training(tmp_path, _fresh_accelerate_state):
+def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate):
     import json
 
-    from accelerate.state import AcceleratorState, GradientState
     from safetensors.torch import load_file
     from test_train import make_folder
 
@@ -214,8 +205,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, _fresh_accelerat
         try:
             train(cfg)
         finally:
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
+            reset_accelerate()
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         model = build_model(cfg)
         model.load_state_dict(load_file(str(tmp_path / name / "last.safetensors")))

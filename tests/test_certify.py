@@ -18,7 +18,7 @@ from lipsformer.lipschitz.certify import (certified_accuracy, certified_radius, 
                                           pgd_l2, pixel_lipschitz)
 from lipsformer.weights import export
 
-from conftest import TINY
+from conftest import TINY, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -45,7 +45,6 @@ def test_images_of_another_size_than_the_bound_are_refused():
     """strict_img_size=False runs any size, but the bound holds at the size the model was built for: certifying
     other sizes would be a wrong answer, so it stops naming both sizes."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
     from lipsformer.lipschitz import NoBoundError
     from lipsformer.lipschitz.certify import certify_dataset
     model = timm.create_model("lipsformer_cswin_t", **dict(CERTIFIABLE, strict_img_size=False)).eval()
@@ -56,8 +55,7 @@ def test_images_of_another_size_than_the_bound_are_refused():
         with pytest.raises(NoBoundError, match="for 32x32 inputs, the model was given 40x40"):
             certify_dataset(model, [(torch.randn(2, 3, 40, 40), torch.tensor([0, 1]))], accelerator, [[0], [1]])
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate()
 
 
 def test_no_certified_image_changes_its_prediction_under_pgd_at_its_radius():
@@ -132,13 +130,11 @@ def run_eval(*args):
 def eval_main():
     """eval.py's main, in this process (no interpreter start per call)."""
     import importlib.util
-    from accelerate.state import AcceleratorState, GradientState
     spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     yield lambda *args: module.main([str(a) for a in args])
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 def test_eval_cli_certifies_attacks_and_writes_each_radius(tmp_path):

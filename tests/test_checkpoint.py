@@ -14,21 +14,11 @@ from lipsformer.engine.config import load_config
 from lipsformer.engine.run_folder import MANIFEST, RunFolder
 from lipsformer.weights import CheckpointError
 
+from conftest import reset_accelerate
 from test_train import TINY_RUN, run_train, write_config
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 class Payload:
@@ -48,7 +38,7 @@ def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     cfg = load_config(write_config(tmp, ema_decay=0.9), ["epochs=1", "keep_last=3"])
     train(cfg)
-    _reset_accelerate()
+    reset_accelerate()
     return cfg
 
 

@@ -27,6 +27,7 @@ from torchvision import transforms as T
 from lipsformer.engine.config import ConfigError, TrainConfig, load_config
 from lipsformer.engine.run_folder import RunFolder
 
+from conftest import reset_accelerate
 from test_train import make_folder, make_wds, read_metrics
 
 LR, MIN_LR, UPDATES_PER_EPOCH = 1e-3, 1e-4, 3  # 24 images, batch 4, accumulation 2
@@ -82,7 +83,7 @@ def _dataset_is_streamed_and_seeded(p: Probe):
     try:
         train_loader, _ = build_loaders(cfg, p.run.model, create_accelerator(cfg))
     finally:
-        _reset_accelerate()
+        reset_accelerate()
     assert isinstance(train_loader.dataset, torch.utils.data.IterableDataset)
     assert train_loader.dataset.reader.common_seed == p.cfg.seed
 
@@ -155,7 +156,7 @@ def _speed_start(p: Probe) -> Dict[str, Any]:
             torch.nn.Module.compile = compile_
             functorch_config.activation_memory_budget = budget
             set_tf32(False)
-            _reset_accelerate()
+            reset_accelerate()
     return _SPEED
 
 
@@ -259,12 +260,6 @@ KEYS: Dict[str, Case] = {
 }
 
 
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _position_table(model) -> torch.Tensor:
     return model.stages[0].blocks[0].attn.relative_position_bias_table.detach().clone()
 
@@ -310,10 +305,10 @@ def probe(tmp_path_factory):
     train_one_epoch(run, 0)
     images, targets, _ = next(iter(run.train_loader))
     nan_step = _train_step(run, _EpochMeter(), torch.full_like(images, math.nan), targets, 0)
-    _reset_accelerate()
+    reset_accelerate()
 
     summary = train(cfg)
-    _reset_accelerate()
+    reset_accelerate()
     return Probe(cfg, tmp, run, initial, len(calls), norms, nan_step, summary, read_metrics(Path(cfg.output_dir)))
 
 

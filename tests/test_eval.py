@@ -24,12 +24,7 @@ PY = sys.executable
 NUM_CLASSES = 12
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def write_image(path: Path, predicted: int) -> None:

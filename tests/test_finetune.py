@@ -17,7 +17,7 @@ from lipsformer.engine.finetune import eval_frozen, start_model
 from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
-from conftest import TINY
+from conftest import TINY, reset_accelerate
 from test_train import make_folder, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +31,7 @@ RUN = dict(model="lipsformer_swin_t", model_kwargs=ARCH, num_classes=CLASSES, im
            log_every_steps=1, eval_every_epochs=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 @pytest.fixture(scope="module")
@@ -264,9 +259,7 @@ def _eval_cli():
 def finetuned(tmp_path_factory, data, released):
     root = tmp_path_factory.mktemp("finetuned")
     train(config(root, data, init_checkpoint=str(released[0]), freeze="backbone", ema_decay=0.5))
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     return root / "run"
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +65,6 @@ def test_ablation_rows_are_table_3_and_runs_report_outcomes(tmp_path, digits):
 
 def test_warmup_ramps_as_timm_cosine_scheduler_does(tmp_path, digits):
     """train.py's per-step lr with warmup_epochs = 2 equals timm's CosineLRScheduler stepped per update."""
-    from accelerate.state import AcceleratorState, GradientState
     from timm.scheduler import CosineLRScheduler
 
     from lipsformer.engine.config import load_config
@@ -77,8 +77,7 @@ def test_warmup_ramps_as_timm_cosine_scheduler_does(tmp_path, digits):
     try:
         train(cfg)
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate()
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = {m["step"]: m["lr"] for m in logged if m["kind"] == "train"}
     per_epoch = max(lrs) // 4

@@ -7,22 +7,14 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from conftest import reset_accelerate
 from test_train import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
 
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
 
 
-def _reset_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    _reset_accelerate_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -75,7 +67,7 @@ def test_grad_checkpointing_channels_last_and_tf32_reach_the_run(tmp_path, monke
     try:
         for name, extra in runs.items():
             loop.train(load_config(config, ["epochs=1", f"output_dir={tmp_path / name}", *extra]))
-            _reset_accelerate_state()
+            reset_accelerate()
             tf32[name] = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     finally:
         set_tf32(False)
@@ -161,7 +153,7 @@ def test_eval_channels_last_scores_like_the_default(tmp_path):
     for channels_last in (False, True):
         runs[channels_last] = evaluate_model(None, tmp_path / "v2", "imagenet_v2", checkpoint=tmp_path / "weights",
                                              batch_size=2, workers=0, channels_last=channels_last)[0]
-        _reset_accelerate_state()
+        reset_accelerate()
     assert (runs[False]["channels_last"], runs[True]["channels_last"]) == (False, True)
     assert torch.equal(runs[True]["classes"], runs[False]["classes"])
     assert torch.allclose(runs[True]["probs"], runs[False]["probs"], atol=1e-5)

@@ -14,6 +14,7 @@ import torch
 import yaml
 from PIL import Image
 from safetensors.torch import load_file
+from conftest import reset_accelerate
 
 from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, load_config
@@ -28,12 +29,7 @@ TINY_RUN = dict(
     ema_decay=0.9, mixed_precision="no", checkpoint_every_steps=2, keep_last=2, log_every_steps=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def make_folder(root: Path, train_per_class=(6, 6, 6, 6), val_per_class=(3, 3, 3, 2)) -> Path:
@@ -236,9 +232,7 @@ def test_corrupt_and_empty_images_are_skipped_counted_and_limited(tmp_path):
     epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
     assert epoch["bad_samples"] == 2
 
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     strict = load_config(config, ["epochs=1", "max_bad_fraction=0.01", f"output_dir={tmp_path / 'strict'}"])
     with pytest.raises(TooManyBadSamples, match=r"2 of 24 images failed.*class_[01]/0\.jpg"):
         train(strict)
@@ -422,9 +416,7 @@ def test_unreadable_val_images_are_counted_not_scored_under_the_training_rule(tm
     epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
     assert (epoch["val_count"], epoch["val_bad_samples"], epoch["bad_samples"]) == (10, 1, 0)
 
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     strict = load_config(config, ["epochs=1", "ema_decay=null", f"output_dir={tmp_path / 'strict'}"])
     with pytest.raises(TooManyBadSamples, match=r"validation: 1 of 11 images failed.*class_0/0\.jpg"):
         train(strict)
