@@ -24,13 +24,14 @@ sys.path.insert(0, str(ROOT))
 import lipsformer  # noqa: E402,F401  (registers the models)
 from lipsformer.weights import read_checkpoint  # noqa: E402
 
-# timm's Swin nearest in size to each variant
+# timm's Swin nearest in parameter count to each variant (Swin-L++, 527M, is nearer SwinV2-CR-H's 658M than
+# Swin-L's 197M)
 BASELINES = {
     "lipsformer_swin_t": "swin_tiny_patch4_window7_224",
     "lipsformer_swin_s": "swin_small_patch4_window7_224",
     "lipsformer_swin_b": "swin_base_patch4_window7_224",
     "lipsformer_swin_l": "swin_large_patch4_window7_224",
-    "lipsformer_swin_lpp": "swin_large_patch4_window7_224",
+    "lipsformer_swin_lpp": "swinv2_cr_huge_224",
     "lipsformer_cswin_t": "swin_tiny_patch4_window7_224",
     "lipsformer_cswin_s": "swin_small_patch4_window7_224",
     "lipsformer_cswin_b": "swin_base_patch4_window7_224",
@@ -43,6 +44,11 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def millions(name: str) -> float:
+    with torch.device("meta"):
+        return sum(p.numel() for p in timm.create_model(name).parameters()) / 1e6
+
+
 def build_times(name: str, reps: int) -> dict:
     baseline = BASELINES[name]
     ours, theirs = [], []
@@ -50,7 +56,8 @@ def build_times(name: str, reps: int) -> dict:
         ours.append(seconds(lambda: timm.create_model(name)))
         theirs.append(seconds(lambda: timm.create_model(baseline)))
     ours, theirs = statistics.median(ours), statistics.median(theirs)
-    return dict(model=name, baseline=baseline, build_s=ours, baseline_s=theirs, ratio=ours / theirs)
+    return dict(model=name, baseline=baseline, build_s=ours, baseline_s=theirs, ratio=ours / theirs,
+                params_m=millions(name), baseline_params_m=millions(baseline))
 
 
 def load_times(name: str, reps: int) -> dict:
@@ -77,9 +84,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     builds = [build_times(name, args.reps) for name in args.models]
     print(f"build (median of {args.reps}, interleaved; {torch.get_num_threads()} threads)")
-    print(f"{'model':22s} {'s':>7s} {'baseline':32s} {'s':>7s} {'ratio':>6s}")
+    print(f"{'model':22s} {'M':>5s} {'s':>7s} {'baseline':32s} {'M':>5s} {'s':>7s} {'ratio':>6s}")
     for r in builds:
-        print(f"{r['model']:22s} {r['build_s']:7.2f} {r['baseline']:32s} {r['baseline_s']:7.2f} {r['ratio']:6.2f}")
+        print(f"{r['model']:22s} {r['params_m']:5.0f} {r['build_s']:7.2f} {r['baseline']:32s} {r['baseline_params_m']:5.0f} "
+              f"{r['baseline_s']:7.2f} {r['ratio']:6.2f}")
     loads = []
     if not args.no_load:
         loads = [load_times(name, args.reps) for name in args.models]

@@ -1,38 +1,46 @@
 """The spectral norm of a weight: one function for the spectral init and the certified bounds."""
+import numpy as np
 import torch
 
 # Up to this size of the smaller side the certified route is exact (an eigenvalue of the Gram matrix); above it,
 # power iteration.
 EXACT_MAX_DIM = 4096
-# Sides up to this size take the exact route even when no certificate is asked for (it is as cheap there).
-SMALL_DIM = 256
+# Sides up to this size take the exact route even when no certificate is asked for (it is cheaper there: 0.2 ms
+# against 0.5 ms of Lanczos at 64, 7.5 ms against 1.2 ms at 256).
+SMALL_DIM = 96
 
 
 def _generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device).manual_seed(0)
 
 
-def _lanczos(w: torch.Tensor, rtol: float = 1e-6, check_every: int = 8) -> float:
+def _lanczos(w: torch.Tensor, rtol: float = 1e-5, check_every: int = 4) -> float:
     """Top eigenvalue of ``w.T @ w`` (n x n, never formed; the products in ``w``'s dtype, the recurrence in
     float64) by Lanczos with full reorthogonalisation, stopped when the top Ritz value changes by less than ``rtol``
-    relative between checks (every ``check_every`` steps)."""
-    n = w.shape[1]
-    basis = torch.empty(n, n, dtype=torch.float64, device=w.device)
-    diag = torch.zeros(n, dtype=torch.float64)
-    off = torch.zeros(n, dtype=torch.float64)
-    q = torch.randn(n, dtype=torch.float64, device=w.device, generator=_generator(w.device))
-    basis[0] = q / q.norm()  # rows: the orthonormal Lanczos vectors
+    relative between checks (every ``check_every`` steps).
+
+    In NumPy: a step is a dozen small operations, each about ten times cheaper than a torch call, and on CPU the
+    steps are bound by that overhead rather than by the products (0.42x of the same loop in torch on Swin-T's
+    shapes, with the looser stop). At ``rtol=1e-5`` the result is within about 1e-6 relative of the exact value
+    (1e-4 is tested); 1e-6 took 1.3x the steps for digits the spectral init does not need."""
+    a = w.detach().cpu().numpy()
+    n = a.shape[1]
+    basis = np.empty((n, n))  # rows: the orthonormal Lanczos vectors, float64
+    diag, off = np.zeros(n), np.zeros(n)
+    q = torch.randn(n, dtype=torch.float64, generator=_generator(torch.device("cpu"))).numpy()
+    basis[0] = q / np.linalg.norm(q)
     top = 0.0
     for k in range(n):
-        z = (w.T @ (w @ basis[k].to(w.dtype))).double()
+        z = (a.T @ (a @ basis[k].astype(a.dtype))).astype(np.float64)
         diag[k] = basis[k] @ z
+        done = basis[:k + 1]
         for _ in range(2):  # full reorthogonalisation, twice is enough
-            z = z - basis[:k + 1].T @ (basis[:k + 1] @ z)
-        off[k] = z.norm()
-        last = k + 1 == n or float(off[k]) <= 1e-13 * float(diag[:k + 1].abs().max())
+            z -= done.T @ (done @ z)
+        off[k] = np.linalg.norm(z)
+        last = k + 1 == n or off[k] <= 1e-13 * np.abs(diag[:k + 1]).max()
         if last or (k + 1) % check_every == 0:
-            t = torch.diag(diag[:k + 1]) + torch.diag(off[:k], 1) + torch.diag(off[:k], -1)
-            previous, top = top, float(torch.linalg.eigvalsh(t)[-1])
+            t = np.diag(diag[:k + 1]) + np.diag(off[:k], 1) + np.diag(off[:k], -1)
+            previous, top = top, float(np.linalg.eigvalsh(t)[-1])
             if last or abs(top - previous) <= rtol * top:
                 break
         basis[k + 1] = z / off[k]
@@ -47,7 +55,7 @@ def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: 
     eigenvalue of the smaller Gram matrix (``eigvalsh``: exact to float64 rounding, cheaper than an SVD); larger
     weights get ``iters`` steps of power iteration, a lower estimate that converges to the norm.
     ``certified=False`` (the spectral init): Lanczos on the Gram matrix without forming it (its products in
-    float32, stopped at a change below 1e-6 between checks), an estimate within about 1e-8 relative of the exact
+    float32, stopped at a change below 1e-5 between checks), an estimate within about 1e-6 relative of the exact
     value (tested to 1e-4), cheaper for large weights.
     """
     w = weight.detach().flatten(1)
