@@ -362,3 +362,21 @@ def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_la
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(net(x), model(x), atol=1e-6)
+
+
+def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import certified
+
+    def row(model, seed, value):
+        r = dict(model=model, seed=seed, bound=1.0, measured_lower=0.5, bound_over_lower=2.0)
+        r.update({c: value for c in certified.COLUMNS})
+        return r
+
+    lines = certified.table([row("A", 0, 90.0), row("A", 1, 92.0), row("B", 0, 80.0)]).splitlines()
+    assert lines[2].startswith("| A | 2 | 91.0 ± 1.4 | 91.0 ± 1.4 |")  # mean ± sample standard deviation
+    assert lines[3].startswith("| B | 1 | 80.0 | 80.0 |") and "±" not in lines[3]
+    with pytest.raises(SystemExit):
+        certified.main(["--jobs", "0"])

@@ -61,6 +61,8 @@ def test_ablation_rows_are_table_3_and_runs_report_outcomes(tmp_path, digits):
     blown = ablation.main(["--rows", "attn=dot", "--quick", "--quick-epochs", "1", "--depths", "1", "1", "1", "1",
                            "--embed-dim", "8", "--batch", "8", "--lr", "1e4", "--data", str(digits), "--out", str(tmp_path / "b")])
     assert blown["runs"][0]["status"] == "diverged"
+    with pytest.raises(SystemExit):  # argparse's one line: --jobs must be at least 1
+        ablation.main(["--jobs", "0", "--data", str(digits)])
 
 
 def test_warmup_ramps_as_timm_cosine_scheduler_does(tmp_path, digits):
