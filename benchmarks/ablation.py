@@ -28,6 +28,8 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._jobs import run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
+
 
 @dataclass
 class Row:
@@ -122,30 +124,6 @@ def run(row: Row, seed: int, args) -> dict:
     return result
 
 
-def _one_thread() -> None:
-    import torch
-    torch.set_num_threads(1)
-
-
-def run_all(jobs: List[tuple], args) -> List[dict]:
-    """Every (row, seed) run, in order. With ``--jobs N`` N runs go at a time, each in its own process on one
-    thread: a run of this width is bound by Python overhead, so two one-thread runs use two cores better than one
-    two-thread run. The results do not depend on it (each run seeds itself)."""
-    def report(r):
-        print(f"{r['row']:<18} seed {r['seed']}: {outcome(r):<14} loss {r['final_train_loss']}  ({r['seconds']:.0f} s)",
-              flush=True)
-        return r
-
-    if args.jobs == 1:
-        return [report(run(row, seed, args)) for row, seed in jobs]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_one_thread) as pool:
-        futures = [pool.submit(run, row, seed, args) for row, seed in jobs]
-        return [report(f.result()) for f in futures]
-
-
 def outcome(r: dict) -> str:
     return f"{r['top1']:.1f}" if r["status"] == "ok" else r["status"]
 
@@ -214,8 +192,15 @@ def main(argv=None) -> dict:
         from lipsformer.data.digits import write_digits_folder
         write_digits_folder(args.data)
     rows = [BY_NAME[n] for n in args.rows] if args.rows else ROWS
-    jobs = [(row, seed) for row in rows for seed in range(args.seeds if (row.paper_fails or row.name == "default") else 1)]
-    results = run_all(jobs, args)
+    jobs = [(row, seed, args) for row in rows
+            for seed in range(args.seeds if (row.paper_fails or row.name == "default") else 1)]
+
+    def report(r: dict) -> dict:
+        print(f"{r['row']:<18} seed {r['seed']}: {outcome(r):<14} loss {r['final_train_loss']}  ({r['seconds']:.0f} s)",
+              flush=True)
+        return r
+
+    results = run_jobs(run, jobs, args.jobs, report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = dict(epochs=args.epochs, embed_dim=args.embed_dim, batch=args.batch, lr=args.lr,

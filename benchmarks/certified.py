@@ -40,6 +40,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._jobs import run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
+
 EPS = (0.1, 0.25, 0.5)
 
 
@@ -234,27 +236,6 @@ def run_one(name: str, seed: int, args) -> dict:
     return dict(evaluate_run(name, model, args, xv, yv), seed=seed)
 
 
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
-def run_all(jobs, args) -> list:
-    """Every (model, seed) run, in order; with ``--jobs N`` N at a time, each in its own process on one thread
-    (the runs seed themselves, so the results do not depend on it beyond float rounding of the thread count)."""
-    def report(row):
-        print(json.dumps(row), flush=True)
-        return row
-
-    if args.jobs == 1:
-        return [report(run_one(name, seed, args)) for name, seed in jobs]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_one_thread) as pool:
-        futures = [pool.submit(run_one, name, seed, args) for name, seed in jobs]
-        return [report(f.result()) for f in futures]
-
-
 COLUMNS = ["clean", *(f"certified@{e}" for e in EPS), *(f"attacked@{e}" for e in EPS)]
 
 
@@ -296,7 +277,12 @@ def main(argv=None):
 
     from lipsformer.data.digits import write_digits_folder
     write_digits_folder(args.data)
-    rows = run_all([(name, seed) for name in args.models for seed in args.seeds], args)
+
+    def report(row: dict) -> dict:
+        print(json.dumps(row), flush=True)
+        return row
+
+    rows = run_jobs(run_one, [(name, seed, args) for name in args.models for seed in args.seeds], args.jobs, report)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "certified.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
     print(table(rows))

@@ -1,0 +1,24 @@
+"""Run a benchmark's independent training runs N at a time: each in its own process on one thread.
+
+A digits-sized run is bound by Python overhead, so two one-thread runs use two cores better than one two-thread
+run. Each run seeds itself; the thread count changes float rounding only.
+"""
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, List, Sequence
+
+
+def _one_thread() -> None:
+    import torch
+    torch.set_num_threads(1)
+
+
+def run_jobs(fn: Callable, jobs: Sequence[tuple], processes: int, report: Callable = lambda r: r) -> List:
+    """``[report(fn(*job)) for job in jobs]``, in order; with ``processes > 1`` the calls run in that many spawned
+    processes (``fn`` and the arguments must pickle: a module-level function), ``report`` as each result is due."""
+    if processes == 1:
+        return [report(fn(*job)) for job in jobs]
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_one_thread) as pool:
+        futures = [pool.submit(fn, *job) for job in jobs]
+        return [report(f.result()) for f in futures]
