@@ -47,6 +47,31 @@ def test_certifiable_options_build_and_run(name):
     assert out.shape == (2, 3) and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_stage_act_opens_every_stage_without_new_weights(name):
+    from lipsformer.layers import group_sort
+    from lipsformer.lipschitz import lipschitz_report
+
+    kw = dict(TINY[family(name)], init="xavier", residual="convex", norm="none", num_classes=3)
+    plain, acted = timm.create_model(name, **kw), timm.create_model(name, stage_act="groupsort", **kw)
+    acted.load_state_dict(plain.state_dict())  # strict: the activation has no parameters, the keys are the same
+    seen = {}
+    for i, stage in enumerate(acted.stages):
+        assert isinstance(stage.act, GroupSort)
+        stage.downsample.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("down", i), out))
+        stage.blocks.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(("blocks", i), a[0]))
+    x = torch.randn(2, 3, 32, 32)
+    assert not torch.allclose(acted(x), plain(x))
+    for i in range(len(acted.stages)):  # stage 1: on the patch embedding's output (its downsample is the identity)
+        torch.testing.assert_close(seen["blocks", i], group_sort(seen["down", i]), rtol=0, atol=0)
+    rows = {r.name: r.lip for r in lipschitz_report(acted).rows}
+    assert [rows[f"stages.{i}.act"] for i in range(len(acted.stages))] == [1.0] * len(acted.stages)
+    gelu = {r.name: r.lip for r in lipschitz_report(timm.create_model(name, stage_act="gelu", **kw)).rows}
+    assert gelu["stages.0.act"] == pytest.approx(1.1289, abs=1e-4)
+    with pytest.raises(ValueError, match="stage_act must be one of"):
+        timm.create_model(name, stage_act="relu", **kw)
+
+
 # -- the Lipschitz-margin loss -------------------------------------------------------------------------
 def test_margin_loss_lowers_the_true_logit_by_sqrt2_L_eps():
     from timm.loss import SoftTargetCrossEntropy
@@ -98,7 +123,7 @@ def dense_operator_norm(conv: torch.nn.Conv2d, hw) -> float:
 
 def certifiable(name, **kw):
     args = dict(TINY[family(name)], init="xavier", residual="convex", act="groupsort", norm="none", attn="attlip",
-                alpha_init=0.5, drop_path_rate=0.0, num_classes=4, attlip_steps=(1, 20))
+                alpha_init=0.5, drop_path_rate=0.0, num_classes=4, attlip_steps=(1, 20), stage_act="groupsort")
     return timm.create_model(name, **dict(args, **kw))
 
 

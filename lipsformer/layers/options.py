@@ -12,6 +12,9 @@ from torch import nn
 
 from .attention import AttentionKernel
 from .attlip import AttLipMixer
+from .conv_blocks import ACTS, create_act
+
+STAGE_ACTS = ("none", *ACTS)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,10 @@ class LipschitzOptions:
             residual ``(1 - a) x + a prox(x)`` moves the tokens toward their proximal point and is the identity at
             ``a = 0``; with ``prox(x) - x`` it is ``(1 - 2a) x + a prox(x)``, which contracts by ``1 - a``
             (both 1-Lipschitz mixers: AttLip Thm 4).
+        stage_act: ``none`` (LipsFormer) | ``gelu`` | ``groupsort``: an activation opening every stage, after the
+            patch embedding and after each downsampling. Under a convex residual the path between the blocks is
+            otherwise linear (patch embedding, downsampling and the ``(1 - a) x`` skips), as a CNN without
+            activations would be; ``groupsort`` keeps it 1-Lipschitz.
     """
 
     norm: str = "center"
@@ -61,6 +68,7 @@ class LipschitzOptions:
     act: str = "gelu"
     linear: str = "plain"
     attlip_prox: bool = False
+    stage_act: str = "none"
 
     @classmethod
     def from_kwargs(cls, owner: str, defaults: Mapping, options: Optional["LipschitzOptions"] = None,
@@ -86,6 +94,12 @@ class LipschitzOptions:
             return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
                                        delta=not self.attlip_prox)
         return lambda: attention(self.kernel())
+
+    def stage_activation(self) -> nn.Module:
+        """The module ``stage_act`` names (identity for ``none``)."""
+        if self.stage_act not in STAGE_ACTS:
+            raise ValueError(f"stage_act must be one of {STAGE_ACTS}, got {self.stage_act!r}")
+        return nn.Identity() if self.stage_act == "none" else create_act(self.stage_act)
 
     def block_kwargs(self, alpha_init: float) -> dict:
         """The :class:`lipsformer.layers.LipsBlock` arguments these options set (``alpha_init`` resolved)."""

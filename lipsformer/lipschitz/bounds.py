@@ -660,6 +660,7 @@ def lipschitz_report(model: nn.Module, input_size: Optional[Tuple[int, int, int]
         out_hw = (embed.img_size[0] // info["reduction"], embed.img_size[1] // info["reduction"])
         rows += module_rows(stage.downsample, f"stages.{i}.downsample", hw)
         hw = out_hw
+        rows += module_rows(stage.act, f"stages.{i}.act", hw)
         for j, block in enumerate(stage.blocks):
             rows += module_rows(block, f"stages.{i}.blocks.{j}", hw)
     rows += module_rows(model.norm, "norm", hw)

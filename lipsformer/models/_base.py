@@ -26,16 +26,18 @@ _WEIGHTS_WILL_LOAD: ContextVar[bool] = ContextVar("lipsformer_weights_will_load"
 
 
 class LipsStage(nn.Module):
-    """``downsample`` (identity in the first stage) then ``blocks``, optionally checkpointed."""
+    """``downsample`` (identity in the first stage), ``act`` (``LipschitzOptions.stage_act``; identity by default,
+    no parameters) then ``blocks``, optionally checkpointed."""
 
-    def __init__(self, downsample: nn.Module, blocks: List[nn.Module]):
+    def __init__(self, downsample: nn.Module, blocks: List[nn.Module], act: Optional[nn.Module] = None):
         super().__init__()
         self.downsample = downsample
+        self.act = nn.Identity() if act is None else act
         self.blocks = nn.Sequential(*blocks)
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.downsample(x)
+        x = self.act(self.downsample(x))
         if self.grad_checkpointing and not torch.jit.is_scripting():
             return checkpoint_seq(self.blocks, x)
         return self.blocks(x)
@@ -77,7 +79,7 @@ class LipsFormerBase(nn.Module):
             mixer = stage_mixer(i, dim, res)
             offset = sum(depths[:i])
             blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], **block_kwargs) for j in range(depth)]
-            stages.append(LipsStage(down, blocks))
+            stages.append(LipsStage(down, blocks, lipschitz.stage_activation()))
             self.feature_info.append(dict(num_chs=dim, reduction=patch * 2 ** i, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
         self.num_features = dim
