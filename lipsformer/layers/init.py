@@ -5,7 +5,7 @@ from torch import nn
 
 from .norm import CenterNorm
 from .normalized import NormalizedConv2d, NormalizedLinear
-from .spectral import largest_singular_value
+from .spectral import largest_singular_value, numpy_blas_one_thread
 
 INITS = ("spectral", "xavier", "trunc_normal")
 
@@ -23,18 +23,19 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     """
     if mode not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {mode!r}")
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            # a normalised layer's ``weight`` is computed from its parameter ``raw_weight``, which init writes
-            w = m.raw_weight if isinstance(m, (NormalizedLinear, NormalizedConv2d)) else m.weight
-            if mode == "trunc_normal":
-                trunc_normal_(w, std=0.02)
-            else:
-                nn.init.xavier_normal_(w)
-                if mode == "spectral" and normalize and w.device.type != "meta":
-                    w.div_(largest_singular_value(w, certified=False))
-            if m.bias is not None:
+    with numpy_blas_one_thread():  # the spectral division's Lanczos runs in NumPy between torch calls
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                # a normalised layer's ``weight`` is computed from its parameter ``raw_weight``, which init writes
+                w = m.raw_weight if isinstance(m, (NormalizedLinear, NormalizedConv2d)) else m.weight
+                if mode == "trunc_normal":
+                    trunc_normal_(w, std=0.02)
+                else:
+                    nn.init.xavier_normal_(w)
+                    if mode == "spectral" and normalize and w.device.type != "meta":
+                        w.div_(largest_singular_value(w, certified=False))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (CenterNorm, nn.LayerNorm)):
+                nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
-        elif isinstance(m, (CenterNorm, nn.LayerNorm)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
