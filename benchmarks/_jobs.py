@@ -21,4 +21,8 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], processes: int, report: Callab
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_one_thread) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
-        return [report(f.result()) for f in futures]
+        try:
+            return [report(f.result()) for f in futures]
+        except BaseException:  # a failed run (or ^C) stops the queue instead of running every job first
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise

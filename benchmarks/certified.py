@@ -274,6 +274,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if any(item.split("=", 1)[0].strip() == "seed" for item in args.set):
+        parser.error("--set seed=... would give every run the same seed; use --seeds")
+    args.seeds = list(dict.fromkeys(args.seeds))  # a seed named twice would share (and remove) one run folder
 
     from lipsformer.data.digits import write_digits_folder
     write_digits_folder(args.data)

@@ -403,5 +403,6 @@ def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
     lines = certified.table([row("A", 0, 90.0), row("A", 1, 92.0), row("B", 0, 80.0)]).splitlines()
     assert lines[2].startswith("| A | 2 | 91.0 ± 1.4 | 91.0 ± 1.4 |")  # mean ± sample standard deviation
     assert lines[3].startswith("| B | 1 | 80.0 | 80.0 |") and "±" not in lines[3]
-    with pytest.raises(SystemExit):
-        certified.main(["--jobs", "0"])
+    for bad in (["--jobs", "0"], ["--set", "seed=3"]):
+        with pytest.raises(SystemExit):
+            certified.main(bad)

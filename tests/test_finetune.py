@@ -201,6 +201,11 @@ def cswin_file(tmp_path_factory):
      "lipsformer_cswin_t, but model is lipsformer_swin_t"),
     (lambda p: dict(freeze="neck"), "freeze: 'neck' names no module with parameters in lipsformer_swin_t"),
     (lambda p: dict(freeze_stages=5), "freeze_stages 5: lipsformer_swin_t has 4 stages; use 0 to 4"),
+    # a model argument the constructor refuses, from scratch and with weights to load
+    (lambda p: dict(model_kwargs=dict(ARCH, stage_act="relu")), "lipsformer_swin_t: stage_act must be one of "
+     "('none', 'gelu', 'groupsort'), got 'relu'"),
+    (lambda p: dict(model_kwargs=dict(ARCH, v_nrom=True), init_checkpoint=str(p)), "lipsformer_swin_t: "
+     "LipsFormerSwin.__init__() got an unexpected keyword argument 'v_nrom'"),
 ])
 def test_bad_starting_point_stops_before_anything_is_written(tmp_path, data, cswin_file, overrides, message):
     cfg = config(tmp_path, data, **overrides(cswin_file))

@@ -62,6 +62,8 @@ def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
         return create(), name
     except (CheckpointError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: timm, e.g. a failed download
         raise ConfigError(f"{key}: {e}") from None
+    except (TypeError, ValueError) as e:  # the constructor refused a model argument, as in build_model
+        raise ConfigError(f"{cfg.model}: {e}") from None
 
 
 def classifier_name(model: torch.nn.Module) -> str:
@@ -107,8 +109,13 @@ def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    """The run's model from scratch: ``timm.create_model`` with the config's model arguments."""
-    return timm.create_model(cfg.model, **cfg.model_args())
+    """The run's model from scratch: ``timm.create_model`` with the config's model arguments. A model argument the
+    constructor refuses (an unknown name, a choice it does not have, a size that does not divide) is a ConfigError
+    naming the model."""
+    try:
+        return timm.create_model(cfg.model, **cfg.model_args())
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{cfg.model}: {e}") from None
 
 
 def start_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.Module, ModelStart]:

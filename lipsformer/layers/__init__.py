@@ -7,7 +7,7 @@ from .groupsort import GroupSort, group_sort
 from .init import INITS, init_weights
 from .norm import NORMS, CenterNorm, create_norm
 from .normalized import LINEARS, NormalizedConv2d, NormalizedLinear, normalize_linear_maps
-from .options import LipschitzOptions
+from .options import STAGE_ACTS, LipschitzOptions
 from .patch_embed import PatchEmbed
 from .residual import RESIDUALS, ConvexResidual, WeightedResidual, create_residual
 from .spectral import largest_singular_value
@@ -16,6 +16,7 @@ from .windows import pad_to_multiple, window_partition, window_reverse
 __all__ = [
     "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
     "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "largest_singular_value", "LipschitzOptions", "NORMS", "CenterNorm",
+    "STAGE_ACTS",
     "create_norm", "PatchEmbed", "WeightedResidual", "pad_to_multiple", "window_partition", "window_reverse",
     "ACTS", "create_act", "GroupSort", "group_sort", "RESIDUALS", "ConvexResidual", "create_residual",
     "LINEARS", "NormalizedLinear", "NormalizedConv2d", "normalize_linear_maps",

@@ -10,11 +10,18 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .attention import AttentionKernel
+from .attention import ATTENTIONS, AttentionKernel
 from .attlip import AttLipMixer
-from .conv_blocks import ACTS, create_act
+from .conv_blocks import ACTS, CONV_BLOCKS, create_act
+from .init import INITS
+from .norm import NORMS
+from .normalized import LINEARS
+from .residual import RESIDUALS
 
 STAGE_ACTS = ("none", *ACTS)
+# the fields that name a choice, and their choices: checked when the options are made
+CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
+               act=ACTS, linear=LINEARS, stage_act=STAGE_ACTS)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,11 @@ class LipschitzOptions:
     attlip_prox: bool = False
     stage_act: str = "none"
 
+    def __post_init__(self):
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
     @classmethod
     def from_kwargs(cls, owner: str, defaults: Mapping, options: Optional["LipschitzOptions"] = None,
                     **kwargs) -> "LipschitzOptions":
@@ -97,8 +109,6 @@ class LipschitzOptions:
 
     def stage_activation(self) -> nn.Module:
         """The module ``stage_act`` names (identity for ``none``)."""
-        if self.stage_act not in STAGE_ACTS:
-            raise ValueError(f"stage_act must be one of {STAGE_ACTS}, got {self.stage_act!r}")
         return nn.Identity() if self.stage_act == "none" else create_act(self.stage_act)
 
     def block_kwargs(self, alpha_init: float) -> dict:

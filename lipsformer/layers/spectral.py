@@ -35,7 +35,8 @@ def _lanczos(w: torch.Tensor, rtol: float = 1e-5, check_every: int = 4) -> float
     In NumPy: a step is a dozen small operations, each about ten times cheaper than a torch call, and on CPU the
     steps are bound by that overhead rather than by the products (0.42x of the same loop in torch on Swin-T's
     shapes, with the looser stop). At ``rtol=1e-5`` the result is within about 1e-6 relative of the exact value
-    (1e-4 is tested); 1e-6 took 1.3x the steps for digits the spectral init does not need."""
+    (1e-4 is tested); 1e-6 took 1.3x the steps for digits the spectral init does not need. It runs on the CPU
+    whatever ``w``'s device: a weight on a GPU is copied to the host."""
     a = w.detach().cpu().numpy()
     n = a.shape[1]
     basis = np.empty((n, n))  # rows: the orthonormal Lanczos vectors, float64

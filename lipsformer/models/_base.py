@@ -1,7 +1,7 @@
 """timm's model face, shared by the LipsFormer families.
 
 Both families are a ``patch_embed`` producing (B, H, W, C), a sequence of ``stages`` (each an
-optional ``downsample`` then ``blocks``), a final ``norm`` and a pooled ``head``. The family files
+optional ``downsample``, an optional ``act``, then ``blocks``), a final ``norm`` and a pooled ``head``. The family files
 build those pieces; this class gives them the methods timm and its tools expect.
 """
 import os
