@@ -15,22 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .spectral import gram_norm
+
 LINEARS = ("plain", "normalized")
 
 
-def spectral_norm(w: torch.Tensor) -> torch.Tensor:
-    """The largest singular value of ``w`` viewed as (out, in * kh * kw), differentiable: the square root of the
-    top eigenvalue of the smaller Gram matrix, in float64 (``eigvalsh``), the route the certified bound takes
-    (:func:`lipsformer.layers.spectral.largest_singular_value`), so the divided matrix reads back as norm 1."""
-    m = w.flatten(1)
-    m = m if m.shape[0] >= m.shape[1] else m.T
-    m = m.double()
-    return torch.linalg.eigvalsh(m.T @ m)[-1].clamp_min(0.0).sqrt().to(w.dtype)
-
-
 def _normalized(w: torch.Tensor) -> torch.Tensor:
-    """``w`` divided by its largest singular value (:func:`spectral_norm`)."""
-    return w / spectral_norm(w).clamp_min(torch.finfo(w.dtype).tiny)
+    """``w`` divided by its largest singular value (:func:`lipsformer.layers.spectral.gram_norm`, the certified
+    bound's route, inside the graph)."""
+    return w / gram_norm(w).to(w.dtype).clamp_min(torch.finfo(w.dtype).tiny)
 
 
 class _RawWeight:

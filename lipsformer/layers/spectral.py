@@ -61,6 +61,18 @@ def _lanczos(w: torch.Tensor, rtol: float = 1e-5, check_every: int = 4) -> float
     return top
 
 
+def gram_norm(weight: torch.Tensor) -> torch.Tensor:
+    """The largest singular value of ``weight`` viewed as (out, in * kh * kw), as a float64 0-d tensor that autograd
+    follows: the square root of the top eigenvalue of the smaller Gram matrix (``eigvalsh``, exact to float64
+    rounding). The certified route of :func:`largest_singular_value`, and the divisor of the normalised layers
+    (:mod:`lipsformer.layers.normalized`), so that a divided matrix reads back as norm 1."""
+    w = weight.flatten(1)
+    if w.shape[0] < w.shape[1]:
+        w = w.T  # (m, n) with n the smaller side
+    w = w.to(torch.float64)
+    return torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0).sqrt()
+
+
 @torch.no_grad()
 def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: int = 100) -> float:
     """Largest singular value of ``weight`` viewed as (out, in * kh * kw), in float64.
@@ -77,9 +89,9 @@ def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: 
         w = w.T  # (m, n) with n the smaller side
     if not certified and w.shape[1] > SMALL_DIM:
         return _lanczos(w.float()) ** 0.5  # float32 products: half the memory traffic, error ~1e-7
-    w = w.to(torch.float64)
     if w.shape[1] <= EXACT_MAX_DIM:
-        return float(torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0).sqrt())
+        return float(gram_norm(w))
+    w = w.to(torch.float64)
     v = torch.randn(w.shape[1], dtype=w.dtype, device=w.device, generator=_generator(w.device))
     for _ in range(iters):
         v = w.T @ (w @ v)

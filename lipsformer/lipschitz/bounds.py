@@ -656,7 +656,8 @@ def lipschitz_report(model: nn.Module, input_size: Optional[Tuple[int, int, int]
     rows = module_rows(embed, "patch_embed", hw)
     for i, (stage, info) in enumerate(zip(model.stages, model.feature_info)):
         if type(stage) is not LipsStage:
-            raise NoBoundError(f"stages.{i} is a {type(stage).__qualname__}, not a LipsStage (downsample, act, blocks)")
+            raise NoBoundError(f"stages.{i} is a {type(stage).__qualname__}, "
+                               f"not a LipsStage (downsample, act, blocks)")
         out_hw = (embed.img_size[0] // info["reduction"], embed.img_size[1] // info["reduction"])
         rows += module_rows(stage.downsample, f"stages.{i}.downsample", hw)
         hw = out_hw

@@ -1,8 +1,8 @@
 """timm's model face, shared by the LipsFormer families.
 
 Both families are a ``patch_embed`` producing (B, H, W, C), a sequence of ``stages`` (each an
-optional ``downsample``, an optional ``act``, then ``blocks``), a final ``norm`` and a pooled ``head``. The family files
-build those pieces; this class gives them the methods timm and its tools expect.
+optional ``downsample``, an optional ``act``, then ``blocks``), a final ``norm`` and a pooled ``head``.
+The family files build those pieces; this class gives them the methods timm and its tools expect.
 """
 import os
 from contextvars import ContextVar
@@ -17,7 +17,7 @@ from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..layers import LipsBlock, LipschitzOptions, init_weights
-from ..layers.normalized import LINEARS, normalize_linear_maps
+from ..layers.normalized import normalize_linear_maps
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
@@ -117,8 +117,6 @@ class LipsFormerBase(nn.Module):
     def _apply_linear_option(self, module: nn.Module) -> None:
         """``lipschitz.linear``: ``normalized`` turns ``module``'s Linear and non-overlapping Conv2d layers into
         their spectrally normalised forms (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
-        if self.lipschitz.linear not in LINEARS:
-            raise ValueError(f"linear must be one of {LINEARS}, got {self.lipschitz.linear!r}")
         if self.lipschitz.linear == "normalized":
             normalize_linear_maps(module)
 
