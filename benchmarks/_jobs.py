@@ -3,9 +3,22 @@
 A digits-sized run is bound by Python overhead, so two one-thread runs use two cores better than one two-thread
 run. Each run seeds itself; the thread count changes float rounding only.
 """
+import argparse
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, List, Sequence
+
+
+def add_jobs_argument(parser: argparse.ArgumentParser) -> None:
+    """``--jobs N`` (default 1): the runs at a time; fewer than 1 is refused with argparse's one line."""
+    def at_least_one(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        return value
+
+    parser.add_argument("--jobs", type=at_least_one, default=1,
+                        help="runs at a time, each in its own process on one thread")
 
 
 def _one_thread() -> None:

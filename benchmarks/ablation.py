@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._jobs import run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
+from benchmarks._jobs import add_jobs_argument, run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
 
 
 @dataclass
@@ -181,10 +181,8 @@ def main(argv=None) -> dict:
                         help=f"run these rows only ({', '.join(BY_NAME)})")
     parser.add_argument("--data", default="output/digits")
     parser.add_argument("--out", default="output/ablation")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process on one thread")
+    add_jobs_argument(parser)
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.quick:
         args.epochs, args.seeds = args.quick_epochs, 1
 

@@ -26,6 +26,7 @@ deviation over the seeds (one run's certified accuracy moves by about a point be
 Writes ``certified.json`` (every run) and prints a markdown table. Each run's folder under ``--out`` is replaced.
 """
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -40,7 +41,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._jobs import run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
+from benchmarks._jobs import add_jobs_argument, run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
 
 EPS = (0.1, 0.25, 0.5)
 
@@ -138,8 +139,10 @@ class PixelModel(nn.Module):
         return self.model((x - self.mean) / self.std)
 
 
-def load_images(folder: Path):
+@functools.lru_cache(maxsize=1)  # read once per process, not once per run
+def load_images(folder: str):
     from PIL import Image
+    folder = Path(folder)
     xs, ys = [], []
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
     for c, name in enumerate(classes):
@@ -231,7 +234,7 @@ def evaluate_run(name: str, model, args, xv, yv) -> dict:
 def run_one(name: str, seed: int, args) -> dict:
     """Train one model with one seed and evaluate it (a whole job: ``--jobs`` runs several in processes)."""
     register_cnn()
-    xv, yv = load_images(Path(args.data) / "val")
+    xv, yv = load_images(str(Path(args.data) / "val"))
     model, _, _ = train_run(name, seed, args)
     return dict(evaluate_run(name, model, args, xv, yv), seed=seed)
 
@@ -270,10 +273,8 @@ def main(argv=None):
     parser.add_argument("--quotient-steps", type=int, default=20)
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run (key=value)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="train every model once per seed")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process on one thread")
+    add_jobs_argument(parser)
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if any(item.split("=", 1)[0].strip() == "seed" for item in args.set):
         parser.error("--set seed=... would give every run the same seed; use --seeds")
     args.seeds = list(dict.fromkeys(args.seeds))  # a seed named twice would share (and remove) one run folder
