@@ -6,6 +6,7 @@ from timm.optim import create_optimizer_v2
 
 from lipsformer.flops import PAPER, count_flops, count_params
 from lipsformer.layers import largest_singular_value
+from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 from lipsformer.weights import CheckpointError
 
@@ -66,6 +67,23 @@ def test_spectral_init_is_the_default_and_unit_norm(name):
     assert len(layers) > 20
     for m in layers:
         assert largest_singular_value(m.weight) == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_spectral_init_equals_the_serial_division_of_the_xavier_draws(name):
+    """The norms are computed on worker threads while the next weights are drawn: the model must still be, bit for
+    bit, the Xavier model (same seed, same draws) with each weight divided by its norm in turn."""
+    torch.manual_seed(0)
+    spectral = tiny(name)
+    torch.manual_seed(0)
+    serial = tiny(name, init="xavier")
+    with torch.no_grad():
+        for m in serial.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+                w = m.raw_weight if isinstance(m, (NormalizedLinear, NormalizedConv2d)) else m.weight
+                w.div_(largest_singular_value(w, certified=False))
+    for (key, a), b in zip(spectral.state_dict().items(), serial.state_dict().values()):
+        assert torch.equal(a, b), key
 
 
 @pytest.mark.parametrize("name, alpha", [("lipsformer_swin_t", 1 / 5), ("lipsformer_cswin_t", 0.2)])
