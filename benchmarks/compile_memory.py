@@ -4,7 +4,7 @@ against timm's Swin eager and compiled.
     python benchmarks/compile_memory.py [--model lipsformer_swin_t] [--budgets 1.0 0.8 0.5] [--batch 4] [--steps 3]
         [--solver greedy|dp|ilp] [--json out.json]
 
-Each run is its own process: dynamo shares one compiled graph among instances of a module class, so a second model
+Each run is its own process: dynamo shares one compiled graph among same-shaped instances of a module class, so a second model
 compiled in the same process with another budget would silently reuse the first one's graph. A run builds the
 model, compiles it through ``lipsformer.engine.speed.compile_model`` (train.py's path), measures the bytes autograd
 saves for backward in one training step (``throughput.train_memory``, the CPU measure of ``throughput.py``; the
