@@ -74,9 +74,9 @@ def main(argv=None) -> int:
         proc = subprocess.run(cmd + (["--solver", args.solver] if args.solver else []), capture_output=True,
                               text=True)
         if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
+            print(f"{run} failed (the runs before it are printed above):\n{proc.stderr[-3000:]}", file=sys.stderr)
             return proc.returncode
-        row = json.loads(proc.stdout.split("RESULT ", 1)[1])
+        row = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
         rows.append(row)
         print(f"{run}: {row['saved_mb']:.1f} MB saved, first step {row['first_step_s']:.0f} s, step "
               f"{row['step_s']:.2f} s", flush=True)

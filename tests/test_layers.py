@@ -189,6 +189,27 @@ def test_spectral_init_gives_unit_largest_singular_value():
         assert torch.count_nonzero(m.bias) == 0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_spectral_init_of_a_shared_weight_is_its_last_draw_divided_once(threads):
+    """Norms are computed beside the draws (one thread: inline): a weight two modules share is drawn twice, as in
+    Xavier mode, and divided once by the norm of its last draw, whatever the thread count."""
+    first, second = nn.Linear(300, 200), nn.Linear(300, 200)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.Linear(200, 300), second)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        init_weights(model, "spectral")
+    finally:
+        torch.set_num_threads(previous)
+    spectral = [m.weight.clone() for m in model]
+    torch.manual_seed(0)
+    init_weights(model, "xavier")
+    for m, got in zip(model, spectral):
+        assert torch.equal(got, m.weight / largest_singular_value(m.weight, certified=False))
+
+
 def test_init_rejects_unknown_mode():
     with pytest.raises(ValueError, match="init must be one of"):
         init_weights(nn.Linear(2, 2), "orthogonal")
