@@ -31,7 +31,7 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     the GIL in their kernels); each weight is divided at the end. The random draws keep their order and each norm
     depends on its own weight only, so the result is bit-identical to a serial loop (tested); a weight shared by
     two modules is drawn twice as before and divided once, by the norm of its last draw. On 2 cores building
-    LipsFormer-Swin-S to -L takes about 1.5x of timm's Swin against 2.1x to 2.3x serially
+    LipsFormer-Swin-S to -L takes 1.3x to 1.8x of timm's Swin against 2.1x to 2.3x serially
     (``benchmarks/build_time.py``, README Building).
     """
     if mode not in INITS:
