@@ -1,5 +1,6 @@
 """Weight initialisation: spectral (LipsFormer Sec. 4.1.4) and the ablation alternatives."""
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from timm.layers import trunc_normal_
@@ -39,7 +40,16 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     divide = mode == "spectral" and normalize
     workers = min(NORM_WORKERS, torch.get_num_threads() - 1)
     pool = ThreadPoolExecutor(workers) if divide and workers > 0 else None
-    norms = {}  # id(weight) -> (weight, its norm: a float, or a Future of one)
+
+    def norm_of(w: torch.Tensor) -> Callable[[], float]:
+        """A call that gives ``w``'s norm, waiting for it if a worker computes it. A CUDA weight is read inline: a
+        worker thread would not wait for the caller's stream."""
+        if pool is not None and w.device.type == "cpu":
+            return pool.submit(largest_singular_value, w, certified=False).result
+        norm = largest_singular_value(w, certified=False)
+        return lambda: norm
+
+    norms = {}  # id(weight) -> (weight, the call that gives its norm)
     try:
         # the Lanczos runs use NumPy's BLAS, kept to one thread each (see ``numpy_blas_one_thread``)
         with numpy_blas_one_thread():
@@ -48,25 +58,20 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
                     # a normalised layer's ``weight`` is computed from its parameter ``raw_weight``, which init writes
                     w = m.raw_weight if isinstance(m, (NormalizedLinear, NormalizedConv2d)) else m.weight
                     if id(w) in norms:  # shared: no worker may still read it while it is drawn again
-                        previous = norms.pop(id(w))[1]
-                        if isinstance(previous, Future):
-                            previous.result()
+                        norms.pop(id(w))[1]()
                     if mode == "trunc_normal":
                         trunc_normal_(w, std=0.02)
                     else:
                         nn.init.xavier_normal_(w)
                         if divide and w.device.type != "meta":
-                            # a CUDA weight is read inline: a worker thread would not wait for the caller's stream
-                            norms[id(w)] = (w, pool.submit(largest_singular_value, w, certified=False)
-                                            if pool is not None and w.device.type == "cpu"
-                                            else largest_singular_value(w, certified=False))
+                            norms[id(w)] = (w, norm_of(w))
                     if m.bias is not None:
                         nn.init.zeros_(m.bias)
                 elif isinstance(m, (CenterNorm, nn.LayerNorm)):
                     nn.init.ones_(m.weight)
                     nn.init.zeros_(m.bias)
             for w, norm in norms.values():
-                w.div_(norm.result() if isinstance(norm, Future) else norm)
+                w.div_(norm())
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)  # after an error, queued norms are not computed for nothing
