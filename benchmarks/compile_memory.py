@@ -4,13 +4,13 @@ against timm's Swin eager and compiled.
     python benchmarks/compile_memory.py [--model lipsformer_swin_t] [--budgets 1.0 0.8 0.5] [--batch 4] [--steps 3]
         [--solver greedy|dp|ilp] [--json out.json]
 
-Each run is its own process: dynamo shares one compiled graph among same-shaped instances of a module class, so a second model
-compiled in the same process with another budget would silently reuse the first one's graph. A run builds the
-model, compiles it through ``lipsformer.engine.speed.compile_model`` (train.py's path), measures the bytes autograd
-saves for backward in one training step (``throughput.train_memory``, the CPU measure of ``throughput.py``; the
-first step also compiles) and then times ``--steps`` training steps (SGD), median. The saved activations grow with
-the batch, their ratios hardly (1.59x at batch 4 and at 16 for the default budget); compiling one training graph of
-Swin-T takes about 3 minutes on 2 CPU cores.
+Each run is its own process: dynamo shares one compiled graph among same-shaped instances of a module class, so
+a second model compiled in the same process with another budget would silently reuse the first one's graph. A run
+builds the model, compiles it through ``lipsformer.engine.speed.compile_model`` (train.py's path), measures the
+bytes autograd saves for backward in one training step (``throughput.train_memory``, the CPU measure of
+``throughput.py``; the first step also compiles) and then times ``--steps`` training steps (SGD), median. The saved
+activations grow with the batch, their ratios hardly (1.59x at batch 4 and at 16 for the default budget); compiling
+one training graph of Swin-T takes about 3 minutes on 2 CPU cores.
 """
 import argparse
 import json
