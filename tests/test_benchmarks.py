@@ -51,3 +51,17 @@ def test_training_memory_targets_at_batch_16():
     assert mb["lipsformer_swin_t", False] / base == pytest.approx(2238 / 1735, abs=0.01)  # README table
     assert mb["lipsformer_swin_t", False] <= 1.3 * base
     assert mb["lipsformer_swin_t", True] <= 0.6 * base
+
+
+def test_build_time_prints_both_tables_and_writes_json(tmp_path):
+    out = tmp_path / "build.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "build_time.py"), "--models", "lipsformer_swin_t",
+                           "--reps", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    [build], [load] = result["build"], result["load"]
+    assert build["baseline"] == "swin_tiny_patch4_window7_224"
+    assert (round(build["params_m"], 1), round(build["baseline_params_m"], 1)) == (30.9, 28.3)
+    assert build["ratio"] == pytest.approx(build["build_s"] / build["baseline_s"])
+    assert load["ratio"] == pytest.approx(load["load_s"] / load["build_read_s"])
+    assert "lipsformer_swin_t" in proc.stdout and "pretrained load" in proc.stdout

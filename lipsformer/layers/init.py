@@ -29,10 +29,11 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
 
     The spectral norms of CPU weights are computed on worker threads (``torch.get_num_threads() - 1`` of them, at
     most ``NORM_WORKERS``; none with one thread) while this thread draws the next weights (NumPy and torch release
-    the GIL in their kernels); each weight is divided at the end. The random draws keep their order and each norm
-    depends on its own weight only, so the result is bit-identical to a serial loop (tested); a weight shared by
-    two modules is drawn twice as before and divided once, by the norm of its last draw. On 2 cores building
-    LipsFormer-Swin-S to -L takes 1.3x to 1.8x of timm's Swin against 2.1x to 2.3x serially
+    the GIL in their kernels). Once the drawing is over this thread computes the norms no worker has started,
+    from the end of the queue, and each weight is divided at the end. The random draws keep their order and each
+    norm depends on its own weight only, so the result is bit-identical to a serial loop (tested); a weight shared
+    by two modules is drawn twice as before and divided once, by the norm of its last draw. On 2 cores building
+    any LipsFormer takes 1.3x to 1.7x of timm's nearest Swin against 1.2x to 2.4x serially
     (``benchmarks/build_time.py``, README Building).
     """
     if mode not in INITS:
@@ -42,10 +43,11 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     pool = ThreadPoolExecutor(workers) if divide and workers > 0 else None
 
     def norm_of(w: torch.Tensor) -> Callable[[], float]:
-        """A call that gives ``w``'s norm, waiting for it if a worker computes it. A CUDA weight is read inline: a
-        worker thread would not wait for the caller's stream."""
+        """A call that gives ``w``'s norm: computed by the caller if no worker has started it, else waited for. A
+        CUDA weight is read inline at once: a worker thread would not wait for the caller's stream."""
         if pool is not None and w.device.type == "cpu":
-            return pool.submit(largest_singular_value, w, certified=False).result
+            future = pool.submit(largest_singular_value, w, certified=False)
+            return lambda: largest_singular_value(w, certified=False) if future.cancel() else future.result()
         norm = largest_singular_value(w, certified=False)
         return lambda: norm
 
@@ -70,7 +72,8 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
                 elif isinstance(m, (CenterNorm, nn.LayerNorm)):
                     nn.init.ones_(m.weight)
                     nn.init.zeros_(m.bias)
-            for w, norm in norms.values():
+            # from the last queued: the workers take the queue from its front, so the two ends meet once
+            for w, norm in reversed(list(norms.values())):
                 w.div_(norm())
     finally:
         if pool is not None:
