@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py [--models lipsformer_swin_t lipsformer_cswin_t] [--baseline swin_tiny_patch4_window7_224]
         [--device cpu|cuda] [--batch 16] [--train-batch 8] [--amp no|bf16|fp16] [--channels-last] [--compile]
-        [--reps 5] [--grad-checkpointing] [--json out.json] [--profile 15]
+        [--eager-baseline] [--reps 5] [--grad-checkpointing] [--json out.json] [--profile 15]
 
 Models and baseline run interleaved (model, baseline, model, ...) for ``--reps`` rounds; each figure is the median.
 Printed: img/s, the ratio to the baseline, the achieved GFLOP/s (img/s x fvcore GFLOPs per image) and its ratio
@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--amp", default="no", choices=("no", "bf16", "fp16"))
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--eager-baseline", action="store_true",
+                        help="with --compile, leave the baseline eager (issue 13's CPU target: a compiled LipsFormer "
+                             "training step against swin_tiny eager)")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     parser.add_argument("--memory-budget", type=float, metavar="F",
                         help="with --compile: the partitioner's activation memory budget in (0, 1] (train.py's "
@@ -157,7 +160,8 @@ def main() -> None:
                               grad_checkpointing=args.grad_checkpointing and name != args.baseline)
         # static shapes, as in training with a fixed batch: each (batch, grad mode) pair gets its own graph, where
         # automatic dynamic shapes would turn the batch symbolic once inference (16) and training (8) both ran
-        models[name] = compile_model(model, args.compile_mode, args.memory_budget) if args.compile else model
+        compiled = args.compile and not (args.eager_baseline and name == args.baseline)
+        models[name] = compile_model(model, args.compile_mode, args.memory_budget) if compiled else model
     fmt = dict(memory_format=torch.channels_last) if args.channels_last else {}
     x_inf = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device).contiguous(**fmt)
     x_train = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device).contiguous(**fmt)
@@ -188,7 +192,8 @@ def main() -> None:
     desc = (f"{device}, {torch.get_num_threads()} threads, amp={args.amp}, batch {args.batch} (train step "
             f"{args.train_batch}; training memory at {args.batch}), "
             f"{args.img_size}px, channels_last={args.channels_last}, compile={args.compile}"
-            + (f" ({args.compile_mode}, memory budget {args.memory_budget})" if args.compile else "") + ", "
+            + (f" ({args.compile_mode}, memory budget {args.memory_budget}"
+               + (", baseline eager" if args.eager_baseline else "") + ")" if args.compile else "") + ", "
             f"grad_checkpointing={args.grad_checkpointing}, {args.reps} reps x {args.iters} iters, medians")
     print(desc)
     print(f"{'model':<30} {'GFLOPs':>7} {'img/s':>8} {'ratio':>6} {'GFLOP/s':>8} {'per-FLOP':>9}"

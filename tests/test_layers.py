@@ -180,6 +180,39 @@ def test_conv_blocks_rejects_unknown_configuration():
         ConvBlocks(8, "E")
 
 
+@pytest.mark.parametrize("k", [7, 3])
+def test_depthwise_conv_for_the_compiler_has_the_modules_outputs_and_gradients(k):
+    """_CompiledDepthwiseConv, which torch.compile traces on the CPU, run eagerly against the nn.Conv2d it stands
+    for (a map that is not square, so that H and W cannot be swapped unnoticed)."""
+    from lipsformer.layers.conv_blocks import _CompiledDepthwiseConv
+    conv = nn.Conv2d(8, 8, k, padding=k // 2, groups=8)
+    x, g = torch.randn(2, 9, 11, 8, requires_grad=True), torch.randn(2, 9, 11, 8)
+    ref = conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    out = _CompiledDepthwiseConv.apply(x, conv.weight, conv.bias)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(torch.autograd.grad(out, (x, conv.weight, conv.bias), g),
+                         torch.autograd.grad(ref, (x, conv.weight, conv.bias), g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_blocks_take_the_compilers_depthwise_conv_only_for_a_float32_cpu_training_trace(monkeypatch):
+    blocks = ConvBlocks(8, "D")
+    x = torch.randn(1, 7, 7, 8)
+
+    def backward_name(**autocast) -> str:
+        with torch.autocast("cpu", **autocast) if autocast else torch.enable_grad():
+            return type(blocks._dw(blocks.dw1, x).grad_fn).__name__
+
+    assert backward_name() == "PermuteBackward0"  # eager: the module
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert backward_name() == "_CompiledDepthwiseConvBackward"
+    assert backward_name(dtype=torch.bfloat16) == "PermuteBackward0"
+    blocks.eval()  # torch.export and the ONNX exporter trace here
+    assert backward_name() == "PermuteBackward0"
+    with torch.no_grad():
+        assert blocks.train()._dw(blocks.dw1, x).grad_fn is None
+
+
 # -- init --------------------------------------------------------------------------------------------
 def test_spectral_init_gives_unit_largest_singular_value():
     model = nn.Sequential(nn.Linear(16, 48), nn.Conv2d(3, 8, 4, 4), nn.Conv2d(8, 8, 7, groups=8), nn.Linear(48, 5))

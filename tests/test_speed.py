@@ -167,6 +167,42 @@ def test_compile_memory_budget_reaches_the_partitioner():
     assert 0 < half < 0.7 * default  # 0.44 MB against 1.06 MB when written
 
 
+def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compiled_sums(monkeypatch):
+    """Under torch.compile a float32 CPU training step takes the depth-wise weight gradients from
+    conv_blocks._dw_weight_grad (fused loops instead of oneDNN's slow depth-wise weight gradient, README Speed).
+    Doubled here, the compiled gradients of both depth-wise weights come out twice the eager ones and
+    every other gradient equal: the path is taken, and the compiled sums are right. And the (B, H, W, C) activations
+    the compiled graph keeps for backward stay row-major: inductor's layout optimisation, which compile_model turns
+    off on the CPU, would store them with H innermost."""
+    from lipsformer.layers import ConvBlocks, conv_blocks
+    import torch._functorch.config as functorch_config
+
+    real = conv_blocks._dw_weight_grad
+    monkeypatch.setattr(conv_blocks, "_dw_weight_grad", lambda x, grad, k: 2 * real(x, grad, k))
+    torch.manual_seed(0)
+    eager = ConvBlocks(8, "D").train()
+    compiled = ConvBlocks(8, "D").train()
+    compiled.load_state_dict(eager.state_dict())
+    x, g = torch.randn(2, 9, 11, 8), torch.randn(2, 9, 11, 8)
+    eager(x).backward(g)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch._dynamo.reset()
+    saved = []
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = compile_model(compiled)(x)
+        y.backward(g)
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch._dynamo.reset()
+    activations = [t for t in saved if t.shape == x.shape]
+    assert activations and all(t.is_contiguous() for t in activations), [t.stride() for t in activations]
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        factor = 2 if name in ("dw1.weight", "dw2.weight") else 1
+        torch.testing.assert_close(q.grad, factor * p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
     inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""

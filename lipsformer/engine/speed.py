@@ -66,6 +66,12 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     table on two cores (the CI failure of 2026-11-23; reproduced with a cold inductor cache). With the flag the scatter-add runs
     as ATen's ``index_put_``, as in eager mode. CUDA models are left as they are (Triton's atomic adds keep
     their speed; bit-exact resume is promised on the CPU only).
+
+    A CPU model is also compiled without inductor's layout optimisation (``layout_optimization: False``, for this
+    compilation only). With oneDNN it stores every 4-d tensor of a graph that has a convolution channels-last,
+    taking dim 1 for the channels: LipsFormer's (B, H, W, C) activations then had H innermost, and kernels read them
+    element by element and copied them back (a stage-1 MLP's GELU backward took 30 ms against 6 ms). The
+    convolutions already run channels-last on views of those activations. GPUs keep the default until measured.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
@@ -74,7 +80,9 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
             raise ValueError(f"compile_memory_budget must be in (0, 1], got {memory_budget}")
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = float(memory_budget)
+    options = None
     if all(p.device.type == "cpu" for p in model.parameters()):
         torch.use_deterministic_algorithms(True, warn_only=True)
-    model.compile(mode=None if mode == "default" else mode, dynamic=False)
+        options = {**torch._inductor.list_mode_options(mode), "layout_optimization": False}
+    model.compile(mode=None if options is not None or mode == "default" else mode, options=options, dynamic=False)
     return model

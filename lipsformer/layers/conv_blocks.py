@@ -30,6 +30,63 @@ def _nhwc(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 3, 1)
 
 
+@torch.library.custom_op("lipsformer::dw_grad_operands", mutates_args=(), tags=torch.Tag.flexible_layout)
+def _dw_grad_operands(x: torch.Tensor, grad: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major copies of a depth-wise convolution's input, zero-padded by ``pad`` on both sides of H and W, and of
+    its output gradient, both (B, H, W, C). An operator the compiler cannot see into: its outputs fix the layout
+    that the loops of :func:`_dw_weight_grad` read (inductor otherwise reads the activation in whatever layout it
+    chose for it, channel by channel), and, taking the gradient, it stays in the backward graph. It takes its
+    inputs in any layout (``flexible_layout``): a custom operator's default, the traced strides, made inductor
+    store saved activations in another layout and copy them back."""
+    return F.pad(x, (0, 0, pad, pad, pad, pad)).contiguous(), grad.clone(memory_format=torch.contiguous_format)
+
+
+@_dw_grad_operands.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, w, c = x.shape
+    return x.new_empty(b, h + 2 * pad, w + 2 * pad, c), torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+def _dw_weight_grad(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor:
+    """The weight gradient of a stride-1 depth-wise ``k`` x ``k`` convolution padded by ``k // 2``, from its input
+    and output gradient, both (B, H, W, C): first per image row (a sum over W whose operands stay in cache, one
+    channel vector at a time), then over the rows, by a matrix product that also fixes the row sums' layout.
+    Written for the compiler, which fuses the first sum into one loop over views of the padded input; run eagerly,
+    the product would be materialised at k * k times the activation."""
+    xp, grad = _dw_grad_operands(x, grad, k // 2)
+    windows = xp.unfold(1, k, 1).unfold(2, k, 1)  # (B, H, W, C, k, k), a view
+    rows = (grad[:, :, None, None] * windows.permute(0, 1, 4, 5, 2, 3)).sum(4).flatten(0, 1).flatten(1)
+    return (rows.new_ones(rows.shape[0]) @ rows).view(k, k, -1).permute(2, 0, 1).unsqueeze(1)  # (C, 1, k, k)
+
+
+class _CompiledDepthwiseConv(torch.autograd.Function):
+    """A depth-wise convolution (stride 1, padding ``k // 2``) on (B, H, W, C), with its weight gradient from
+    :func:`_dw_weight_grad` instead of oneDNN's, whose depth-wise weight gradient is the slowest kernel of an eager
+    LipsFormer training step on the CPU (README Speed). Only traced by ``torch.compile`` on the CPU (see
+    :meth:`ConvBlocks._dw`). The forward pass and the input gradient (the convolution with the flipped kernel)
+    are oneDNN's convolutions."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        k = weight.shape[-1]
+        return _nhwc(F.conv2d(_nchw(x), weight, bias, padding=k // 2, groups=weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        k = weight.shape[-1]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:  # stride 1, padding k // 2: the transposed convolution is the flipped one
+            grad_x = _nhwc(F.conv2d(_nchw(grad), weight.flip(2, 3), padding=k // 2, groups=weight.shape[0]))
+        if ctx.needs_input_grad[1]:
+            grad_w = _dw_weight_grad(x, grad, k)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum((0, 1, 2))
+        return grad_x, grad_w, grad_b
+
+
 class ConvBlocks(nn.Module):
     r"""Depth-wise / point-wise convolution blocks with weighted residuals, on (B, H, W, C).
 
@@ -68,23 +125,35 @@ class ConvBlocks(nn.Module):
             return x
         if self.act is not None:
             return self._forward_act(x)
-        y = _nhwc(self.dw1(_nchw(x)))
+        y = self._dw(self.dw1, x)
         if self.pw is not None:  # the 1x1 convolution as the matmul over channels it is, fused with its GELU
             y = gelu_linear(y, self.pw.weight.flatten(1), self.pw.bias)
         x = self.res1(x, y, gelu=True)
         if self.dw2 is not None:
-            x = self.res2(x, _nhwc(self.dw2(_nchw(x))), gelu=True)
+            x = self.res2(x, self._dw(self.dw2, x), gelu=True)
         return x
 
     def _forward_act(self, x: torch.Tensor) -> torch.Tensor:
         """The same blocks with ``self.act`` and the residuals' own forward (no fused GELU)."""
-        y = self.act(_nhwc(self.dw1(_nchw(x))))
+        y = self.act(self._dw(self.dw1, x))
         if self.pw is not None:
             y = self.act(F.linear(y, self.pw.weight.flatten(1), self.pw.bias))
         x = self.res1(x, y)
         if self.dw2 is not None:
-            x = self.res2(x, self.act(_nhwc(self.dw2(_nchw(x)))))
+            x = self.res2(x, self.act(self._dw(self.dw2, x)))
         return x
+
+    def _dw(self, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        """The depth-wise ``conv`` on (B, H, W, C) ``x``: the module on a channels-last view, or, when
+        ``torch.compile`` traces a float32 CPU training step, :class:`_CompiledDepthwiseConv` (the same forward,
+        a faster weight gradient; GPUs and autocast keep the module until measured, and so do ``torch.export``
+        and the ONNX exporter, which trace models in eval mode)."""
+        weight = conv.weight
+        if (self.training and torch.compiler.is_compiling() and torch.is_grad_enabled() and weight.requires_grad
+                and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+                and not torch.is_autocast_enabled("cpu")):
+            return _CompiledDepthwiseConv.apply(x, weight, conv.bias)
+        return _nhwc(conv(_nchw(x)))
 
     def extra_repr(self) -> str:
         return f"config={self.config!r}"
