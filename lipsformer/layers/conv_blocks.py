@@ -30,8 +30,13 @@ def _nhwc(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 3, 1)
 
 
-@torch.library.custom_op("lipsformer::dw_grad_operands", mutates_args=(), tags=torch.Tag.flexible_layout)
-def _dw_grad_operands(x: torch.Tensor, grad: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+# ``torch.library.define`` rather than ``custom_op``: it takes tags on every torch this package supports
+torch.library.define("lipsformer::dw_grad_operands", "(Tensor x, Tensor grad, int pad) -> (Tensor, Tensor)",
+                     tags=(torch.Tag.flexible_layout,))
+
+
+@torch.library.impl("lipsformer::dw_grad_operands", "default")
+def _dw_grad_operands_impl(x: torch.Tensor, grad: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-major copies of a depth-wise convolution's input, zero-padded by ``pad`` on both sides of H and W, and of
     its output gradient, both (B, H, W, C). An operator the compiler cannot see into: its outputs fix the layout
     that the loops of :func:`_dw_weight_grad` read (inductor otherwise reads the activation in whatever layout it
@@ -41,7 +46,7 @@ def _dw_grad_operands(x: torch.Tensor, grad: torch.Tensor, pad: int) -> tuple[to
     return F.pad(x, (0, 0, pad, pad, pad, pad)).contiguous(), grad.clone(memory_format=torch.contiguous_format)
 
 
-@_dw_grad_operands.register_fake
+@torch.library.register_fake("lipsformer::dw_grad_operands")
 def _(x: torch.Tensor, grad: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, w, c = x.shape
     return x.new_empty(b, h + 2 * pad, w + 2 * pad, c), torch.empty_like(grad, memory_format=torch.contiguous_format)
@@ -53,7 +58,7 @@ def _dw_weight_grad(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor
     channel vector at a time), then over the rows, by a matrix product that also fixes the row sums' layout.
     Written for the compiler, which fuses the first sum into one loop over views of the padded input; run eagerly,
     the product would be materialised at k * k times the activation."""
-    xp, grad = _dw_grad_operands(x, grad, k // 2)
+    xp, grad = torch.ops.lipsformer.dw_grad_operands(x, grad, k // 2)
     windows = xp.unfold(1, k, 1).unfold(2, k, 1)  # (B, H, W, C, k, k), a view
     rows = (grad[:, :, None, None] * windows.permute(0, 1, 4, 5, 2, 3)).sum(4).flatten(0, 1).flatten(1)
     return (rows.new_ones(rows.shape[0]) @ rows).view(k, k, -1).permute(2, 0, 1).unsqueeze(1)  # (C, 1, k, k)
