@@ -1,4 +1,5 @@
 """The Lipschitz building blocks against their equations."""
+import contextlib
 import math
 
 import pytest
@@ -196,21 +197,35 @@ def test_depthwise_conv_for_the_compiler_has_the_modules_outputs_and_gradients(k
 
 
 def test_conv_blocks_take_the_compilers_depthwise_conv_only_for_a_float32_cpu_training_trace(monkeypatch):
-    blocks = ConvBlocks(8, "D")
+    from lipsformer.layers import conv_blocks
+    taken = []
+    real = conv_blocks._CompiledDepthwiseConv.apply
+    monkeypatch.setattr(conv_blocks._CompiledDepthwiseConv, "apply", lambda *a: taken.append(1) or real(*a))
     x = torch.randn(1, 7, 7, 8)
 
-    def backward_name(**autocast) -> str:
-        with torch.autocast("cpu", **autocast) if autocast else torch.enable_grad():
-            return type(blocks._dw(blocks.dw1, x).grad_fn).__name__
+    def takes(blocks=None, x=x, **autocast) -> bool:
+        blocks = blocks or ConvBlocks(8, "D")
+        taken.clear()
+        with torch.autocast("cpu", **autocast) if autocast else contextlib.nullcontext():
+            out = blocks._dw(blocks.dw1, x)
+        assert torch.allclose(out.float(), blocks.dw1(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).float(), atol=1e-2)
+        return bool(taken)
 
-    assert backward_name() == "PermuteBackward0"  # eager: the module
+    assert not takes()  # eager: the module
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert backward_name() == "_CompiledDepthwiseConvBackward"
-    assert backward_name(dtype=torch.bfloat16) == "PermuteBackward0"
-    blocks.eval()  # torch.export and the ONNX exporter trace here
-    assert backward_name() == "PermuteBackward0"
+    assert takes()
+    assert not takes(dtype=torch.bfloat16)
+    assert not takes(ConvBlocks(8, "D").eval())  # torch.export and the ONNX exporter trace here
+    assert not takes(ConvBlocks(8, "D").double(), x.double())
+    frozen = ConvBlocks(8, "D")
+    frozen.dw1.weight.requires_grad_(False)
+    assert not takes(frozen)
+    assert not takes(ConvBlocks(8, "D", kernel_size=4))  # even: the flipped kernel would not transpose it
+    hooked = ConvBlocks(8, "D")
+    hooked.dw1.register_forward_hook(lambda *a: None)
+    assert not takes(hooked)
     with torch.no_grad():
-        assert blocks.train()._dw(blocks.dw1, x).grad_fn is None
+        assert not takes()
 
 
 # -- init --------------------------------------------------------------------------------------------
@@ -241,6 +256,40 @@ def test_spectral_init_of_a_shared_weight_is_its_last_draw_divided_once(threads)
     init_weights(model, "xavier")
     for m, got in zip(model, spectral):
         assert torch.equal(got, m.weight / largest_singular_value(m.weight, certified=False))
+
+
+def test_spectral_init_main_thread_computes_the_norms_no_worker_has_started(monkeypatch):
+    """Once the drawing is over the main thread takes the queued norms from the end of the queue. Held here: the one
+    worker waits in its first norm until the main thread has computed one, so every later norm is the main
+    thread's, and the model still equals the Xavier draws divided weight by weight."""
+    import threading
+    from lipsformer.layers import init as init_module
+    real, main = init_module.largest_singular_value, threading.main_thread()
+    by_main, first_taken = [], threading.Event()
+
+    def held(w, certified):
+        if threading.current_thread() is main:
+            by_main.append(w)
+            first_taken.set()
+        else:
+            assert first_taken.wait(30)
+        return real(w, certified=certified)
+
+    monkeypatch.setattr(init_module, "largest_singular_value", held)
+    model = nn.Sequential(*(nn.Linear(120 + i, 130 + i) for i in range(4)))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # one worker
+    try:
+        torch.manual_seed(0)
+        init_weights(model, "spectral")
+    finally:
+        torch.set_num_threads(previous)
+    assert [w is m.weight for w, m in zip(by_main, reversed(model[1:]))] == [True] * 3
+    spectral = [m.weight.clone() for m in model]
+    torch.manual_seed(0)
+    init_weights(model, "xavier")
+    for m, got in zip(model, spectral):
+        assert torch.equal(got, m.weight / real(m.weight, certified=False))
 
 
 def test_init_rejects_unknown_mode():

@@ -152,11 +152,14 @@ class ConvBlocks(nn.Module):
         """The depth-wise ``conv`` on (B, H, W, C) ``x``: the module on a channels-last view, or, when
         ``torch.compile`` traces a float32 CPU training step, :class:`_CompiledDepthwiseConv` (the same forward,
         a faster weight gradient; GPUs and autocast keep the module until measured, and so do ``torch.export``
-        and the ONNX exporter, which trace models in eval mode)."""
+        and the ONNX exporter, which trace models in eval mode, ``torch.func`` transforms, a frozen weight, an
+        even kernel (the flipped-kernel input gradient needs an odd one), a subclass or a module with hooks)."""
         weight = conv.weight
         if (self.training and torch.compiler.is_compiling() and torch.is_grad_enabled() and weight.requires_grad
                 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-                and not torch.is_autocast_enabled("cpu")):
+                and not torch.is_autocast_enabled("cpu") and not torch._C._are_functorch_transforms_active()
+                and type(conv) is nn.Conv2d and conv.kernel_size[0] % 2 == 1
+                and not (conv._forward_hooks or conv._forward_pre_hooks)):
             return _CompiledDepthwiseConv.apply(x, weight, conv.bias)
         return _nhwc(conv(_nchw(x)))
 
