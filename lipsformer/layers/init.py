@@ -1,6 +1,5 @@
 """Weight initialisation: spectral (LipsFormer Sec. 4.1.4) and the ablation alternatives."""
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from timm.layers import trunc_normal_
@@ -42,16 +41,16 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     workers = min(NORM_WORKERS, torch.get_num_threads() - 1)
     pool = ThreadPoolExecutor(workers) if divide and workers > 0 else None
 
-    def norm_of(w: torch.Tensor) -> Callable[[], float]:
-        """A call that gives ``w``'s norm: computed by the caller if no worker has started it, else waited for. A
-        CUDA weight is read inline at once: a worker thread would not wait for the caller's stream."""
+    def norm_of(w: torch.Tensor) -> Future:
+        """``w``'s norm, queued for a worker; a CUDA weight's is computed at once (a worker thread would not wait
+        for the caller's stream)."""
         if pool is not None and w.device.type == "cpu":
-            future = pool.submit(largest_singular_value, w, certified=False)
-            return lambda: largest_singular_value(w, certified=False) if future.cancel() else future.result()
-        norm = largest_singular_value(w, certified=False)
-        return lambda: norm
+            return pool.submit(largest_singular_value, w, certified=False)
+        done = Future()
+        done.set_result(largest_singular_value(w, certified=False))
+        return done
 
-    norms = {}  # id(weight) -> (weight, the call that gives its norm)
+    norms = {}  # id(weight) -> (weight, the future of its norm)
     try:
         # the Lanczos runs use NumPy's BLAS, kept to one thread each (see ``numpy_blas_one_thread``)
         with numpy_blas_one_thread():
@@ -60,7 +59,8 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
                     # a normalised layer's ``weight`` is computed from its parameter ``raw_weight``, which init writes
                     w = m.raw_weight if isinstance(m, (NormalizedLinear, NormalizedConv2d)) else m.weight
                     if id(w) in norms:  # shared: no worker may still read it while it is drawn again
-                        norms.pop(id(w))[1]()
+                        earlier = norms.pop(id(w))[1]
+                        earlier.cancel() or earlier.result()
                     if mode == "trunc_normal":
                         trunc_normal_(w, std=0.02)
                     else:
@@ -72,9 +72,10 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
                 elif isinstance(m, (CenterNorm, nn.LayerNorm)):
                     nn.init.ones_(m.weight)
                     nn.init.zeros_(m.bias)
-            # from the last queued: the workers take the queue from its front, so the two ends meet once
+            # from the last queued: the workers take the queue from its front, so the two ends meet once; a norm
+            # no worker has started is computed here
             for w, norm in reversed(list(norms.values())):
-                w.div_(norm())
+                w.div_(largest_singular_value(w, certified=False) if norm.cancel() else norm.result())
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)  # after an error, queued norms are not computed for nothing
