@@ -243,7 +243,12 @@ def test_spectral_init_of_a_shared_weight_is_its_last_draw_divided_once(threads)
     Xavier mode, and divided once by the norm of its last draw, whatever the thread count."""
     first, second = nn.Linear(300, 200), nn.Linear(300, 200)
     second.weight = first.weight
-    model = nn.Sequential(first, nn.Linear(200, 300), second)
+    _assert_spectral_is_the_xavier_draws_divided(nn.Sequential(first, nn.Linear(200, 300), second), threads)
+
+
+def _assert_spectral_is_the_xavier_draws_divided(model: nn.Sequential, threads: int, norm=largest_singular_value):
+    """The spectral init of ``model`` (seed 0, ``threads`` torch threads) equals, weight by weight and bit for bit,
+    its Xavier init with the same seed divided by ``norm``."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -255,41 +260,31 @@ def test_spectral_init_of_a_shared_weight_is_its_last_draw_divided_once(threads)
     torch.manual_seed(0)
     init_weights(model, "xavier")
     for m, got in zip(model, spectral):
-        assert torch.equal(got, m.weight / largest_singular_value(m.weight, certified=False))
+        assert torch.equal(got, m.weight / norm(m.weight, certified=False))
 
 
 def test_spectral_init_main_thread_computes_the_norms_no_worker_has_started(monkeypatch):
     """Once the drawing is over the main thread takes the queued norms from the end of the queue. Held here: the one
-    worker waits in its first norm until the main thread has computed one, so every later norm is the main
-    thread's, and the model still equals the Xavier draws divided weight by weight."""
+    worker waits in its first norm until the main thread has computed all the others (it would otherwise race the
+    main thread for the next ones), and the model still equals the Xavier draws divided weight by weight."""
     import threading
     from lipsformer.layers import init as init_module
     real, main = init_module.largest_singular_value, threading.main_thread()
-    by_main, first_taken = [], threading.Event()
+    model = nn.Sequential(*(nn.Linear(120 + i, 130 + i) for i in range(4)))
+    by_main, others_taken = [], threading.Event()
 
     def held(w, certified):
         if threading.current_thread() is main:
             by_main.append(w)
-            first_taken.set()
+            if len(by_main) == len(model) - 1:
+                others_taken.set()
         else:
-            assert first_taken.wait(30)
+            assert others_taken.wait(30)
         return real(w, certified=certified)
 
     monkeypatch.setattr(init_module, "largest_singular_value", held)
-    model = nn.Sequential(*(nn.Linear(120 + i, 130 + i) for i in range(4)))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)  # one worker
-    try:
-        torch.manual_seed(0)
-        init_weights(model, "spectral")
-    finally:
-        torch.set_num_threads(previous)
+    _assert_spectral_is_the_xavier_draws_divided(model, threads=2, norm=real)  # two threads: one worker
     assert [w is m.weight for w, m in zip(by_main, reversed(model[1:]))] == [True] * 3
-    spectral = [m.weight.clone() for m in model]
-    torch.manual_seed(0)
-    init_weights(model, "xavier")
-    for m, got in zip(model, spectral):
-        assert torch.equal(got, m.weight / real(m.weight, certified=False))
 
 
 def test_init_rejects_unknown_mode():
