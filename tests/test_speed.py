@@ -17,6 +17,21 @@ from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
+@pytest.fixture
+def cold_compile():
+    """Compiles with nothing cached to stand in (dynamo reset, inductor's and AOTAutograd's caches off), giving back
+    afterwards the process-wide deterministic flag that compile_model sets for CPU models."""
+    import torch._functorch.config as functorch_config
+    was = torch.are_deterministic_algorithms_enabled()
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("override, message", [
     ("compile_mode=fast", "compile_mode must be one of"),
     ("compile_memory_budget=0", "compile_memory_budget must be in (0, 1]"),
@@ -95,7 +110,7 @@ def test_channels_last_model_gives_the_same_outputs():
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_cpu_backward_has_no_racing_scatter_add():
+def test_compiled_cpu_backward_has_no_racing_scatter_add(cold_compile):
     """The backward of the relative-position-bias gather is a scatter-add. Inductor's CPU code for it was a
     parallel loop of atomic adds, whose float sum depends on thread timing (a resumed compiled run then ended
     with different bias tables, CI 2026-11-23); compile_model compiles CPU models in deterministic mode, which
@@ -112,22 +127,15 @@ def test_compiled_cpu_backward_has_no_racing_scatter_add():
         def forward(self, scale):
             return self.attn.position_bias() * scale
 
-    torch._dynamo.reset()
-    model, was = Bias(), torch.are_deterministic_algorithms_enabled()
-    try:
-        compile_model(model)
-        assert torch.are_deterministic_algorithms_enabled()
-        with torch._inductor.config.patch(fx_graph_cache=False):
-            _, code = run_and_get_code(lambda: model(torch.randn(1, 3, 49, 49)).sum().backward())
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch._dynamo.reset()
+    model = compile_model(Bias())
+    assert torch.are_deterministic_algorithms_enabled()
+    _, code = run_and_get_code(lambda: model(torch.randn(1, 3, 49, 49)).sum().backward())
     assert len(code) >= 2  # forward and backward were generated
     assert not any("atomic_add" in c for c in code)
     assert model.attn.relative_position_bias_table.grad.abs().sum() > 0
 
 
-def test_compile_memory_budget_reaches_the_partitioner():
+def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
     """compile_memory_budget is read when the graph is compiled, at the first call after compile_model: at 0.5 a
     compiled LipsFormer stage keeps less for backward than at the compiler's default (on Swin-T, 0.8 takes compiled
     training memory from 1.59x to 0.88x of swin_tiny's, README GPU). Caches off, so a cached graph of the other
@@ -139,7 +147,6 @@ def test_compile_memory_budget_reaches_the_partitioner():
     torch.manual_seed(0)
     model = timm.create_model("lipsformer_swin_t", num_classes=5, **TINY["swin"]).train()
     x = model.patch_embed(torch.randn(8, 3, 32, 32)).detach().requires_grad_()
-    was = torch.are_deterministic_algorithms_enabled()
 
     def saved_bytes(budget) -> int:
         torch._dynamo.reset()
@@ -157,17 +164,12 @@ def test_compile_memory_budget_reaches_the_partitioner():
         y.square().mean().backward()
         return total
 
-    try:
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False, activation_memory_budget=1.0):
-            default, half = saved_bytes(None), saved_bytes(0.5)
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=1.0):
+        default, half = saved_bytes(None), saved_bytes(0.5)
     assert 0 < half < 0.7 * default  # 0.44 MB against 1.06 MB when written
 
 
-def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compiled_sums(monkeypatch):
+def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compiled_sums(monkeypatch, cold_compile):
     """Under torch.compile a float32 CPU training step takes the depth-wise weight gradients from
     conv_blocks._dw_weight_grad (fused loops instead of oneDNN's slow depth-wise weight gradient, README Speed).
     Doubled here, the compiled gradients of both depth-wise weights come out twice the eager ones and
@@ -175,7 +177,6 @@ def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compil
     the compiled graph keeps for backward stay row-major: inductor's layout optimisation, which compile_model turns
     off on the CPU, would store them with H innermost."""
     from lipsformer.layers import ConvBlocks, conv_blocks
-    import torch._functorch.config as functorch_config
 
     real = conv_blocks._dw_weight_grad
     monkeypatch.setattr(conv_blocks, "_dw_weight_grad", lambda x, grad, k: 2 * real(x, grad, k))
@@ -185,17 +186,10 @@ def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compil
     compiled.load_state_dict(eager.state_dict())
     x, g = torch.randn(2, 9, 11, 8), torch.randn(2, 9, 11, 8)
     eager(x).backward(g)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch._dynamo.reset()
     saved = []
-    try:
-        with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            y = compile_model(compiled)(x)
-        y.backward(g)
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch._dynamo.reset()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = compile_model(compiled)(x)
+    y.backward(g)
     activations = [t for t in saved if t.shape == x.shape]
     assert activations and all(t.is_contiguous() for t in activations), [t.stride() for t in activations]
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
