@@ -16,6 +16,7 @@ from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.config import ConfigError
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, TooManyBadSamples, evaluate_model, \
     write_predictions
+from lipsformer.engine.processes import ends_processes
 from lipsformer.lipschitz.bounds import NoBoundError
 from lipsformer.lipschitz.certify import parse_eps
 from lipsformer.weights import CheckpointError
@@ -34,6 +35,7 @@ def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
     return "robustness: " + " | ".join(parts)
 
 
+@ends_processes
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Evaluate a LipsFormer on ImageNet val, ReaL or v2.")
     parser.add_argument("--model", help="registered model name (optional when the checkpoint's config names it)")

@@ -9,11 +9,13 @@ import sys
 
 from lipsformer.engine.checkpoint import SaveFailed
 from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.engine.processes import ends_processes
 from lipsformer.engine.train import TooManyBadSamples, TrainingDiverged, train
 from lipsformer.lipschitz.constraints import BoundUnreachable
 from lipsformer.weights import CheckpointError
 
 
+@ends_processes
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Train a LipsFormer (Accelerate; no warmup).")
     parser.add_argument("--config", help="YAML recipe (configs/*.yaml)")

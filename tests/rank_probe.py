@@ -24,3 +24,4 @@ for epoch in range(2):
 drawn["val"] = [i for images, _, _ in val_loader for i in images.tolist()]
 drawn["world_size"] = accelerator.num_processes
 Path(sys.argv[2], f"rank_{accelerator.process_index}.json").write_text(json.dumps(drawn))
+accelerator.end_training()  # the group destroyed before exit (see lipsformer.engine.processes)
