@@ -146,7 +146,7 @@ def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
                 list(csv.DictReader(out.with_suffix(".csv").open())), proc.stdout)
 
     one, rows_one, stdout = run(PY, tag="one")
-    two, rows_two, _ = run(str(Path(PY).with_name("torchrun")), "--nproc_per_node", "2", tag="two")
+    two, rows_two, _ = run(str(Path(PY).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", tag="two")
     assert (one["processes"], two["processes"]) == (1, 2)
     assert one["count"] == two["count"] == one["images"] == 13
     assert (one["top1"], one["top5"]) == (two["top1"], two["top5"])
