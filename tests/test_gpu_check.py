@@ -77,3 +77,18 @@ def test_report_tables_every_run_in_order(tmp_path):
     assert md.index("| tiny_eager |") < md.index("| tiny_compiled |")
     assert set(json.loads((tmp_path / "gpu.json").read_text())["throughput"]) == {"throughput_tiny_eager",
                                                                                  "throughput_tiny_compiled"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the stop on a machine without CUDA")
+def test_gpu_sh_installs_the_project_then_stops_in_one_line_without_cuda(tmp_path):
+    # the command's first step, as a GPU machine runs it (no registry: pip --no-index into a target folder), then
+    # its one-line stop where torch sees no device, before any test or benchmark
+    import subprocess
+    site, out = tmp_path / "site", tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--python", sys.executable, "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, LIPSFORMER_SITE=str(site)),
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: torch sees no CUDA device"
+    assert (site / "lipsformer" / "models" / "lipsformer_swin.py").is_file()
+    assert not (out / "versions.json").exists() and not (out / "gpu_tests.log").exists()
