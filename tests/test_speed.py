@@ -197,6 +197,32 @@ def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compil
         torch.testing.assert_close(q.grad, factor * p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_compiling_the_same_training_graph_again_loads_it_from_aotautograds_cache(tmp_path, monkeypatch):
+    """A resumed run compiles its training graph again. With LipsFormer's autograd Functions in it, torch's default
+    bypasses AOTAutograd's cache and traces the graph anew; compile_model lets the cache take it (the Functions are
+    traced whole, so the key covers their code). Inductor's and AOTAutograd's caches on, in the test's own folder."""
+    from torch._dynamo.utils import counters
+
+    from lipsformer.layers import ConvBlocks
+
+    import torch._functorch.config as functorch_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    was = torch.are_deterministic_algorithms_enabled()
+    x = torch.randn(2, 9, 11, 8)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=True), functorch_config.patch(
+                enable_autograd_cache=True, autograd_cache_allow_custom_autograd_functions=False):
+            for _ in range(2):  # a second process in effect: nothing compiled is kept but the cache folder
+                torch._dynamo.reset()
+                counters.clear()
+                torch.manual_seed(0)
+                compile_model(ConvBlocks(8, "D").train())(x).sum().backward()
+            assert dict(counters["aot_autograd"]).get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch._dynamo.reset()
+
+
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
     inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""

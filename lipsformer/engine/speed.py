@@ -17,6 +17,7 @@ bit-identical from run to run, so a resumed compiled run matches an uninterrupte
 from typing import Optional
 
 import torch
+import torch._functorch.config as functorch_config
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -72,14 +73,21 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     taking dim 1 for the channels: LipsFormer's (B, H, W, C) activations then had H innermost, and kernels read them
     element by element and copied them back (a stage-1 MLP's GELU backward took 30 ms against 6 ms). The
     convolutions already run channels-last on views of those activations. GPUs keep the default until measured.
+
+    AOTAutograd's cache may hold graphs with custom autograd Functions
+    (``autograd_cache_allow_custom_autograd_functions``, process-wide; torch's default refuses them). LipsFormer's
+    Functions (fused GELU, residual, depth-wise convolution) are traced whole into the graph, forward and backward,
+    so a change to their code changes the cache key (checked: a doubled depth-wise weight gradient missed the
+    cache). A resumed or repeated run then loads its training graph
+    instead of tracing it again (tested).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
     if memory_budget is not None:
         if not 0.0 < memory_budget <= 1.0:
             raise ValueError(f"compile_memory_budget must be in (0, 1], got {memory_budget}")
-        import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = float(memory_budget)
+    functorch_config.autograd_cache_allow_custom_autograd_functions = True
     options = None
     if all(p.device.type == "cpu" for p in model.parameters()):
         torch.use_deterministic_algorithms(True, warn_only=True)
