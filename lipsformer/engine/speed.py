@@ -78,8 +78,7 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     (``autograd_cache_allow_custom_autograd_functions``, process-wide; torch's default refuses them). LipsFormer's
     Functions (fused GELU, residual, depth-wise convolution) are traced whole into the graph, forward and backward,
     so a change to their code changes the cache key (checked: a doubled depth-wise weight gradient missed the
-    cache). A resumed or repeated run then loads its training graph
-    instead of tracing it again (tested).
+    cache). A resumed or repeated run then loads its training graph instead of tracing it again (tested).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
