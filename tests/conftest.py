@@ -1,7 +1,23 @@
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 
 import lipsformer  # noqa: F401  (registers the models)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the repository (``eval.py``, ``benchmarks/throughput.py``), loaded as a module in this process
+    (no interpreter start per call), under its file's stem."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # A tiny, fast configuration of each family (init 'xavier' skips the SVDs where init is not the point).

@@ -1,6 +1,5 @@
 """benchmarks/throughput.py: its output, and the memory targets of issue 7, which are deterministic (bytes saved
 for backward do not depend on the machine's speed)."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,15 +8,9 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _throughput():
-    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_throughput_prints_a_table_and_writes_json_against_the_baseline(tmp_path):
@@ -38,7 +31,7 @@ def test_throughput_prints_a_table_and_writes_json_against_the_baseline(tmp_path
 
 def test_training_memory_targets_at_batch_16():
     """<= 1.3x swin_tiny's without gradient checkpointing, <= 0.6x with it (224 px, fp32, CPU)."""
-    train_memory = _throughput().train_memory
+    train_memory = load_script("benchmarks/throughput.py").train_memory
     x = torch.randn(16, 3, 224, 224)
     mb = {}
     for name, checkpointing in (("swin_tiny_patch4_window7_224", False), ("lipsformer_swin_t", False),

@@ -18,7 +18,7 @@ from lipsformer.lipschitz.certify import (certified_accuracy, certified_radius, 
                                           pgd_l2, pixel_lipschitz)
 from lipsformer.weights import export
 
-from conftest import TINY, reset_accelerate
+from conftest import TINY, load_script, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -129,11 +129,8 @@ def run_eval(*args):
 @pytest.fixture
 def eval_main():
     """eval.py's main, in this process (no interpreter start per call)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield lambda *args: module.main([str(a) for a in args])
+    main = load_script("eval.py").main
+    yield lambda *args: main([str(a) for a in args])
     reset_accelerate()
 
 

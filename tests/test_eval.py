@@ -17,7 +17,7 @@ from lipsformer.data import EvalDataset, eval_samples
 from lipsformer.engine.evaluate import evaluate_dataset, score
 from lipsformer.weights import export
 
-from conftest import TINY
+from conftest import TINY, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -165,14 +165,11 @@ def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
 def test_commands_destroy_their_process_group_before_they_return(tmp_path, script, argv):
     # Left to the interpreter's exit, gloo's threads now and then abort a process whose results are already
     # written (SIGABRT, "terminate called without an active exception"): CI saw eval.py's second rank do it.
-    import importlib.util
     import torch.distributed as dist
-    spec = importlib.util.spec_from_file_location(script[:-3] + "_cli", ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    main = load_script(script).main
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        assert module.main(argv) == 2  # a handled error: the exit code passes through
+        assert main(argv) == 2  # a handled error: the exit code passes through
         assert not dist.is_initialized()
     finally:
         if dist.is_initialized():

@@ -17,7 +17,7 @@ from lipsformer.engine.finetune import eval_frozen, start_model
 from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
-from conftest import TINY, reset_accelerate
+from conftest import TINY, load_script, reset_accelerate
 from test_train import make_folder, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,11 +253,7 @@ def test_train_cli_prints_one_line_and_exits_2_for_a_tag_without_weights(tmp_pat
 
 # -- the tools accept fine-tuned runs; eval.py preprocesses at the built size ----------------------------------
 def _eval_cli():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script("eval.py").main
 
 
 @pytest.fixture(scope="module")

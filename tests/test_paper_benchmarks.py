@@ -1,21 +1,17 @@
 """Issue 14's benchmarks (Table 3 in miniature, Kim et al. Fig. 2 / Fig. 3, AttLip Fig. 1) on tiny settings, and the
 warmup schedule the ablation's warmup row relies on."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import reset_accelerate
+from conftest import load_script, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{name}.py")
 
 
 @pytest.fixture
