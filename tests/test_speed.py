@@ -1,10 +1,12 @@
 """engine/speed.py and its TrainConfig keys (compile, compile_mode, compile_memory_budget, channels_last,
 grad_checkpointing, tf32): each reaches the model or the process, and none changes what a run computes."""
+import contextlib
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import yaml
 from safetensors.torch import load_file
 from conftest import reset_accelerate
@@ -17,19 +19,26 @@ from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
-@pytest.fixture
-def cold_compile():
-    """Compiles with nothing cached to stand in (dynamo reset, inductor's and AOTAutograd's caches off), giving back
-    afterwards the process-wide deterministic flag that compile_model sets for CPU models."""
-    import torch._functorch.config as functorch_config
+@contextlib.contextmanager
+def compiling(fx_graph_cache: bool, **functorch):
+    """Compiles from a clean slate: dynamo reset before and after, inductor's FX graph cache on or off and the given
+    functorch settings (AOTAutograd's cache), and afterwards the process-wide deterministic flag that compile_model
+    sets for CPU models given back."""
     was = torch.are_deterministic_algorithms_enabled()
     torch._dynamo.reset()
     try:
-        with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        with torch._inductor.config.patch(fx_graph_cache=fx_graph_cache), functorch_config.patch(**functorch):
             yield
     finally:
         torch.use_deterministic_algorithms(was)
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def cold_compile():
+    """Compiles with nothing cached to stand in (inductor's and AOTAutograd's caches off)."""
+    with compiling(fx_graph_cache=False, enable_autograd_cache=False):
+        yield
 
 
 @pytest.mark.parametrize("override, message", [
@@ -44,7 +53,6 @@ def test_speed_keys_reject_bad_values_naming_the_key(override, message):
 
 
 def test_compile_model_compiles_in_place_and_sets_the_partitioner_budget():
-    import torch._functorch.config as functorch_config
     model = torch.nn.Linear(3, 2)
     names = [n for n, _ in model.named_parameters()]
     before = functorch_config.activation_memory_budget
@@ -141,7 +149,6 @@ def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
     training memory from 1.59x to 0.88x of swin_tiny's, README GPU). Caches off, so a cached graph of the other
     budget cannot stand in."""
     import timm
-    import torch._functorch.config as functorch_config
     from conftest import TINY
 
     torch.manual_seed(0)
@@ -205,22 +212,16 @@ def test_compiling_the_same_training_graph_again_loads_it_from_aotautograds_cach
 
     from lipsformer.layers import ConvBlocks
 
-    import torch._functorch.config as functorch_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    was = torch.are_deterministic_algorithms_enabled()
     x = torch.randn(2, 9, 11, 8)
-    try:
-        with torch._inductor.config.patch(fx_graph_cache=True), functorch_config.patch(
-                enable_autograd_cache=True, autograd_cache_allow_custom_autograd_functions=False):
-            for _ in range(2):  # a second process in effect: nothing compiled is kept but the cache folder
-                torch._dynamo.reset()
-                counters.clear()
-                torch.manual_seed(0)
-                compile_model(ConvBlocks(8, "D").train())(x).sum().backward()
-            assert dict(counters["aot_autograd"]).get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch._dynamo.reset()
+    with compiling(fx_graph_cache=True, enable_autograd_cache=True,
+                   autograd_cache_allow_custom_autograd_functions=False):
+        for _ in range(2):  # a second process in effect: nothing compiled is kept but the cache folder
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            compile_model(ConvBlocks(8, "D").train())(x).sum().backward()
+        assert dict(counters["aot_autograd"]).get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
 
 
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
