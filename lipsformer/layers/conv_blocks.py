@@ -64,6 +64,11 @@ def _dw_weight_grad(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor
     return (rows.new_ones(rows.shape[0]) @ rows).view(k, k, -1).permute(2, 0, 1).unsqueeze(1)  # (C, 1, k, k)
 
 
+def _dw_conv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """oneDNN's depth-wise convolution of (B, H, W, C) ``x`` (stride 1, padding ``k // 2``), on channels-last views."""
+    return _nhwc(F.conv2d(_nchw(x), weight, bias, padding=weight.shape[-1] // 2, groups=weight.shape[0]))
+
+
 class _CompiledDepthwiseConv(torch.autograd.Function):
     """A depth-wise convolution (stride 1, padding ``k // 2``) on (B, H, W, C), with its weight gradient from
     :func:`_dw_weight_grad` instead of oneDNN's, whose depth-wise weight gradient is the slowest kernel of an eager
@@ -75,18 +80,16 @@ class _CompiledDepthwiseConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        k = weight.shape[-1]
-        return _nhwc(F.conv2d(_nchw(x), weight, bias, padding=k // 2, groups=weight.shape[0]))
+        return _dw_conv(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        k = weight.shape[-1]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # stride 1, padding k // 2: the transposed convolution is the flipped one
-            grad_x = _nhwc(F.conv2d(_nchw(grad), weight.flip(2, 3), padding=k // 2, groups=weight.shape[0]))
+            grad_x = _dw_conv(grad, weight.flip(2, 3))
         if ctx.needs_input_grad[1]:
-            grad_w = _dw_weight_grad(x, grad, k)
+            grad_w = _dw_weight_grad(x, grad, weight.shape[-1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 1, 2))
         return grad_x, grad_w, grad_b
