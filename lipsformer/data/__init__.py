@@ -3,9 +3,10 @@ ImageNet evaluation sets (val, ReaL, v2).
 
 The digits demo data lives in :mod:`lipsformer.data.digits` (needs scikit-learn).
 """
+from .augment import TransformError
 from .datasets import (SafeImageDataset, collate_skip_failed, create_dataset, create_loader_transform,
                        eval_data_config)
 from .imagenet_eval import EVAL_DATASETS, EvalDataset, eval_samples
 
 __all__ = ["EVAL_DATASETS", "EvalDataset", "SafeImageDataset", "collate_skip_failed", "create_dataset",
-           "create_loader_transform", "eval_data_config", "eval_samples"]
+           "create_loader_transform", "eval_data_config", "eval_samples", "TransformError"]

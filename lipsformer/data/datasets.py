@@ -10,6 +10,8 @@ from timm.data import create_dataset as timm_create_dataset
 from timm.data import create_transform, resolve_data_config
 from torch.utils.data import Dataset, default_collate
 
+from .augment import apply_transform, portable
+
 _logger = logging.getLogger(__name__)
 
 
@@ -36,7 +38,7 @@ class SafeImageDataset(Dataset):
 
     def _transform(self, img, index: int):
         if self.seed is None:
-            return self.transform(img)
+            return apply_transform(self.transform, img, self.filename(index))
         sample_seed = ((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index) % (2 ** 32)
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
@@ -44,7 +46,7 @@ class SafeImageDataset(Dataset):
                 torch.manual_seed(sample_seed)
                 random.seed(sample_seed)
                 np.random.seed(sample_seed)
-                return self.transform(img)
+                return apply_transform(self.transform, img, self.filename(index))
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
@@ -93,8 +95,10 @@ def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
     return resolve_data_config(dict(input_size=size, crop_pct=crop_pct, interpolation=interpolation), model=model)
 
 
-def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
-    """Preprocessing per :func:`eval_data_config`; training adds the recipe's augmentations."""
+def recipe_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
+    """timm's own preprocessing per :func:`eval_data_config`; training adds the recipe's augmentations. What
+    training and evaluation use is :func:`create_loader_transform` (this, made portable across Pillow versions);
+    this one is the reference it is compared with."""
     data_cfg = eval_data_config(model, crop_pct, interpolation)
     if cfg is not None:
         data_cfg.update(input_size=(3, cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
@@ -105,6 +109,12 @@ def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, i
         data_cfg["input_size"], is_training=True, interpolation=data_cfg["interpolation"], mean=data_cfg["mean"],
         std=data_cfg["std"], auto_augment=cfg.aa, re_prob=cfg.reprob, re_mode="pixel", hflip=cfg.hflip,
         scale=tuple(cfg.scale))
+
+
+def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
+    """:func:`recipe_transform` with timm's posterize ops made to give the same images on every Pillow
+    (:func:`~lipsformer.data.augment.portable`)."""
+    return portable(recipe_transform(model, is_training, cfg, crop_pct, interpolation))
 
 
 def create_dataset(name: str, root: Optional[str], split: str, transform, is_training: bool = False,
