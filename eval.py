@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from lipsformer.data import EVAL_DATASETS
+from lipsformer.data import EVAL_DATASETS, TransformError
 from lipsformer.engine.config import ConfigError
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, TooManyBadSamples, evaluate_model, \
     write_predictions
@@ -96,6 +96,9 @@ def main(argv=None) -> int:
         return 2
     except TooManyBadSamples as e:
         print(f"stopped: {e}", file=sys.stderr)
+        return 3
+    except TransformError as e:
+        print(f"stopped: {e.line}", file=sys.stderr)
         return 3
     classes, probs = result.pop("classes"), result.pop("probs")
     radius = result.pop("radius", None)

@@ -7,6 +7,7 @@
 import argparse
 import sys
 
+from lipsformer.data import TransformError
 from lipsformer.engine.checkpoint import SaveFailed
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.processes import ends_processes
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
         return 2
     except (TrainingDiverged, TooManyBadSamples, FileExistsError, BoundUnreachable, SaveFailed) as e:
         print(f"stopped: {e}", file=sys.stderr)
+        return 3
+    except TransformError as e:  # a bug in the augmentation, not a bad image: nothing after the last checkpoint
+        print(f"stopped: {e.line}; the newest checkpoint is the last one written before it", file=sys.stderr)
         return 3
     print(f"best top-1 {summary['best_top1']:.2f}% | checkpoint {summary['checkpoint']} | curves {summary['curves']}")
     return 0

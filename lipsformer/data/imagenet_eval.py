@@ -15,6 +15,8 @@ from timm.data import get_img_extensions
 from timm.data.readers.reader_image_folder import find_images_and_targets
 from torch.utils.data import Dataset
 
+from .augment import apply_transform
+
 EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
 Sample = Tuple[str, Tuple[int, ...]]
 _logger = logging.getLogger(__name__)
@@ -121,4 +123,4 @@ class EvalDataset(Dataset):
         except Exception as e:  # PIL raises several kinds for corrupt or empty files
             _logger.warning(f"skipped unreadable image {path}: {e}")
             return None, index, str(path)
-        return self.transform(img), index, ""
+        return apply_transform(self.transform, img, str(path)), index, ""

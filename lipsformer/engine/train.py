@@ -358,23 +358,23 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     loader = run.train_loader
     if state.batch_in_epoch:
         loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
-    bar = tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch}",
-               disable=not accelerator.is_main_process, dynamic_ncols=True)
     meter = _EpochMeter()
-    for images, targets, bad in loader:
-        meter.failed += bad
-        if images is None:
-            raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
-        meter.seen += targets.shape[0]
-        loss = _train_step(run, meter, images, targets, epoch)
-        state.batch_in_epoch += 1
-        bar.update(1)
-        if loss is not None:
-            meter.loss_sum, meter.loss_n = meter.loss_sum + loss, meter.loss_n + 1
-        meter.images += targets.shape[0] * accelerator.num_processes
-        if accelerator.sync_gradients:
-            _after_update(run, meter, epoch, bar)
-    bar.close()
+    # closed however the loop ends, so an error line printed after it starts on a line of its own
+    with tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch}",
+              disable=not accelerator.is_main_process, dynamic_ncols=True) as bar:
+        for images, targets, bad in loader:
+            meter.failed += bad
+            if images is None:
+                raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
+            meter.seen += targets.shape[0]
+            loss = _train_step(run, meter, images, targets, epoch)
+            state.batch_in_epoch += 1
+            bar.update(1)
+            if loss is not None:
+                meter.loss_sum, meter.loss_n = meter.loss_sum + loss, meter.loss_n + 1
+            meter.images += targets.shape[0] * accelerator.num_processes
+            if accelerator.sync_gradients:
+                _after_update(run, meter, epoch, bar)
 
     totals = accelerator.reduce(torch.tensor([float(len(meter.failed)), float(meter.seen)],
                                              device=accelerator.device), "sum")
