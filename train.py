@@ -3,17 +3,25 @@
     accelerate launch train.py --config configs/lipsformer_cswin_t.yaml --data-dir /data/imagenet
     python train.py --config configs/demo_digits.yaml --set epochs=5 lr=1e-3
     python train.py --config ... --output-dir output/run --resume auto
+
+Exit codes: 0 done; 1 a runtime fault; 2 bad input (config, data, a checkpoint that cannot be used); 3 stopped
+(divergence, unreadable data, a failed write); 75 preempted (SIGTERM or SIGUSR1: the step in progress was finished
+and checkpointed; requeue the job with --resume auto; examples/slurm/ does).
 """
 import argparse
 import sys
+
+from accelerate import PartialState
 
 from lipsformer.data import TransformError
 from lipsformer.engine.checkpoint import SaveFailed
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.processes import ends_processes
-from lipsformer.engine.train import TooManyBadSamples, TrainingDiverged, train
+from lipsformer.engine.train import Preempted, TooManyBadSamples, TrainingDiverged, train
 from lipsformer.lipschitz.constraints import BoundUnreachable
 from lipsformer.weights import CheckpointError
+
+PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, try again; the batch scripts requeue on it
 
 
 @ends_processes
@@ -54,6 +62,10 @@ def main(argv=None) -> int:
     except TransformError as e:  # a bug in the augmentation, not a bad image: nothing after the last checkpoint
         print(f"stopped: {e.line}; the newest checkpoint is the last one written before it", file=sys.stderr)
         return 3
+    except Preempted as e:
+        if PartialState().is_main_process:
+            print(f"preempted: {e} (exit code {PREEMPTED}: requeue)", file=sys.stderr)
+        return PREEMPTED
     print(f"best top-1 {summary['best_top1']:.2f}% | checkpoint {summary['checkpoint']} | curves {summary['curves']}")
     return 0
 

@@ -39,7 +39,7 @@ def make_folder(root: Path, train_per_class=(6, 6, 6, 6), val_per_class=(3, 3, 3
             d = root / split / f"class_{c}"
             d.mkdir(parents=True)
             for i in range(n):
-                pixels = (rng.random((16, 16, 3)) * 60 + c * 60).astype(np.uint8)
+                pixels = (rng.random((16, 16, 3)) * 60 + c * 60 % 196).astype(np.uint8)  # any number of classes
                 Image.fromarray(pixels).save(d / f"{i}.jpg")
     return root
 
@@ -267,8 +267,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script, *args, nodes=1, procs=2, cwd=ROOT):
-    """Run ``script`` on ``nodes`` x ``procs`` CPU processes; several nodes are simulated on this host."""
+def torchrun(script, *args, nodes=1, procs=2, cwd=ROOT, exitcode=0) -> str:
+    """Run ``script`` on ``nodes`` x ``procs`` CPU processes; several nodes are simulated on this host. The
+    processes must exit with ``exitcode`` (torchrun stops the others once one exits with another code than 0);
+    returns what they printed (stdout, then stderr)."""
     launcher = str(Path(PY).with_name("torchrun"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = _free_port()
@@ -277,9 +279,15 @@ def torchrun(script, *args, nodes=1, procs=2, cwd=ROOT):
             for n in range(nodes)]
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
                for c in cmds]
+    printed = ""
     for proc in running:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
+        out, err = proc.communicate(timeout=300)
+        printed += out + err
+        if exitcode == 0:
+            assert proc.returncode == 0, err[-3000:]
+        else:  # torchrun names the process that failed first, and its exit code
+            assert proc.returncode != 0 and f"exitcode  : {exitcode} " in err, err[-3000:]
+    return printed
 
 
 def test_each_rank_draws_different_samples_every_epoch(tmp_path):
@@ -353,12 +361,12 @@ def test_two_processes_split_the_data_and_count_val_once(tmp_path):
 
 
 def test_fsdp2_run_matches_ddp_and_resumes_from_its_sharded_checkpoint(tmp_path):
-    """The loop under Accelerate's FSDP2 (forced on CPU, see tests/fsdp_train.py) against plain DDP."""
+    """The loop under Accelerate's FSDP2 (forced on CPU, see tests/train_probe.py) against plain DDP."""
     ddp = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2)
     torchrun(ROOT / "train.py", "--config", ddp)
     fsdp = tmp_path / "fsdp.yaml"
     fsdp.write_text(ddp.read_text().replace(str(tmp_path / "run"), str(tmp_path / "fsdp")))
-    torchrun(ROOT / "tests" / "fsdp_train.py", fsdp)
+    torchrun(ROOT / "tests" / "train_probe.py", "--fsdp", "--", "--config", fsdp)
     checkpoint = tmp_path / "fsdp" / "checkpoints" / "step_000000004"
     assert (checkpoint / "pytorch_model_fsdp_0").is_dir()  # sharded: FSDP really ran
     rows = [[r for r in read_metrics(tmp_path / d) if r["kind"] == "epoch"][0] for d in ("run", "fsdp")]
@@ -371,7 +379,7 @@ def test_fsdp2_run_matches_ddp_and_resumes_from_its_sharded_checkpoint(tmp_path)
     # resume mid-epoch from the sharded checkpoint: the same end weights
     final = load_file(str(tmp_path / "fsdp" / "last.safetensors"))
     (tmp_path / "fsdp" / "last.safetensors").unlink()
-    torchrun(ROOT / "tests" / "fsdp_train.py", fsdp, "--resume", checkpoint)
+    torchrun(ROOT / "tests" / "train_probe.py", "--fsdp", "--", "--config", fsdp, "--resume", checkpoint)
     resumed = load_file(str(tmp_path / "fsdp" / "last.safetensors"))
     assert all(torch.equal(final[k], resumed[k]) for k in final)
 

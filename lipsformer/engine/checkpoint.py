@@ -27,14 +27,28 @@ class SaveFailed(RuntimeError):
 
 
 class TrainState:
-    """Where the run is: epoch, optimizer step, batches consumed in this epoch, and bookkeeping."""
+    """Where the run is: epoch, optimizer step, batches consumed in this epoch, and bookkeeping.
 
-    def __init__(self):
+    ``batch_in_epoch`` counts each process's batches of ``batch_size`` on ``processes`` processes: the run that
+    wrote the state. A checkpoint from before these were recorded keeps the values the loading run gives.
+    """
+
+    def __init__(self, processes: int = 1, batch_size: int = 1, global_batch: int = 1):
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
         self.best_top1 = -1.0
         self.skipped_steps = 0
+        self.processes = processes
+        self.batch_size = batch_size
+        self.global_batch = global_batch
+
+    @property
+    def samples_in_epoch(self) -> int:
+        """Samples of this epoch consumed over all processes: the position whatever the number of processes.
+        Accelerate's sharded batch sampler hands out the seeded permutation's batches in turn, so the first
+        ``samples_in_epoch`` samples of the epoch's permutation are the ones used."""
+        return self.batch_in_epoch * self.batch_size * self.processes
 
     def state_dict(self) -> dict:
         return dict(vars(self))

@@ -6,6 +6,8 @@ import logging
 import math
 import os
 import pickle
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,42 @@ _logger = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient stopped the run."""
+
+
+class Preempted(RuntimeError):
+    """A preemption signal stopped the run after the step it arrived in, with that step's checkpoint written."""
+
+
+# What a cluster scheduler sends before it stops a job (SLURM: ``--signal=USR1@120``; SIGTERM at preemption or
+# at the time limit, SIGKILL some seconds later).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class _Preemption:
+    """Notes a preemption signal and nothing else: the loop acts on it between optimizer steps
+    (:func:`_stop_if_preempted`), so a signal never interrupts a step or a checkpoint write, and a second one only
+    notes it again."""
+
+    def __init__(self):
+        self.signal = 0  # the number of the last signal received, 0 for none
+
+    def __call__(self, signum, frame) -> None:
+        self.signal = signum
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Within the block the preemption signals set the flag; the previous handlers are restored after it.
+        Blocking system calls interrupted by them are restarted (gloo, loader workers) rather than failing."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python sets handlers there only
+            for sig in PREEMPTION_SIGNALS:
+                previous[sig] = signal.signal(sig, self)
+                signal.siginterrupt(sig, False)
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def create_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -179,6 +217,7 @@ class _Run:
     last_good: Optional[Path]  # the newest checkpoint written or resumed from
     kept: Optional[Tuple[int, float]] = None  # (step, bound) of keep()'s last projection
     start: ModelStart = field(default_factory=ModelStart)  # starting weights and frozen modules (finetune.py)
+    preemption: _Preemption = field(default_factory=_Preemption)
 
     def diverged(self, what: str, epoch: int) -> TrainingDiverged:
         return TrainingDiverged(f"non-finite {what} at step {self.state.step} (epoch {epoch}); "
@@ -291,15 +330,18 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
     mixup, criterion = build_criterion(cfg)
     criterion = margin_criterion(criterion, cfg.margin_eps, cfg.margin_bound)  # Lipschitz margin (margin.py)
-    state = TrainState()
+    state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch)
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
     if resume_from is not None:
         try:
             accelerator.load_state(str(resume_from))
         except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
             raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
+        notice = _move_position(state, cfg, accelerator, train_loader)
         accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
                           f"batch {state.batch_in_epoch} of the epoch)")
+        if notice:
+            accelerator.print(notice)
     else:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
@@ -323,10 +365,63 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     return run
 
 
+def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator, train_loader) -> Optional[str]:
+    """After loading a checkpoint written on another number of processes (or another ``batch_size``): express
+    its place in the epoch in this run's batches, so that the epoch continues with the first sample not yet
+    used, and return the line that says what carried over and what did not (None when nothing changed)."""
+    if state.global_batch != cfg.global_batch:
+        raise ConfigError(f"global_batch {cfg.global_batch} differs from the checkpoint's {state.global_batch}: "
+                          f"the optimizer state, the schedule and the place in the epoch are in its steps; resume "
+                          f"with global_batch={state.global_batch} (the number of processes may change)")
+    processes, old = accelerator.num_processes, (state.processes, state.batch_size)
+    if old == (processes, cfg.batch_size):
+        return None
+    samples, per_batch = state.samples_in_epoch, cfg.batch_size * processes
+    # written after an optimizer step: a whole number of global batches, which divide into this run's batches
+    state.batch_in_epoch, state.processes, state.batch_size = samples // per_batch, processes, cfg.batch_size
+    accelerator.step = state.batch_in_epoch  # the accumulation window counts this run's batches of the epoch
+    streamed = isinstance(train_loader.dataset, IterableDataset)
+    return (f"resumed on {processes} process(es) x batch {cfg.batch_size} from a checkpoint written on {old[0]} x "
+            f"batch {old[1]}: global batch {cfg.global_batch} kept ({accelerator.gradient_accumulation_steps} "
+            f"accumulation step(s)), schedule at step {state.step}, epoch {state.epoch} continues after its first "
+            f"{samples} samples"
+            + (" (streamed data shard by process: which samples the rest of this epoch holds cannot carry over, "
+               "some may repeat or be missed)" if streamed else "")
+            + "; no longer bit-exact: gradients are summed in another order and each process's random draws "
+              "(drop path, mixup) follow other streams"
+            + (f" (processes {old[0]}.. had none saved)" if processes > old[0] else ""))
+
+
+def _stop_if_preempted(run: _Run) -> None:
+    """Between optimizer steps: when any process was sent a preemption signal (the flag is reduced, so every
+    process stops at the same step), write this step's checkpoint and raise Preempted."""
+    accelerator, state = run.accelerator, run.state
+    received = int(accelerator.reduce(torch.tensor([float(run.preemption.signal)], device=accelerator.device),
+                                      "max").item())
+    if not received:
+        return
+    run.last_good = save_checkpoint(accelerator, run.model, run.folder.root, state, run.cfg.keep_last)
+    accelerator.end_training()
+    raise Preempted(f"{signal.Signals(received).name} received: every process finished step {state.step} and "
+                    f"checkpoint {run.last_good} is written (epoch {state.epoch}, {state.samples_in_epoch} of its "
+                    f"samples used); continue with --resume auto")
+
+
 def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
-    """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path."""
-    run = _start(cfg, resume)
-    state, accelerator = run.state, run.accelerator
+    """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path.
+
+    SIGTERM and SIGUSR1 (:data:`PREEMPTION_SIGNALS`) stop the run after the optimizer step they arrive in, with
+    that step's checkpoint written, by raising :class:`Preempted`.
+    """
+    preemption = _Preemption()
+    with preemption.watching():
+        run = _start(cfg, resume)
+        run.preemption = preemption
+        return _train(run)
+
+
+def _train(run: _Run) -> dict:
+    cfg, state, accelerator = run.cfg, run.state, run.accelerator
     for epoch in range(state.epoch, cfg.epochs):
         row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
         row.update(alpha_statistics(accelerator.unwrap_model(run.model)))
@@ -335,6 +430,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
             row.update(evaluate_and_keep_best(run))
         run.log("epoch", state.step, **row)
         run.last_good = save_checkpoint(accelerator, run.model, run.folder.root, state, cfg.keep_last)
+        if epoch + 1 < cfg.epochs:  # a signal during the evaluation: the epoch's checkpoint is the one
+            _stop_if_preempted(run)
 
     _save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights())
     if run.ema is not None:
@@ -355,6 +452,8 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     run.model.train()
     eval_frozen(accelerator.unwrap_model(run.model), run.start.frozen)
     run.train_loader.set_epoch(epoch)
+    if hasattr(run.train_loader.dataset, "set_epoch"):  # the augmentation's seeds: Accelerate's set_epoch stops at
+        run.train_loader.dataset.set_epoch(epoch)  # a sharded sampler (several processes) and never reaches them
     loader = run.train_loader
     if state.batch_in_epoch:
         loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
@@ -420,7 +519,8 @@ def _train_step(run: _Run, meter: _EpochMeter, images, targets, epoch: int) -> O
 
 
 def _after_update(run: _Run, meter: _EpochMeter, epoch: int, bar) -> None:
-    """Bookkeeping after an optimizer update: step count, bound keeping, schedule, EMA, logging, checkpoint."""
+    """Bookkeeping after an optimizer update: step count, bound keeping, schedule, EMA, logging, checkpoint, and
+    the stop when a preemption signal came."""
     cfg, state = run.cfg, run.state
     if meter.window_bad:
         state.skipped_steps += 1
@@ -438,6 +538,7 @@ def _after_update(run: _Run, meter: _EpochMeter, epoch: int, bar) -> None:
         run.log("train", state.step, epoch=epoch, loss=meter.loss, lr=lr, img_per_s=speed)
     if state.step % cfg.checkpoint_every_steps == 0:
         run.last_good = save_checkpoint(run.accelerator, run.model, run.folder.root, state, cfg.keep_last)
+    _stop_if_preempted(run)
 
 
 def evaluate_and_keep_best(run: _Run) -> dict:

@@ -1,0 +1,172 @@
+"""train.py on a cluster: preemption signals, resuming on another number of processes (DDP and FSDP2),
+and examples/slurm/ run on one host as two "nodes"."""
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import load_script, reset_accelerate
+from test_train import ROOT, make_folder, read_metrics, torchrun, write_config
+from train_probe import probed_step
+
+from lipsformer.engine.checkpoint import latest_checkpoint, verify_checkpoint
+from lipsformer.engine.config import load_config
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
+PROBE = ROOT / "tests" / "train_probe.py"
+
+
+def same_weights(a: Path, b: Path, exact: bool = True) -> bool:
+    """``last.safetensors`` and ``last_ema.safetensors`` of two runs: equal bit for bit, or to rounding."""
+    for name in ("last.safetensors", "last_ema.safetensors"):
+        x, y = load_file(str(a / name)), load_file(str(b / name))
+        assert x.keys() == y.keys()
+        if not all(torch.equal(x[k], y[k]) if exact else torch.allclose(x[k], y[k], rtol=1e-5, atol=1e-6)
+                   for k in x):
+            return False
+    return True
+
+
+def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_identical(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """SIGUSR1 arrives in the first of step 2's two accumulated batches: the step is finished, checkpointed (a
+    SIGTERM arriving during that write changes nothing) and the run stops; --resume auto starts at step 3 and
+    ends bit-identical to the run nobody interrupted."""
+    from accelerate import Accelerator
+    from lipsformer.engine import train as loop
+    config = write_config(tmp_path, epochs=1, global_batch=8, checkpoint_every_steps=100)
+    main = load_script("train.py").main
+    reference = tmp_path / "reference"
+    assert main(["--config", str(config), "--output-dir", str(reference)]) == 0
+    reset_accelerate()
+
+    run = tmp_path / "run"
+    records = []
+    monkeypatch.setattr(loop, "_train_step", probed_step(loop._train_step, records, signal_at_step=2))
+    real_save = Accelerator.save_state
+    writes = []
+
+    def save_state(self, output_dir=None, **kwargs):  # a second signal in the middle of the write
+        writes.append(output_dir)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_state)
+    assert main(["--config", str(config), "--output-dir", str(run)]) == 75
+    said = capsys.readouterr().err.splitlines()
+    assert [line for line in said if "preempted" in line] == [
+        f"preempted: SIGUSR1 received: every process finished step 2 and checkpoint {run}/checkpoints/"
+        f"step_000000002 is written (epoch 0, 16 of its samples used); continue with --resume auto (exit code 75: "
+        f"requeue)"]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are given back
+    assert [r["step"] for r in records] == [1, 1, 2, 2]  # step 2 finished, nothing after it
+    assert [Path(w).name for w in writes] == [".tmp-step_000000002"]
+    checkpoint = latest_checkpoint(run)
+    assert checkpoint.name == "step_000000002"
+    verify_checkpoint(checkpoint, loop.build_model(load_config(config)))  # intact, manifest and all
+    assert max(r["step"] for r in read_metrics(run) if r["kind"] == "train") == 2
+
+    reset_accelerate()
+    monkeypatch.setattr(Accelerator, "save_state", real_save)
+    records.clear()
+    assert main(["--config", str(config), "--output-dir", str(run), "--resume", "auto"]) == 0
+    assert records[0]["step"] == 3  # no step lost, none repeated
+    assert same_weights(reference, run)
+
+
+# -- another number of processes ----------------------------------------------------------------------
+# One image per class, so a batch's targets say which samples it holds; 24 images, batch 4, global batch 8:
+# 2 processes x 1 or 1 process x 2 accumulated batches, 3 optimizer steps an epoch. No mixup and no drop path,
+# so runs on different numbers of processes differ by rounding only; and SGD, since Adam's update of a weight
+# whose gradient is near 0 is +-lr whichever way rounding tips it (AdamW ended 4e-4 apart, lr 1e-3).
+WORLD = dict(num_classes=24, epochs=2, global_batch=8, batch_size=4, mixup=0.0, cutmix=0.0, drop_path=0.0,
+             opt="sgd", lr=0.05, checkpoint_every_steps=1, keep_last=6)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The uninterrupted run on 2 processes (DDP), with what each process trained on at every step."""
+    tmp = tmp_path_factory.mktemp("two")
+    ids = make_folder(tmp / "ids", train_per_class=(1,) * 24, val_per_class=(1,) * 24)
+    config = write_config(tmp, data_dir=str(ids), **WORLD)
+    (tmp / "records").mkdir()
+    torchrun(PROBE, "--record", tmp / "records", "--", "--config", config)
+    return config, tmp / "run", recorded(tmp / "records")
+
+
+def recorded(folder: Path) -> list:
+    return [r for f in sorted(folder.glob("*.json")) for r in json.loads(f.read_text())]
+
+
+def assert_epoch_covered_once(records: list, epoch: int, steps: range, global_batch: int = 8) -> None:
+    """Each sample of ``epoch`` trained on exactly once, ``global_batch`` of them at each optimizer step."""
+    mine = [r for r in records if r["epoch"] == epoch]
+    assert sorted(t for r in mine for t in r["targets"]) == list(range(24))
+    assert {s: sum(len(r["targets"]) for r in mine if r["step"] == s) for s in steps} == \
+        {s: global_batch for s in steps}
+
+
+def lrs(run: Path) -> dict:
+    return {r["step"]: r["lr"] for r in read_metrics(run) if r["kind"] == "train"}
+
+
+NOTICE = "no longer bit-exact: gradients are summed in another order"
+
+
+def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path, capsys):
+    """2 -> 1 -> 2 processes, mid-epoch each time: the global batch, the schedule and the epoch's samples carry
+    over, each resume says it is no longer bit-exact, and the weights end as the uninterrupted run's to rounding."""
+    config, reference, before = two_processes
+    run = tmp_path / "run"
+    main = load_script("train.py").main
+    records = []
+    from lipsformer.engine import train as loop
+    loop_step = loop._train_step
+    loop._train_step = probed_step(loop_step, records, signal_at_step=5)
+    try:  # 2 -> 1: the reference's checkpoint after step 4 (mid-epoch 1), preempted after step 5
+        assert main(["--config", str(config), "--output-dir", str(run), "--resume",
+                     str(reference / "checkpoints" / "step_000000004")]) == 75
+    finally:
+        loop._train_step = loop_step
+    said = capsys.readouterr().out
+    assert said.count(NOTICE) == 1 and "resumed on 1 process(es) x batch 4 from a checkpoint written on 2 x batch 4: " \
+        "global batch 8 kept (2 accumulation step(s)), schedule at step 4, epoch 1 continues after its first 8 " \
+        "samples" in said
+    reset_accelerate()
+    (tmp_path / "records").mkdir()
+    said = torchrun(PROBE, "--record", tmp_path / "records", "--", "--config", config, "--output-dir", run,
+                    "--resume", "auto")  # 1 -> 2
+    assert said.count(NOTICE) == 1 and "on 2 process(es) x batch 4 from a checkpoint written on 1 x batch 4" in said
+    after = recorded(tmp_path / "records")
+    assert [r["step"] for r in records] == [5, 5] and {r["step"] for r in after} == {6}
+    assert_epoch_covered_once([r for r in before if r["step"] <= 4] + records + after, epoch=1, steps=range(4, 7))
+    assert lrs(run) == {s: lr for s, lr in lrs(reference).items() if s >= 5}  # the schedule's own steps
+    assert same_weights(reference, run, exact=False)
+
+
+def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(two_processes, tmp_path):
+    """FSDP2 on 2 processes, preempted in epoch 1; resumed on 1 (its sharded checkpoint resharded), preempted
+    again; resumed on 2 to the end: every sample of the epoch once, and the uninterrupted DDP run's weights."""
+    config, reference, _ = two_processes
+    run = tmp_path / "run"
+    args = ["--config", config, "--output-dir", run]
+    (tmp_path / "records").mkdir()
+    record = ["--fsdp", "--record", tmp_path / "records"]
+    torchrun(PROBE, *record, "--signal-at-step", 4, "--", *args, exitcode=75)
+    assert latest_checkpoint(run).name == "step_000000004"
+    assert (latest_checkpoint(run) / "pytorch_model_fsdp_0").is_dir()  # sharded
+    said = torchrun(PROBE, *record, "--signal-at-step", 5, "--", *args, "--resume", "auto", procs=1, exitcode=75)
+    assert said.count(NOTICE) == 1 and "preempted: SIGUSR1" in said
+    assert latest_checkpoint(run).name == "step_000000005"
+    said = torchrun(PROBE, *record, "--", *args, "--resume", "auto")
+    assert said.count(NOTICE) == 1
+    records = recorded(tmp_path / "records")
+    assert_epoch_covered_once(records, epoch=0, steps=range(1, 4))
+    assert_epoch_covered_once(records, epoch=1, steps=range(4, 7))
+    assert lrs(run) == lrs(reference)
+    assert same_weights(reference, run, exact=False)

@@ -1,0 +1,73 @@
+"""train.py under test, with three optional probes; run by torchrun, or imported by in-process tests.
+
+    torchrun --nproc_per_node 2 tests/train_probe.py [--fsdp] [--record DIR] [--signal-at-step K] -- TRAIN.PY ARGS
+
+``--fsdp``: Accelerate's FSDP2 on CPU processes (gloo). Accelerate turns FSDP on for accelerators only, so its
+state is forced to FSDP (version 2, sharded state dicts) before anything is prepared; everything after that is
+the loop's own FSDP path.
+``--record DIR``: each process writes ``DIR/<pid>.json``, the targets of every batch it trained on, with the epoch
+and the optimizer step the batch belongs to (a data set with one image per class makes targets sample ids).
+``--signal-at-step K``: process 0 sends itself SIGUSR1 while its first batch of optimizer step K is in progress.
+The exit code is train.py's.
+"""
+import argparse
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+from accelerate import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+import lipsformer.engine.train as loop
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fsdp2_accelerator(create_accelerator):
+    def create(cfg):
+        accelerator = create_accelerator(cfg)
+        for state in (accelerator.state, PartialState()):
+            state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                                       state_dict_type="SHARDED_STATE_DICT")
+        return accelerator
+    return create
+
+
+def probed_step(train_step, records: list, signal_at_step: int = 0):
+    """``loop._train_step`` that appends ``(epoch, step, targets)`` to ``records`` and, on process 0, sends
+    SIGUSR1 to its own process at the first batch of step ``signal_at_step``."""
+    def step(run, meter, images, targets, epoch):
+        update = run.state.step + 1
+        if update == signal_at_step and run.accelerator.is_main_process \
+                and not any(r["step"] == update for r in records):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        records.append(dict(epoch=epoch, step=update, targets=targets.tolist()))
+        return train_step(run, meter, images, targets, epoch)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--record")
+    parser.add_argument("--signal-at-step", type=int, default=0)
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    if args.fsdp:
+        loop.create_accelerator = fsdp2_accelerator(loop.create_accelerator)
+    records = []
+    loop._train_step = probed_step(loop._train_step, records, args.signal_at_step)
+    sys.argv = [str(ROOT / "train.py"), *[a for a in args.train_args if a != "--"]]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        if args.record:
+            Path(args.record, f"{os.getpid()}.json").write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
