@@ -170,3 +170,94 @@ def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(tw
     assert_epoch_covered_once(records, epoch=1, steps=range(4, 7))
     assert lrs(run) == lrs(reference)
     assert same_weights(reference, run, exact=False)
+
+
+# -- examples/slurm/ ----------------------------------------------------------------------------------
+SLURM = ROOT / "examples" / "slurm"
+
+
+def fake_slurm(tmp_path: Path, nodes: int = 2, **env) -> dict:
+    """The environment of a SLURM batch job on ``nodes`` "nodes" of this host, one process each, with
+    tests/fake_slurm.py as srun and scontrol."""
+    import sys
+    from test_train import _free_port
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    for tool in ("srun", "scontrol"):
+        (bin_ / tool).write_text(f'#!/bin/bash\nexec {sys.executable} {ROOT / "tests" / "fake_slurm.py"} {tool} "$@"\n')
+        (bin_ / tool).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_ID="42",
+                SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST="node[1-2]", GPUS="1", PORT=str(_free_port()),
+                OMP_NUM_THREADS="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"), **env)
+
+
+def test_slurm_launch_lines_parse(tmp_path, monkeypatch):
+    """Both launchers the script can build, from the multi-node script: torchrun's line by torchrun's parser,
+    accelerate launch's by Accelerate's, with the FSDP2 config; the launcher passes SIGUSR1 on."""
+    import shlex
+    import subprocess
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed.run import get_args_parser
+    for script in ("train.sbatch", "train_multinode.sbatch"):
+        assert subprocess.run(["bash", "-n", str(SLURM / script)]).returncode == 0
+    lines = {}
+    for launcher, extra in (("torchrun", {}), ("accelerate", dict(ACCELERATE_CONFIG=str(SLURM / "fsdp2_multinode.yaml")))):
+        env = fake_slurm(tmp_path, FAKE_SLURM_ECHO="1", SLURM_SUBMIT_DIR=str(ROOT), **extra)
+        proc = subprocess.run(["bash", str(SLURM / "train_multinode.sbatch"), "--config", "my config.yaml"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        echoed = json.loads(proc.stdout)
+        bash, c, command = echoed["command"]
+        assert (bash, c) == ("bash", "-c") and command.startswith("exec ")
+        lines[launcher] = shlex.split(command.replace("$SLURM_NODEID", "1"))[1:]
+    for name, value in echoed["env"].items():  # torchrun reads them (accelerate launch runs torchrun)
+        monkeypatch.setenv(name, value)
+    torchrun = get_args_parser().parse_args(lines["torchrun"][1:])
+    assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend, torchrun.rdzv_id) == ("2", "1", "c10d", "42")
+    assert "SIGUSR1" in torchrun.signals_to_handle.split(",") and echoed["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "110"
+    assert (torchrun.training_script, torchrun.training_script_args) == \
+        ("train.py", ["--config", "my config.yaml", "--resume", "auto"])
+    assert lines["accelerate"][:2] == ["accelerate", "launch"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(lines["accelerate"][2:]))
+    assert (args.num_machines, args.num_processes, args.machine_rank, args.rdzv_backend) == (2, 2, 1, "c10d")
+    assert args.training_script_args == ["--config", "my config.yaml", "--resume", "auto"]
+    fsdp = prepare_multi_gpu_env(args)
+    assert (fsdp["FSDP_VERSION"], fsdp["FSDP_STATE_DICT_TYPE"], fsdp["FSDP_TRANSFORMER_CLS_TO_WRAP"]) == \
+        ("2", "SHARDED_STATE_DICT", "LipsBlock")
+    from lipsformer.layers import LipsBlock  # noqa: F401  (the class the config wraps exists under that name)
+
+
+def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(two_processes, tmp_path):
+    """examples/slurm/train.sbatch on two "nodes" (torchrun, c10d rendezvous) gets USR1 as SLURM's
+    --signal=B:USR1@120 sends it: the training stops after the step in progress with its checkpoint, the script
+    requeues the job, and the requeued job ends with the uninterrupted run's weights, bit for bit (that run is on
+    2 processes of one torchrun, which the two-node run equals: test_two_processes_split_the_data...)."""
+    import subprocess
+    import time
+    config, reference, _ = two_processes
+    run = tmp_path / "run"
+    env = fake_slurm(tmp_path)
+    command = ["bash", str(SLURM / "train.sbatch"), "--config", str(config), "--output-dir", str(run)]
+    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, steps = time.time() + 300, []
+    while time.time() < deadline and job.poll() is None:
+        steps = [r["step"] for r in read_metrics(run) if r["kind"] == "train"] if (run / "metrics.jsonl").exists() \
+            else []
+        if steps and max(steps) >= 2:
+            break
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert (tmp_path / "slurm.log").read_text() == "requeue 42\n"
+    stopped = latest_checkpoint(run)
+    last = max(r["step"] for r in read_metrics(run) if r["kind"] == "train")
+    assert max(steps) <= last == int(stopped.name.split("_")[1]) < 6, "stopped at the next step, mid-run"
+    assert err.count("preempted: SIGUSR1 received") == 1
+
+    job = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # the requeued job
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert (tmp_path / "slurm.log").read_text() == "requeue 42\n"  # done: not requeued again
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][len(range(1, last + 1)):][0] == last + 1
+    assert same_weights(reference, run)
