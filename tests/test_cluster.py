@@ -78,6 +78,12 @@ def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_id
     assert records[0]["step"] == 3  # no step lost, none repeated
     assert same_weights(reference, run)
 
+    reset_accelerate()  # the number of processes may change on resume, the global batch may not
+    capsys.readouterr()
+    assert main(["--config", str(config), "--output-dir", str(run), "--resume", "auto", "--set", "global_batch=4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "config error: global_batch 4 differs from the checkpoint's 8: ")
+
 
 # -- another number of processes ----------------------------------------------------------------------
 # One image per class, so a batch's targets say which samples it holds; 24 images, batch 4, global batch 8:
