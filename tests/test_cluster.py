@@ -85,6 +85,27 @@ def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_id
         "config error: global_batch 4 differs from the checkpoint's 8: ")
 
 
+def test_a_kill_during_the_preemption_checkpoint_leaves_the_previous_one_the_newest_intact(tmp_path):
+    """SIGUSR1 in step 2, then SIGKILL while step 2's checkpoint is being written (a grace time too short): the
+    half-written folder is never taken for a checkpoint, step 1's stays the newest intact one, and --resume auto
+    goes on from it, writing step 2 again."""
+    import subprocess
+    import sys
+    from lipsformer.engine import train as loop
+    config = write_config(tmp_path, epochs=1, global_batch=8, checkpoint_every_steps=1)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(PROBE), "--signal-at-step", "2", "--kill-in-save", "2", "--",
+                           "--config", str(config), "--output-dir", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (run / "checkpoints" / ".tmp-step_000000002").is_dir()
+    assert latest_checkpoint(run).name == "step_000000001"
+    verify_checkpoint(latest_checkpoint(run), loop.build_model(load_config(config)))
+    summary = loop.train(load_config(config, [f"output_dir={run}"]), resume="auto")
+    assert summary["step"] == 3
+    verify_checkpoint(run / "checkpoints" / "step_000000002", loop.build_model(load_config(config)))
+
+
 # -- another number of processes ----------------------------------------------------------------------
 # One image per class, so a batch's targets say which samples it holds; 24 images, batch 4, global batch 8:
 # 2 processes x 1 or 1 process x 2 accumulated batches, 3 optimizer steps an epoch. No mixup and no drop path,

@@ -8,6 +8,8 @@ the loop's own FSDP path.
 ``--record DIR``: each process writes ``DIR/<pid>.json``, the targets of every batch it trained on, with the epoch
 and the optimizer step the batch belongs to (a data set with one image per class makes targets sample ids).
 ``--signal-at-step K``: process 0 sends itself SIGUSR1 while its first batch of optimizer step K is in progress.
+``--kill-in-save N``: the process sends itself SIGKILL in the middle of writing checkpoint N (its files written,
+not yet its manifest nor the rename), as a scheduler's SIGKILL would land when the grace time is too short.
 The exit code is train.py's.
 """
 import argparse
@@ -50,15 +52,29 @@ def probed_step(train_step, records: list, signal_at_step: int = 0):
     return step
 
 
+def killed_in_save(save_state, step: int):
+    """``Accelerator.save_state`` that kills its process once the files of checkpoint ``step`` are written."""
+    def save(self, output_dir=None, **kwargs):
+        result = save_state(self, output_dir, **kwargs)
+        if Path(output_dir).name.endswith(f"step_{step:09d}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    return save
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--record")
     parser.add_argument("--signal-at-step", type=int, default=0)
+    parser.add_argument("--kill-in-save", type=int, default=0)
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.fsdp:
         loop.create_accelerator = fsdp2_accelerator(loop.create_accelerator)
+    if args.kill_in_save:
+        from accelerate import Accelerator
+        Accelerator.save_state = killed_in_save(Accelerator.save_state, args.kill_in_save)
     records = []
     loop._train_step = probed_step(loop._train_step, records, args.signal_at_step)
     sys.argv = [str(ROOT / "train.py"), *[a for a in args.train_args if a != "--"]]
