@@ -1,6 +1,7 @@
 """train.py: config validation, a step on folder data, exact resume, bad images, divergence, two processes."""
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -209,6 +210,39 @@ def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps:
 def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
     config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1, workers=workers)
     assert_killed_run_resumes_exactly(config, tmp_path, total_steps=18)
+
+
+def _draw_from_every_rng(img):
+    """A transform that draws from the three RNGs timm's augmentations use."""
+    return torch.rand(3), random.random(), float(np.random.rand())
+
+
+def test_sample_augmentation_is_drawn_from_its_own_seed_in_workers_and_in_process(tmp_path):
+    """Sample i of epoch e is augmented from torch / random / numpy seeded with (seed, e, i), the same seed as ever
+    (so the same tensors), in a loader worker as in the main process; the main process's RNGs come back as they
+    were, so the model's draws (DropPath, mixup) do not depend on the data."""
+    from lipsformer.data import SafeImageDataset, create_dataset
+    ds = create_dataset("", str(make_folder(tmp_path)), "train", _draw_from_every_rng, seed=3)
+    assert isinstance(ds, SafeImageDataset)
+    ds.set_epoch(1)
+    assert ds.sample_seed(5) == ((3 * 1_000_003 + 1) * 10_000_019 + 5) % 2 ** 32  # as before: same tensors
+
+    def expected(i):
+        seed = ds.sample_seed(i)
+        torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
+        return _draw_from_every_rng(None)
+
+    want = [expected(i) for i in range(len(ds))]
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    in_process = [ds[i][0] for i in range(len(ds))]
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), before[2]))
+    in_workers = [s[0] for s in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)]
+    for got in (in_process, in_workers):
+        assert len(got) == len(want)
+        for (t, r, n), (wt, wr, wn) in zip(got, want):
+            assert torch.equal(t, wt) and r == wr and n == wn
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
