@@ -176,6 +176,27 @@ def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path,
     assert same_weights(reference, run, exact=False)
 
 
+def test_the_resume_notice_names_what_cannot_carry_over():
+    """Written on 1 process with 28 images (7 batches of 4, 4 steps an epoch, the last with one batch), resumed
+    on 2 (3 rounds of 2 batches: 3 steps) with streamed data: the place moves, and the line names the random
+    states, the samples and the steps an epoch takes, which do not carry over."""
+    from types import SimpleNamespace
+    from torch.utils.data import IterableDataset
+    from lipsformer.engine.checkpoint import TrainState
+    from lipsformer.engine.train import _move_position
+    cfg = load_config(None, ["global_batch=8", "batch_size=4"])
+    state = TrainState(processes=1, batch_size=4, global_batch=8, updates_per_epoch=4)
+    state.epoch, state.step, state.batch_in_epoch = 1, 6, 4  # 2 steps into epoch 1
+    accelerator = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, step=4)
+    loader = SimpleNamespace(dataset=type("Streamed", (IterableDataset,), {"__iter__": lambda self: iter(())})())
+    line = _move_position(state, cfg, accelerator, loader, updates_per_epoch=3)
+    assert (state.batch_in_epoch, state.processes, accelerator.step) == (2, 2, 2)
+    assert "epoch 1 continues after its first 16 samples (streamed data shard by process: which samples" in line
+    assert "(an epoch now takes 3 optimizer steps, not 4: " in line and NOTICE in line
+    assert line.endswith("(processes 1.. had none saved)")
+    assert _move_position(state, cfg, accelerator, loader, updates_per_epoch=3) is None  # nothing changed
+
+
 def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(two_processes, tmp_path):
     """FSDP2 on 2 processes, preempted in epoch 1; resumed on 1 (its sharded checkpoint resharded), preempted
     again; resumed on 2 to the end: every sample of the epoch once, and the uninterrupted DDP run's weights."""

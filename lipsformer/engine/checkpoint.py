@@ -33,7 +33,7 @@ class TrainState:
     wrote the state. A checkpoint from before these were recorded keeps the values the loading run gives.
     """
 
-    def __init__(self, processes: int = 1, batch_size: int = 1, global_batch: int = 1):
+    def __init__(self, processes: int = 1, batch_size: int = 1, global_batch: int = 1, updates_per_epoch: int = 0):
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
@@ -42,6 +42,7 @@ class TrainState:
         self.processes = processes
         self.batch_size = batch_size
         self.global_batch = global_batch
+        self.updates_per_epoch = updates_per_epoch  # optimizer steps an epoch takes in that geometry
 
     @property
     def samples_in_epoch(self) -> int:

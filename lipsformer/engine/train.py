@@ -325,19 +325,19 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged
         compile_model(model, cfg.compile_mode, cfg.compile_memory_budget)
-    scheduler = build_scheduler(cfg, optimizer,
-                                math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps))
+    updates_per_epoch = math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps)
+    scheduler = build_scheduler(cfg, optimizer, updates_per_epoch)
     ema = ShardEma(model, cfg.ema_decay) if cfg.ema_decay else None
     mixup, criterion = build_criterion(cfg)
     criterion = margin_criterion(criterion, cfg.margin_eps, cfg.margin_bound)  # Lipschitz margin (margin.py)
-    state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch)
+    state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch, updates_per_epoch)
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
     if resume_from is not None:
         try:
             accelerator.load_state(str(resume_from))
         except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
             raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
-        notice = _move_position(state, cfg, accelerator, train_loader)
+        notice = _move_position(state, cfg, accelerator, train_loader, updates_per_epoch)
         accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
                           f"batch {state.batch_in_epoch} of the epoch)")
         if notice:
@@ -365,7 +365,8 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     return run
 
 
-def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator, train_loader) -> Optional[str]:
+def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator, train_loader,
+                   updates_per_epoch: int) -> Optional[str]:
     """After loading a checkpoint written on another number of processes (or another ``batch_size``): express
     its place in the epoch in this run's batches, so that the epoch continues with the first sample not yet
     used, and return the line that says what carried over and what did not (None when nothing changed)."""
@@ -379,6 +380,7 @@ def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator
     samples, per_batch = state.samples_in_epoch, cfg.batch_size * processes
     # written after an optimizer step: a whole number of global batches, which divide into this run's batches
     state.batch_in_epoch, state.processes, state.batch_size = samples // per_batch, processes, cfg.batch_size
+    old_updates, state.updates_per_epoch = state.updates_per_epoch, updates_per_epoch
     accelerator.step = state.batch_in_epoch  # the accumulation window counts this run's batches of the epoch
     streamed = isinstance(train_loader.dataset, IterableDataset)
     return (f"resumed on {processes} process(es) x batch {cfg.batch_size} from a checkpoint written on {old[0]} x "
@@ -387,6 +389,9 @@ def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator
             f"{samples} samples"
             + (" (streamed data shard by process: which samples the rest of this epoch holds cannot carry over, "
                "some may repeat or be missed)" if streamed else "")
+            + (f" (an epoch now takes {updates_per_epoch} optimizer steps, not {old_updates}: the batches that do "
+               f"not fill the last round or accumulation window differ, while the schedule keeps its length in "
+               f"steps)" if old_updates and old_updates != updates_per_epoch else "")
             + "; no longer bit-exact: gradients are summed in another order and each process's random draws "
               "(drop path, mixup) follow other streams"
             + (f" (processes {old[0]}.. had none saved)" if processes > old[0] else ""))
