@@ -89,6 +89,28 @@ def test_set_input_size_refuses_what_does_not_fit_and_leaves_the_model_as_it_was
     assert cswin.patch_embed.img_size == (32, 32)
 
 
+@pytest.mark.parametrize("name, bad, message", [
+    (SWIN, dict(img_size=-32), r"img_size \(-32, -32\) must be positive integers"),
+    (SWIN, dict(img_size=0), r"img_size \(0, 0\) must be positive integers"),
+    (SWIN, dict(img_size=64, window_size=0), "window_size 0 must be a positive integer"),
+    (CSWIN, dict(img_size=-32), r"img_size \(-32, -32\) must be positive integers"),
+    (CSWIN, dict(split_size=(0, 2, 2, 2)), "split size 0 of stage 0 must be a positive integer"),
+])
+def test_set_input_size_validates_before_it_changes_the_model(name, bad, message):
+    # issue 25.10: a refused call leaves the model exactly as it was (size, windows, weights, outputs)
+    model = perturbed(name)
+    x = torch.randn(2, 3, 32, 32)
+    before, state = model(x), copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=message):
+        model.set_input_size(**bad)
+    assert model.patch_embed.img_size == (32, 32)
+    assert getattr(model, "window_size", None) in (None, 2) and getattr(model, "split_size", (1, 2, 2, 2)) == (1, 2, 2, 2)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert torch.equal(model(x), before)
+    with pytest.raises(ValueError, match=message.split(" must")[0]):
+        tiny(name, **bad)  # building with the same sizes is refused with the same words
+
+
 def test_cswin_split_error_names_the_sizes_that_divide():
     with pytest.raises(ValueError, match=r"stage 1 resolution \(12, 12\) is not divisible by split size 5; "
                                          r"split sizes that divide it: 1, 2, 3, 4, 6, 12"):

@@ -31,6 +31,8 @@ class PatchEmbed(nn.Module):
     def set_input_size(self, img_size) -> None:
         """The size inputs must have (``strict_img_size``) and the grid the stages are built for."""
         img_size = to_2tuple(img_size)
+        if not all(isinstance(s, int) and s > 0 for s in img_size):
+            raise ValueError(f"img_size {img_size} must be positive integers")
         if any(s % p for s, p in zip(img_size, self.patch_size)):
             raise ValueError(f"img_size {img_size} must be divisible by patch_size {self.patch_size}")
         self.img_size: Tuple[int, int] = img_size

@@ -105,6 +105,8 @@ class ConvDownsample(nn.Module):
 def stage_stripes(i: int, res: Tuple[int, int], split: int, last: bool) -> Tuple[bool, list]:
     """Stage ``i``'s attention: ``(full, windows)``, full attention in the last stage and where the stage equals
     its split size (released rule), else vertical and horizontal stripes, which the split must divide."""
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"split size {split!r} of stage {i} must be a positive integer")
     full = last or res == to_2tuple(split)
     if not full and (res[0] % split or res[1] % split):
         g = math.gcd(*res)

@@ -114,6 +114,8 @@ class PatchMerging(nn.Module):
 
 def stage_window(i: int, res: Tuple[int, int], window_size: int) -> Tuple[int, int]:
     """Stage ``i``'s window: ``window_size``, or the whole stage when it is no larger (released rule)."""
+    if not isinstance(window_size, int) or window_size < 1:
+        raise ValueError(f"window_size {window_size!r} must be a positive integer")
     window = to_2tuple(min(res)) if min(res) <= window_size else to_2tuple(window_size)
     if res[0] % window[0] or res[1] % window[1]:
         raise ValueError(f"stage {i} resolution {res} is not divisible by window size {window[0]}; "
