@@ -14,8 +14,8 @@ import sys
 
 from lipsformer.data import EVAL_DATASETS, TransformError
 from lipsformer.engine.config import ConfigError
-from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, TooManyBadSamples, evaluate_model, \
-    write_predictions
+from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, TooManyBadSamples, WeightsUnavailable, \
+    evaluate_model, write_predictions
 from lipsformer.engine.processes import ends_processes
 from lipsformer.lipschitz.bounds import NoBoundError
 from lipsformer.lipschitz.certify import parse_eps
@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, FileNotFoundError, NoBoundError) as e:  # bad input: one line naming it
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WeightsUnavailable as e:  # a runtime fault (the network), not bad input
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except TooManyBadSamples as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     excluded = f", {result['excluded']} without ReaL labels left out" if result["excluded"] else ""
     if result["unreadable"]:
         excluded += f", {result['unreadable']} unreadable skipped"
-    print(f"{result['model']} on {args.data_dir} ({result['dataset']}): top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
+    print(f"{result['model']} on {args.data_dir} ({result['data']}): top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
           f"({result['count']} of {result['images']} images scored{excluded}; {result['seconds']:.1f} s, "
           f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))")
     if "robustness" in result:

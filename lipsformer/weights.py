@@ -21,7 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from timm.models import save_for_hf
 
-from .engine.run_folder import RunFolder
+from .data.classes import read_class_names
+from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
 HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
@@ -136,14 +137,22 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
     Returns ``(file, meta)`` with meta keys ``model``, ``model_args`` and ``pretrained_cfg`` where known.
     """
     path = Path(path)
+    if path.is_dir() and checkpoint_step(path) is not None and RunFolder(path.parent.parent).is_run():
+        if use_ema:  # Accelerate's folder keeps the EMA as the optimizer keeps its state, not as a state dict
+            raise CheckpointError(f"{path} is a periodic training checkpoint: --use-ema takes the EMA of a finished "
+                                  f"run (its {LAST_EMA}); evaluate this checkpoint's model weights without it")
+        return path / HUB_WEIGHTS, _run_meta(RunFolder(path.parent.parent))
     if path.is_dir():
         run = RunFolder(path)
         if run.is_run():
             file = run.weights(ema=use_ema)
+            if use_ema and not file.is_file() and not (yaml.safe_load(run.config.read_text()) or {}).get("ema_decay"):
+                raise CheckpointError(f"{path} was trained without an EMA (ema_decay is not set in its "
+                                      f"{run.config.name}); drop --use-ema")
             if not file.is_file():
                 raise FileNotFoundError(f"{path} is a training run without {file.name} (has it finished?); "
                                         f"pass one of its .safetensors files instead")
-            return file, _run_meta(run.config)
+            return file, _run_meta(run)
         if (path / HUB_CONFIG).is_file():
             if use_ema:
                 raise CheckpointError(f"{path} is an exported weight folder: it holds one set of weights, no EMA")
@@ -153,25 +162,34 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint {path}")
     if path.suffix == ".safetensors":
+        if use_ema and path.name != LAST_EMA:  # a safetensors file holds one set of weights
+            raise CheckpointError(f"{path} holds one set of weights, not an EMA beside them; drop --use-ema, or "
+                                  f"pass the run's {LAST_EMA}")
         if RunFolder(path.parent).is_run():
-            return path, _run_meta(RunFolder(path.parent).config)
+            return path, _run_meta(RunFolder(path.parent))
         if (path.parent / HUB_CONFIG).is_file():
             return path, _hub_meta(path.parent / HUB_CONFIG)
     return path, {}
 
 
-def _run_meta(config_path: Path) -> dict:
-    cfg = yaml.safe_load(config_path.read_text())
+def _run_meta(run: RunFolder) -> dict:
+    cfg = yaml.safe_load(run.config.read_text())
     size = cfg["img_size"]
+    pretrained = dict(num_classes=cfg["num_classes"], input_size=(3, size, size), crop_pct=cfg["crop_pct"],
+                      interpolation=cfg["interpolation"])
+    names = read_class_names(run.classes)
+    if names is not None:
+        pretrained["label_names"] = tuple(names)
     return dict(model=cfg["model"],
                 model_args=dict(cfg.get("model_kwargs") or {}, num_classes=cfg["num_classes"], img_size=size),
-                pretrained_cfg=dict(num_classes=cfg["num_classes"], input_size=(3, size, size),
-                                    crop_pct=cfg["crop_pct"], interpolation=cfg["interpolation"]))
+                pretrained_cfg=pretrained)
 
 
 def _hub_meta(config_path: Path) -> dict:
     cfg = json.loads(config_path.read_text())
     pretrained = dict(cfg.get("pretrained_cfg") or {})
+    if cfg.get("label_names") and "label_names" not in pretrained:  # timm's exports keep them at the top
+        pretrained["label_names"] = cfg["label_names"]
     pretrained = {k: tuple(v) if isinstance(v, list) else v for k, v in pretrained.items()}
     return dict(model=cfg["architecture"], model_args=dict(cfg.get("model_args") or {}), pretrained_cfg=pretrained)
 

@@ -150,7 +150,7 @@ def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
     assert (one["processes"], two["processes"]) == (1, 2)
     assert one["count"] == two["count"] == one["images"] == 13
     assert (one["top1"], one["top5"]) == (two["top1"], two["top5"])
-    assert f"on {tmp_path / 'v2'} (imagenet_v2): top-1" in stdout and "13 of 13 images" in stdout
+    assert f"on {tmp_path / 'v2'} (ImageNet-v2 layout, 12 class folders): top-1" in stdout and "13 of 13 images" in stdout
     assert [(r["path"], r["targets"], r["top1"], r["top5"]) for r in rows_one] == \
            [(r["path"], r["targets"], r["top1"], r["top5"]) for r in rows_two]
     assert all(abs(float(a["prob1"]) - float(b["prob1"])) < 1e-5 for a, b in zip(rows_one, rows_two))
@@ -247,3 +247,112 @@ def test_eval_cli_reports_unreadable_images_and_refuses_fp16_on_cpu(tmp_path):
         fp16 = run("--amp", "fp16")
         assert fp16.returncode == 2 and fp16.stderr.strip() == (
             "error: --amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")
+
+
+# -- issue 25: no number silently wrong, one line per mistake -------------------------------------------
+def folder_of(root: Path, classes, per_class: int = 2) -> Path:
+    """An image folder with ``per_class`` random images under each named class folder (same images per name)."""
+    for name in classes:
+        rng = np.random.default_rng(abs(hash(name)) % 2 ** 32)
+        for i in range(per_class):
+            (root / name).mkdir(parents=True, exist_ok=True)
+            Image.fromarray((rng.random((32, 32, 3)) * 255).astype(np.uint8)).save(root / name / f"{name}_{i}.png")
+    return root
+
+
+def named_weights(path: Path, names=None) -> Path:
+    """An exported tiny model; with ``names`` its config.json records them as the class names (label order)."""
+    model = timm.create_model("lipsformer_swin_t", num_classes=4, **TINY["swin"])
+    if names:
+        model.pretrained_cfg = dict(model.pretrained_cfg, num_classes=4, label_names=tuple(names))
+    return export(model, path)
+
+
+def test_eval_labels_a_val_folder_by_class_name_not_by_sorted_place(tmp_path, caplog):
+    # issue 25.1: a folder lacking a class, or holding a subset in another order, used to be labelled by its
+    # sorted place: a digits model scoring 87% on nine classes printed 1.26%. Now each folder gets its name's label.
+    from lipsformer.engine.evaluate import evaluate_model
+    names = ["zebra", "ant", "cat", "bee"]  # label order of the model: not sorted
+    weights = named_weights(tmp_path / "w", names)
+    full = folder_of(tmp_path / "full", names)
+    _, samples = evaluate_model(None, full, checkpoint=weights, batch_size=8, workers=0)
+    by_path = {Path(p).name: labels for p, labels in samples}
+    assert {Path(p).parent.name: labels[0] for p, labels in samples} == {n: names.index(n) for n in names}
+    lacking = folder_of(tmp_path / "lacking", ["zebra", "ant", "bee"])  # no cat: bee would become 2 by place
+    with caplog.at_level("WARNING"):
+        result, samples = evaluate_model(None, lacking, checkpoint=weights, batch_size=8, workers=0)
+    assert {Path(p).name: labels for p, labels in samples} == {
+        k: v for k, v in by_path.items() if not k.startswith("cat")}
+    assert "3 of the model's 4 classes (absent: cat); labels mapped by class name" in caplog.text
+    assert result["data"] == "image folder, 3 classes"
+
+
+@pytest.mark.parametrize("classes, names, message", [
+    (["ant", "cat", "dog"], ["zebra", "ant", "cat", "bee"],
+     "has class folders that are not among the model's 4 classes: dog"),
+    (["a", "b", "c"], None, "has 3 class folders but the model has 4 classes and does not record their names"),
+])
+def test_eval_refuses_class_folders_it_cannot_match_in_one_line(tmp_path, capsys, classes, names, message):
+    data = folder_of(tmp_path / "val", classes)
+    weights = named_weights(tmp_path / "w", names)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    code = load_script("eval.py").main(["--checkpoint", str(weights), "--data-dir", str(data), "--workers", "0",
+                                        "--output", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.startswith("error: ") and err.count("\n") == 1, err
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--attack-eps", "0.1", "--attack-restarts", "0"], "--attack-restarts must be at least 1"),
+    (["--attack-eps", "0.1", "--attack-restarts", "-1"], "--attack-restarts must be at least 1"),
+    (["--attack-eps", "0.1", "--attack-steps", "0"], "--attack-steps must be at least 1"),
+    (["--crop-pct", "0"], "--crop-pct must be in (0, 1]"),
+    (["--crop-pct", "7"], "--crop-pct must be in (0, 1]"),
+    (["--img-size", "-32"], "--img-size must be a positive number of pixels"),
+    (["--img-size", "0"], "--img-size must be a positive number of pixels"),
+    (["--img-size", "48"], "stage 3 cannot halve an odd resolution (3, 3); use an img_size divisible by 32"),
+    (["--img-size", "34"], "must be divisible by patch_size"),
+])
+def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys, args, message):
+    # issue 25.2 / 25.5 / 25.11: attacks of 0 steps or restarts reported clean accuracy as "PGD-attacked";
+    # --crop-pct 0 became 1.0, 7 was taken; bad sizes ended in tracebacks.
+    data = folder_of(tmp_path / "val", ["a", "b", "c", "d"], per_class=1)
+    weights = named_weights(tmp_path / "w")
+    before = sorted(p for p in tmp_path.rglob("*"))
+    code = load_script("eval.py").main(["--checkpoint", str(weights), "--data-dir", str(data), "--workers", "0",
+                                        "--output", str(tmp_path / "r.json"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.startswith("error: ") and err.count("\n") == 1, err
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+
+
+def test_eval_at_another_size_than_trained_says_so(tmp_path, capsys, caplog):
+    # issue 25.5: a model built at a larger --img-size than its weights were made at scored far below its own
+    # accuracy without a word; the result now says at which size the weights were made, and a warning names it.
+    data = folder_of(tmp_path / "val", ["a", "b", "c", "d"], per_class=1)
+    weights = named_weights(tmp_path / "w")
+    code = load_script("eval.py").main(["--checkpoint", str(weights), "--data-dir", str(data), "--workers", "0",
+                                        "--img-size", "64", "--output", str(tmp_path / "r.json")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "evaluating at 64 px a model whose weights were made at 32 px" in caplog.text
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert (saved["input_size"], saved["trained_input_size"]) == ([3, 64, 64], [3, 32, 32])
+    assert f"on {data} (image folder, 4 classes): top-1" in out.out  # not "(imagenet)" (issue 25.8)
+
+
+def test_eval_pretrained_offline_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    # issue 25.11: without network, eval.py --pretrained ended in a URLError traceback
+    import urllib.error
+
+    def offline(*args, **kwargs):  # what urllib raises without network (never downloads, online or not)
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(torch.hub, "urlopen", offline)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    data = folder_of(tmp_path / "val", ["a"], per_class=1)
+    code = load_script("eval.py").main(["--model", "lipsformer_swin_t", "--pretrained", "--data-dir", str(data),
+                                        "--workers", "0"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "could not download its published weights" in err, err
+    assert "Temporary failure in name resolution" in err

@@ -4,9 +4,10 @@ ImageNet evaluation sets (val, ReaL, v2).
 The digits demo data lives in :mod:`lipsformer.data.digits` (needs scikit-learn).
 """
 from .augment import TransformError
+from .classes import ClassMismatch, model_class_names, relabel
 from .datasets import (SafeImageDataset, collate_skip_failed, create_dataset, create_loader_transform,
                        eval_data_config)
 from .imagenet_eval import EVAL_DATASETS, EvalDataset, eval_samples
 
-__all__ = ["EVAL_DATASETS", "EvalDataset", "SafeImageDataset", "collate_skip_failed", "create_dataset",
-           "create_loader_transform", "eval_data_config", "eval_samples", "TransformError"]
+__all__ = ["ClassMismatch", "EVAL_DATASETS", "EvalDataset", "SafeImageDataset", "TransformError", "collate_skip_failed",
+           "create_dataset", "create_loader_transform", "eval_data_config", "eval_samples", "model_class_names", "relabel"]

@@ -16,11 +16,13 @@ from timm.data.readers.reader_image_folder import find_images_and_targets
 from torch.utils.data import Dataset
 
 from .augment import apply_transform
+from .classes import ClassMismatch, class_mapping, model_class_names
 
 EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
 Sample = Tuple[str, Tuple[int, ...]]
 _logger = logging.getLogger(__name__)
 _VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})\.")
+_SYNSET = re.compile(r"^n\d{8}$")
 
 
 def val_folder(data_dir) -> Path:
@@ -31,21 +33,30 @@ def val_folder(data_dir) -> Path:
     return data_dir / "val" if (data_dir / "val").is_dir() else data_dir
 
 
-def imagenet_samples(folder) -> List[Sample]:
-    """One folder per synset; class index = the synsets' sorted order, found as training finds it (timm's reader)."""
-    images, _ = find_images_and_targets(str(folder))
+def imagenet_samples(folder, model=None) -> List[Sample]:
+    """One folder per class, found as training finds them (timm's reader); each folder's label is the index of its
+    name among ``model``'s classes (:mod:`lipsformer.data.classes`), or its sorted place without a model."""
+    images, class_to_idx = find_images_and_targets(str(folder))
     if not images:
         raise FileNotFoundError(f"no images in class folders under {folder}")
-    return [(path, (target,)) for path, target in images]
+    if model is None:
+        return [(path, (target,)) for path, target in images]
+    found = sorted(class_to_idx, key=class_to_idx.get)
+    mapping, note = class_mapping(found, model_class_names(model, found), model.num_classes, str(folder))
+    if note:
+        _logger.warning(note)
+    return [(path, (mapping[found[target]],)) for path, target in images]
 
 
-def imagenet_v2_samples(folder) -> List[Sample]:
+def imagenet_v2_samples(folder, num_classes: Optional[int] = None) -> List[Sample]:
     """Folders ``0`` ... ``999``: the folder name *is* the class index (sorting names would put 10 before 2)."""
     folder = Path(folder)
     samples = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         if not sub.name.isdigit():
             raise ValueError(f"ImageNet-v2 class folders are named 0 ... 999; found {sub}")
+        if num_classes is not None and int(sub.name) >= num_classes:
+            raise ClassMismatch(f"{sub} is class {int(sub.name)}, but the model has {num_classes} classes")
         samples += [(str(p), (int(sub.name),)) for p in _images_in(sub)]
     if not samples:
         raise FileNotFoundError(f"no images in numbered class folders under {folder}")
@@ -85,18 +96,38 @@ def read_real_labels(path) -> List[List[int]]:
     return labels
 
 
-def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None) -> List[Sample]:
+def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, model=None) -> List[Sample]:
+    """The samples of ``dataset`` under ``data_dir``, labelled for ``model``'s classes when given (a folder's
+    classes by name; a v2 folder or a ReaL label past the model's classes is refused)."""
+    num_classes = None if model is None else model.num_classes
     if dataset == "imagenet":
-        return imagenet_samples(val_folder(data_dir))
+        return imagenet_samples(val_folder(data_dir), model)
     if dataset == "imagenet_real":
         if not real_labels:
             raise ValueError("imagenet_real needs --real-labels real.json (github.com/google-research/reassessed-imagenet)")
-        return imagenet_real_samples(val_folder(data_dir), real_labels)
+        samples = imagenet_real_samples(val_folder(data_dir), real_labels)
+        top = max((max(labels) for _, labels in samples if labels), default=-1)
+        if num_classes is not None and top >= num_classes:
+            raise ClassMismatch(f"{real_labels} names class {top}, but the model has {num_classes} classes")
+        return samples
     if dataset == "imagenet_v2":
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"no data folder {data_dir}")
-        return imagenet_v2_samples(data_dir)
+        return imagenet_v2_samples(data_dir, num_classes)
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(EVAL_DATASETS)}")
+
+
+def describe_samples(dataset: str, samples: Sequence[Sample]) -> str:
+    """What was evaluated, in words: ``ImageNet val (1000 synset folders)``, ``image folder (9 classes)``,
+    ``ImageNet-ReaL``, ``ImageNet-v2 layout (10 class folders)``."""
+    folders = {Path(path).parent.name for path, _ in samples}
+    if dataset == "imagenet_real":
+        return "ImageNet-ReaL labels"
+    if dataset == "imagenet_v2":
+        return f"ImageNet-v2 layout, {len(folders)} class folders"
+    if all(_SYNSET.match(f) for f in folders):
+        return f"ImageNet val layout, {len(folders)} synset folders"
+    return f"image folder, {len(folders)} classes"
 
 
 def _images_in(folder: Path) -> List[Path]:

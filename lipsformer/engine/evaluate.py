@@ -3,6 +3,7 @@ import csv
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Sequence
 
 import timm
@@ -11,8 +12,9 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
+from ..data.imagenet_eval import describe_samples
 from ..lipschitz.certify import certify_dataset
-from ..weights import create_from_checkpoint
+from ..weights import CheckpointError, create_from_checkpoint
 from .config import ConfigError, TrainConfig
 from .speed import compile_model, prepare_model
 
@@ -161,6 +163,44 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
             writer.writerow(row)
 
 
+class WeightsUnavailable(RuntimeError):
+    """Published weights could not be fetched (no network, server down): a runtime fault, not bad input."""
+
+
+def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_steps: int = 20,
+                        attack_restarts: int = 3) -> None:
+    """A ConfigError naming the setting unless the evaluation settings make sense (before any work starts)."""
+    if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
+        raise ConfigError(f"--img-size must be a positive number of pixels, got {img_size}")
+    if crop_pct is not None and not 0.0 < crop_pct <= 1.0:
+        raise ConfigError(f"--crop-pct must be in (0, 1] (the fraction of the resized image kept), got {crop_pct}")
+    if attack_steps < 1:
+        raise ConfigError(f"--attack-steps must be at least 1 (a PGD attack of {attack_steps} steps does not attack)")
+    if attack_restarts < 1:
+        raise ConfigError(f"--attack-restarts must be at least 1 (the number of PGD runs per image), got "
+                          f"{attack_restarts}")
+
+
+def _create_model(model_name, checkpoint, use_ema: bool, model_args: dict):
+    """The model to evaluate, from ``checkpoint`` or timm's published weights; a model argument the constructor
+    refuses (e.g. an ``img_size`` the windows do not divide) is a ConfigError, a failed download a
+    WeightsUnavailable."""
+    try:
+        if checkpoint is not None:
+            return create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
+        return timm.create_model(model_name, pretrained=True, **model_args)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:  # the constructor refused an argument
+        raise ConfigError(f"{model_name or checkpoint}: {e}") from None
+    except OSError as e:  # urllib's URLError, requests' ConnectionError: no network, or the server refused
+        if checkpoint is not None:
+            raise
+        reason = getattr(e, "reason", None) or e
+        raise WeightsUnavailable(f"{model_name}: could not download its published weights ({reason}); check the "
+                                 f"network, or download them elsewhere and pass --checkpoint FILE") from None
+
+
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
                    workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
@@ -176,6 +216,7 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     each image's certified radius."""
     if (checkpoint is None) == (not pretrained):
         raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
+    check_eval_settings(img_size, crop_pct, attack_eps, attack_steps, attack_restarts)
     model_args = dict(model_args or {})
     if img_size is not None:
         if model_args.get("img_size", img_size) != img_size:
@@ -191,17 +232,22 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     cpu = not torch.cuda.is_available()
     if cpu and amp == "fp16":  # as training refuses it
         raise ConfigError("--amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")
-    try:
-        samples = eval_samples(dataset, data_dir, real_labels)
-    except ValueError as e:  # the data folder or the ReaL labels do not fit the dataset's layout
-        raise ConfigError(str(e)) from None
+    if not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"no data folder {data_dir}")
     accelerator = Accelerator(cpu=cpu, mixed_precision=amp)
-    if checkpoint is not None:
-        model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
-    else:
-        model = timm.create_model(model_name, pretrained=True, **model_args)
+    model = _create_model(model_name, checkpoint, use_ema, model_args)
+    try:  # labels for the model's classes: a folder's classes by name (data/classes.py)
+        samples = eval_samples(dataset, data_dir, real_labels, model=model)
+    except ValueError as e:  # the data do not fit the dataset's layout or the model's classes
+        raise ConfigError(str(e)) from None
     transform = create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation)
     data_cfg = eval_data_config(model, crop_pct, interpolation)
+    trained = tuple((model.pretrained_cfg.get("input_size") or data_cfg["input_size"])[1:])
+    if trained != tuple(data_cfg["input_size"][1:]):
+        _logger.warning(f"evaluating at {data_cfg['input_size'][1]} px a model whose weights were made at "
+                        f"{trained[0]} px: its windows / stripes and position biases are resized "
+                        f"(set_input_size), so this is not the accuracy at the size it was trained for and is "
+                        f"often much lower")
     model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
     if compile:
         compile_model(model)
@@ -210,7 +256,8 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
                   amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
-                  input_size=list(data_cfg["input_size"]), crop_pct=data_cfg["crop_pct"],
+                  input_size=list(data_cfg["input_size"]), trained_input_size=[data_cfg["input_size"][0], *trained],
+                  data=describe_samples(dataset, samples), crop_pct=data_cfg["crop_pct"],
                   interpolation=data_cfg["interpolation"], compile=compile, channels_last=channels_last)
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack
         loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(samples, transform), batch_size=batch_size,

@@ -5,6 +5,7 @@ reads finished runs from it::
 
     OUTPUT_DIR/
       config.yaml            the TrainConfig the run used
+      classes.json           the train folder's class names in label order (lipsformer.data.classes)
       metrics.jsonl          one JSON row per log event (kind: train | epoch)
       curves.png             loss, accuracy and |alpha| curves, drawn at the end
       last.safetensors       weights after the last epoch
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import List, Optional
 
 CONFIG = "config.yaml"
+CLASSES = "classes.json"
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 LAST = "last.safetensors"
@@ -61,6 +63,10 @@ class RunFolder:
     @property
     def curves(self) -> Path:
         return self.root / CURVES
+
+    @property
+    def classes(self) -> Path:
+        return self.root / CLASSES
 
     @property
     def best(self) -> Path:

@@ -26,7 +26,8 @@ from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
-from ..data import collate_skip_failed, create_dataset, create_loader_transform
+from ..data import ClassMismatch, collate_skip_failed, create_dataset, create_loader_transform, relabel
+from ..data.classes import reader_classes, write_class_names
 from ..layers.residual import WeightedResidual
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
@@ -106,11 +107,20 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
     """
     if not cfg.data_dir and not cfg.dataset:
         raise ValueError("no data: set data_dir (a folder with train/ and val/) or dataset (hfds/..., wds/...)")
-    loaders = []
+    loaders, classes = [], None
     for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
         ds = create_dataset(cfg.dataset, cfg.data_dir, split, transform, is_training=training,
                             batch_size=cfg.batch_size, seed=cfg.seed)
+        if training:
+            classes = reader_classes(ds)
+        elif classes is not None:  # val labels by class name, as train/ numbers them (data/classes.py)
+            try:
+                note = relabel(ds, classes, f"{split}/", f"{cfg.train_split}/'s")
+            except ClassMismatch as e:
+                raise ConfigError(str(e)) from None
+            if note:
+                accelerator.print(note)
         common = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, collate_fn=collate_skip_failed,
                       drop_last=training)
         if isinstance(ds, IterableDataset):
@@ -313,14 +323,16 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     set_seed(cfg.seed)
     # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
     model, start = start_model(cfg, load_weights=resume_from is None)
-    if accelerator.is_main_process:
-        folder.root.mkdir(parents=True, exist_ok=True)
-        cfg.save(folder.config)
-
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
     resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
+    classes = reader_classes(train_loader.dataset)
+    if accelerator.is_main_process:  # every check above came first: a refused run writes nothing
+        folder.root.mkdir(parents=True, exist_ok=True)
+        cfg.save(folder.config)
+        if classes is not None:  # the weights' class names, for eval.py and exports (data/classes.py)
+            write_class_names(folder.classes, classes)
     optimizer = build_optimizer(cfg, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged

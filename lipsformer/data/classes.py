@@ -1,0 +1,110 @@
+"""Which label each class folder is: decided by the folder's name, never by its place in a sorted listing.
+
+A folder dataset numbers its class folders in sorted order, so a val folder lacking one class (or holding a
+subset, or other names) numbers them differently from the folders the model was trained on. Training's
+validation and eval.py both map the folders they find onto the model's class names here; a folder that is
+not one of the model's classes, or a class count that cannot be matched without names, is refused.
+
+The names travel with the weights: a train.py run folder holds ``classes.json`` (its train/ folder's classes
+in label order), read back as timm's ``pretrained_cfg["label_names"]``, which ``lipsformer.convert`` writes
+into the exported ``config.json``. A 1000-class model without names is taken to know ImageNet-1k's synsets
+(timm's ``infer_imagenet_subset``) when the folder is named by synsets.
+"""
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from timm.data import ImageNetInfo, infer_imagenet_subset
+
+class ClassMismatch(ValueError):
+    """The class folders found cannot be matched to the model's classes."""
+
+
+def _listed(names: Sequence[str], n: int = 5) -> str:
+    return ", ".join(map(str, names[:n])) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+def class_mapping(found: Sequence[str], known: Optional[Sequence[str]], num_classes: Optional[int],
+                  where: str, known_as: str = "the model's") -> Tuple[Dict[str, int], str]:
+    """``(label of each found class name, note)``.
+
+    ``found``: the class folders present, in the data's own order; ``known``: the model's class names in label
+    order (None when unknown); ``num_classes``: the model's class count. With names, every found class must be
+    one of them and takes its label; the note says so when the folder's own numbering would have differed (a
+    subset, or another order). Without names, the folders must be exactly ``num_classes`` and keep their order.
+    """
+    found = list(found)
+    if known is None:
+        if num_classes is not None and len(found) != num_classes:
+            raise ClassMismatch(
+                f"{where} has {len(found)} class folders but the model has {num_classes} classes and does not "
+                f"record their names, so which label each folder is cannot be told; evaluate on a folder with all "
+                f"{num_classes} classes, or use weights that record their classes (train.py runs and their exports "
+                f"do)")
+        return {c: i for i, c in enumerate(found)}, ""
+    index = {str(c): i for i, c in enumerate(known)}
+    unknown = [c for c in found if c not in index]
+    if unknown:
+        raise ClassMismatch(f"{where} has class folders that are not among {known_as} {len(index)} classes: "
+                            f"{_listed(unknown)} ({known_as} classes: {_listed(list(index))})")
+    mapping = {c: index[c] for c in found}
+    if list(mapping.values()) == list(range(len(found))) and len(found) == len(index):
+        return mapping, ""
+    missing = [c for c in index if c not in mapping]
+    absent = f" (absent: {_listed(missing)})" if missing else ""
+    return mapping, (f"{where}: {len(found)} of {known_as} {len(index)} classes{absent}; labels mapped by class "
+                     f"name")
+
+
+def model_class_names(model, found: Sequence[str] = ()) -> Optional[List[str]]:
+    """The model's class names in label order: its ``pretrained_cfg["label_names"]``, else ImageNet-1k's synsets for
+    a 1000-class model when every ``found`` name is one, else None."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if cfg.get("label_names"):
+        return [str(c) for c in cfg["label_names"]]
+    subset = infer_imagenet_subset(model)
+    if subset == "imagenet-1k":
+        synsets = ImageNetInfo(subset).label_names()
+        if found and set(found) <= set(synsets):
+            return list(synsets)
+    return None
+
+
+def reader_classes(dataset) -> Optional[List[str]]:
+    """A timm folder dataset's class names in label order (None for data whose reader does not name them)."""
+    class_to_idx = getattr(getattr(dataset, "reader", None), "class_to_idx", None)
+    if not class_to_idx:
+        return None
+    return sorted(class_to_idx, key=class_to_idx.get)
+
+
+def relabel(dataset, known: Sequence[str], where: str, known_as: str) -> str:
+    """Give a timm folder dataset's samples the labels their class names have in ``known``, in place; returns the
+    note of :func:`class_mapping` (raises :class:`ClassMismatch`). Data without class names pass unchanged."""
+    found = reader_classes(dataset)
+    if found is None:
+        return ""
+    mapping, note = class_mapping(found, known, len(known), where, known_as)
+    reader = dataset.reader
+    reader.samples = [(path, mapping[found[target]]) for path, target in reader.samples]
+    reader.class_to_idx = mapping
+    return note
+
+
+def write_class_names(path, names: Sequence[str]) -> None:
+    """``classes.json``: the class names in label order, written beside and renamed over the target."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps([str(c) for c in names]))
+    tmp.replace(path)
+
+
+def read_class_names(path) -> Optional[List[str]]:
+    """The names in a ``classes.json`` (None when there is none)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    names = json.loads(path.read_text())
+    if not isinstance(names, list):
+        raise ClassMismatch(f"{path} must be a JSON list of class names")
+    return [str(c) for c in names]

@@ -1,0 +1,133 @@
+"""eval.py on train.py's own outputs (issue 25): class names travel with the weights and label every val folder by
+name, in training's validation as in eval.py; periodic checkpoints evaluate; --use-ema says what is missing."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from lipsformer.engine.config import load_config
+
+from conftest import load_script, reset_accelerate
+
+TINY_RUN = dict(
+    model="lipsformer_swin_t", num_classes=4, img_size=32, crop_pct=1.0, drop_path=0.0,
+    model_kwargs=dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2),
+    workers=0, epochs=1, global_batch=4, batch_size=4, lr=1e-3, aa=None, reprob=0.0, mixup=0.0, cutmix=0.0,
+    ema_decay=None, mixed_precision="no", checkpoint_every_steps=2, keep_last=3, log_every_steps=1)
+CLASSES = ["cat", "ant", "dog", "bee"]  # folder names; sorted, they number ant 0, bee 1, cat 2, dog 3
+
+
+def images(root: Path, classes, per_class: int) -> Path:
+    for c in classes:
+        rng = np.random.default_rng(CLASSES.index(c) if c in CLASSES else 99)
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = (rng.random((16, 16, 3)) * 60 + 40 * (CLASSES.index(c) if c in CLASSES else 5)).astype(np.uint8)
+            Image.fromarray(pixels).save(root / c / f"{c}_{i}.png")
+    return root
+
+
+def config(tmp_path: Path, val_classes, **overrides) -> Path:
+    data = tmp_path / "data"
+    images(data / "train", CLASSES, 4)
+    images(data / "val", val_classes, 2)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(dict(TINY_RUN, data_dir=str(data), output_dir=str(tmp_path / "run"), **overrides)))
+    return path
+
+
+def eval_cli(capsys, *argv):
+    reset_accelerate()
+    code = load_script("eval.py").main([*map(str, argv), "--workers", "0"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One finished tiny run (16 train images, 4 steps, checkpoints at steps 2 and 4), trained in this process."""
+    from lipsformer.engine.train import train
+    tmp = tmp_path_factory.mktemp("run")
+    train(load_config(config(tmp, CLASSES)))
+    reset_accelerate()
+    return tmp / "run"
+
+
+def test_training_validation_labels_val_classes_by_name(tmp_path, capsys):
+    # issue 25.1: a val/ lacking one of train/'s classes used to be numbered by its own sorted order, so every
+    # class after the gap was scored against the wrong label
+    from accelerate import Accelerator
+    from lipsformer.engine.train import build_loaders, build_model
+    cfg = load_config(config(tmp_path, ["cat", "dog", "bee"]))  # no ant: by place, bee would be 0
+    try:
+        _, val = build_loaders(cfg, build_model(cfg), Accelerator(cpu=True))
+    finally:
+        reset_accelerate()
+    labels = {Path(p).parent.name: t for p, t in val.dataset.reader.samples}
+    assert labels == {"bee": 1, "cat": 2, "dog": 3}
+    assert "val/: 3 of train/'s 4 classes (absent: ant); labels mapped by class name" in capsys.readouterr().out
+
+
+def test_training_refuses_a_val_class_train_does_not_have_in_one_line(tmp_path, capsys):
+    path = config(tmp_path, ["cat", "dog", "emu"])
+    code = load_script("train.py").main(["--config", str(path)])
+    reset_accelerate()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "val/ has class folders that are not among train/'s 4 classes: emu" in err
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_run_records_its_classes_and_eval_labels_any_val_folder_by_them(run, tmp_path, capsys):
+    assert json.loads((run / "classes.json").read_text()) == ["ant", "bee", "cat", "dog"]
+    full = images(tmp_path / "full", CLASSES, 2)
+    lacking = images(tmp_path / "lacking", ["cat", "dog", "bee"], 2)
+    rows = {}
+    for name, folder in (("full", full), ("lacking", lacking)):
+        code, out, err = eval_cli(capsys, "--checkpoint", run, "--data-dir", folder, "--predictions",
+                                  tmp_path / f"{name}.csv")
+        assert code == 0, err
+        lines = (tmp_path / f"{name}.csv").read_text().splitlines()[1:]
+        rows[name] = {Path(r.split(",")[0]).name: r.split(",")[1] for r in lines}
+    assert rows["lacking"] == {k: v for k, v in rows["full"].items() if not k.startswith("ant")}
+    assert rows["lacking"]["bee_0.png"] == "1"
+    # an export carries the names (timm's label_names) and labels the same way
+    export = tmp_path / "export"
+    from lipsformer.convert import main as convert
+    assert convert([str(run), "--out", str(export)]) == 0
+    assert json.loads((export / "config.json").read_text())["pretrained_cfg"]["label_names"] == [
+        "ant", "bee", "cat", "dog"]
+    code, _, err = eval_cli(capsys, "--checkpoint", export, "--data-dir", lacking, "--predictions",
+                            tmp_path / "export.csv")
+    assert code == 0, err
+    assert (tmp_path / "export.csv").read_text() == (tmp_path / "lacking.csv").read_text()
+
+
+def test_a_periodic_checkpoint_evaluates_and_equals_the_final_weights(run, tmp_path, capsys):
+    # issue 25.11: checkpoints/step_N (train.py's own checkpoint) could not be evaluated at all
+    data = images(tmp_path / "val", CLASSES, 2)
+    results = {}
+    for name, checkpoint in (("last", run), ("step", run / "checkpoints" / "step_000000004")):
+        code, out, err = eval_cli(capsys, "--checkpoint", checkpoint, "--data-dir", data, "--output",
+                                  tmp_path / f"{name}.json")
+        assert code == 0, err
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert (results["step"]["top1"], results["step"]["top5"]) == (results["last"]["top1"], results["last"]["top5"])
+
+
+@pytest.mark.parametrize("where, message", [
+    ("", "was trained without an EMA (ema_decay is not set in its config.yaml); drop --use-ema"),
+    ("last.safetensors", "holds one set of weights, not an EMA beside them"),
+    ("checkpoints/step_000000002", "is a periodic training checkpoint: --use-ema takes the EMA of a finished run"),
+])
+def test_use_ema_where_there_is_none_says_why_in_one_line(run, tmp_path, capsys, where, message):
+    # issue 25.11: a run trained without EMA said "without last_ema.safetensors (has it finished?)"; a weight file
+    # took --use-ema silently and evaluated its one set of weights as if they were the EMA
+    data = images(tmp_path / "val", CLASSES, 1)
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    code, _, err = eval_cli(capsys, "--checkpoint", run / where, "--data-dir", data, "--use-ema")
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
