@@ -5,15 +5,18 @@
 
 The folder (``checkpoints/MODEL.TAG`` by default) holds ``model.safetensors`` and timm's ``config.json``
 (model name, model arguments, preprocessing, and the source file with its sha256). Load it back with
-``timm.create_model("local-dir:checkpoints/MODEL.TAG")`` or
+``timm.create_model("local-dir:checkpoints/MODEL.TAG", pretrained=True)`` or
 ``timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=".../model.safetensors"))``.
 """
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 from .weights import CheckpointError, create_from_checkpoint, export, sha256_of
+
+TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
 
 def main(argv=None) -> int:
@@ -26,15 +29,19 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default="converted", help="pretrained tag of the output folder's name")
     parser.add_argument("--out", help="output folder (default: checkpoints/MODEL.TAG)")
     args = parser.parse_args(argv)
+    if not TAG.fullmatch(args.tag):  # it names a folder under checkpoints/: a name, never a path
+        print(f"error: --tag must be a name of letters, digits, '_' and '-' (the folder is checkpoints/MODEL.TAG), "
+              f"got {args.tag!r}", file=sys.stderr)
+        return 2
     try:
         model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema, **args.model_args)
         name = model.pretrained_cfg["architecture"]
-        out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source)
+        out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source, tag=args.tag)
     except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} (model.safetensors sha256 {sha256_of(out / 'model.safetensors')})\n"
-          f'load it with timm.create_model("local-dir:{out}")')
+          f'load it with timm.create_model("local-dir:{out}", pretrained=True)')
     return 0
 
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from timm.data import resolve_model_data_config
 from timm.models import save_for_hf
 
 from .data.classes import read_class_names
@@ -225,20 +226,32 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     return net
 
 
-def export(model: torch.nn.Module, out_dir, source: str = "") -> Path:
+def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str] = None) -> Path:
     """Write ``model`` as timm's hub folder (``model.safetensors`` + ``config.json``), loadable with
-    ``timm.create_model("local-dir:OUT")`` or ``pretrained_cfg_overlay=dict(file=OUT/model.safetensors)``."""
+    ``timm.create_model("local-dir:OUT", pretrained=True)`` or
+    ``pretrained_cfg_overlay=dict(file=OUT/model.safetensors)``.
+
+    ``config.json`` records the pretrained ``tag`` (the one the folder is named by), the input and pooled feature
+    sizes the model is built for, ``source`` and ``source_sha256``: the hash of the weight file the model was read
+    from (the source itself, or the file inside a run / export folder)."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
     saved_cfg = model.pretrained_cfg
-    model.pretrained_cfg = {k: v for k, v in saved_cfg.items() if k not in ("sha256", "state_dict")}
+    read_from = saved_cfg.get("file")  # create_from_checkpoint's weight file
+    weights = Path(source) if source and Path(source).is_file() else Path(read_from) if read_from else None
+    current = dict(input_size=tuple(resolve_model_data_config(model)["input_size"]))
+    if hasattr(model, "patch_embed") and hasattr(model, "_stage_resolutions"):  # ours: the last stage's grid
+        current["pool_size"] = tuple(model._stage_resolutions()[-1])
+    if tag is not None:
+        current["tag"] = tag
+    model.pretrained_cfg = {**{k: v for k, v in saved_cfg.items() if k not in ("sha256", "state_dict")}, **current}
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_for_hf(model, str(tmp), safe_serialization=True,
-                    model_config=dict(source=source, source_sha256=sha256_of(source) if Path(source).is_file()
-                                      else None))
+                    model_config=dict(source=str(source), source_sha256=sha256_of(weights)
+                                      if weights is not None and weights.is_file() else None))
     finally:
         model.pretrained_cfg = saved_cfg
     os.replace(tmp, out_dir)

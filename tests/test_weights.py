@@ -2,8 +2,10 @@
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import timm
@@ -13,10 +15,11 @@ from safetensors.torch import save_file
 
 from lipsformer.convert import main as convert_main
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
-from lipsformer.weights import CheckpointError, create_from_checkpoint, read_checkpoint
+from lipsformer.weights import CheckpointError, create_from_checkpoint, read_checkpoint, sha256_of
 
 from conftest import TINY, family
 
+ROOT = Path(__file__).resolve().parents[1]
 RELEASED = {"lipsformer_swin_t": lipsformer_swin, "lipsformer_cswin_t": lipsformer_cswin}
 X = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
@@ -175,3 +178,45 @@ def test_use_ema_picks_the_ema_of_a_timm_style_checkpoint(tmp_path):
     torch.save({"state_dict": model.state_dict()}, path)
     with pytest.raises(CheckpointError, match=r"timm\.pth: no EMA weights"):
         create_from_checkpoint(path, "lipsformer_swin_t", use_ema=True, **TINY["swin"])
+
+
+# -- issue 25: convert names its folder by a tag, records what it read, and its hint loads the weights ----------
+def test_convert_tag_is_a_name_not_a_path(tmp_path, monkeypatch, capsys):
+    # issue 25.9: --tag ../../../evil wrote outside checkpoints/
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "w.safetensors"
+    save_file(tiny().state_dict(), str(source))
+    for tag in ("../../../evil", "a/b", "", ".."):
+        before = sorted(tmp_path.parent.rglob("*"))
+        code = convert_main([str(source), "--model", "lipsformer_swin_t", "--model-args", json.dumps(TINY["swin"]),
+                             "--tag", tag])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "--tag must be a name" in err, err
+        assert sorted(tmp_path.parent.rglob("*")) == before
+
+
+def test_convert_hint_loads_the_converted_weights_and_config_says_what_they_are(tmp_path, monkeypatch, capsys):
+    # issue 25.12: the printed local-dir: hint built a model with a random head (no pretrained=True); config.json
+    # said tag official_in1k, pool_size null and no source_sha256 for a run folder
+    monkeypatch.chdir(tmp_path)
+    run, model, _ = _fake_run(tmp_path)
+    assert convert_main([str(run), "--tag", "digits"]) == 0
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert hint.startswith("load it with timm.create_model(")
+    loaded = eval(hint[len("load it with "):], {"timm": timm})
+    assert torch.equal(logits(loaded), logits(model))
+    cfg = json.loads((tmp_path / "checkpoints" / "lipsformer_cswin_t.digits" / "config.json").read_text())
+    assert cfg["pretrained_cfg"]["tag"] == "digits"
+    assert cfg["pretrained_cfg"]["pool_size"] == [1, 1]  # 32 px / 4 (patch) / 2 ** 3 (three downsamplings)
+    assert cfg["source"] == str(run) and cfg["source_sha256"] == sha256_of(run / "last.safetensors")
+
+
+def test_converted_folders_are_git_ignored():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+    assert ignored("checkpoints/lipsformer_swin_t.official_in1k/model.safetensors")
+    assert ignored("checkpoints/lipsformer_swin_t.official_in1k/config.json")
+    assert not ignored("checkpoints/README.md")
