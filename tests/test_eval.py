@@ -1,5 +1,6 @@
 """eval.py: each data set's label rule, exact accuracy under controlled predictions, one vs two processes."""
 import csv
+import io
 import json
 import os
 import subprocess
@@ -356,3 +357,30 @@ def test_eval_pretrained_offline_is_one_line_exit_1(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "could not download its published weights" in err, err
     assert "Temporary failure in name resolution" in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_evaluation_and_validation_show_progress_on_a_terminal_only(tmp_path, monkeypatch):
+    # issue 25.12: eval.py and train.py's validation ran without a word for minutes; now a tqdm bar, quiet when
+    # stderr is not a terminal (logs, CI)
+    from accelerate import Accelerator
+    from lipsformer.engine.evaluate import evaluate as validate
+    for c in range(4):
+        write_image(tmp_path / str(c) / "a.png", c)
+    samples = eval_samples("imagenet_v2", tmp_path)
+    loader = torch.utils.data.DataLoader([(ToTensor()(Image.open(p).convert("RGB")), labels[0]) for p, labels in
+                                          samples], batch_size=2)
+    for stderr in (_Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        evaluate_dataset(ColourModel(), EvalDataset(samples, ToTensor()), Accelerator(cpu=True), batch_size=2,
+                         workers=0)
+        validate(ColourModel(), loader, Accelerator(cpu=True))
+        shown = stderr.getvalue()
+        if stderr.isatty():
+            assert "evaluation:" in shown and "validation:" in shown and "/2 [" in shown, shown
+        else:
+            assert shown == ""

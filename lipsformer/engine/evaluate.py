@@ -10,6 +10,7 @@ import timm
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import describe_samples
@@ -48,8 +49,9 @@ class Predictions:
 
 
 @torch.no_grad()
-def predict(model, loader, accelerator, k: int = TOPK) -> Predictions:
-    """Top-``k`` predictions for every sample of ``loader`` across processes, in loader order.
+def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation") -> Predictions:
+    """Top-``k`` predictions for every sample of ``loader`` across processes, in loader order, with a progress
+    bar named ``desc`` on the main process when stderr is a terminal (tqdm's ``disable=None``).
 
     Batches are ``(images, keys, failed_paths)`` as :func:`~lipsformer.data.collate_skip_failed` makes them:
     the copies standing in for unreadable images are left out and counted, so an unreadable image is never
@@ -58,7 +60,8 @@ def predict(model, loader, accelerator, k: int = TOPK) -> Predictions:
     """
     model.eval()
     keys, classes, probs, valid, failed = [], [], [], [], []
-    for batch in loader:
+    for batch in tqdm(loader, desc=desc, disable=None if accelerator.is_main_process else True, leave=False,
+                      dynamic_ncols=True):
         images, key = batch[0], batch[1]
         bad = list(batch[2]) if len(batch) > 2 else []
         failed += bad
@@ -100,7 +103,7 @@ def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
 def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
     """Top-1 / top-5 of a ``(images, targets, failed)`` loader (training's validation) over its readable images;
     ``unreadable`` counts the others, under the same rule as training batches (:func:`check_unreadable`)."""
-    pred = predict(model, loader, accelerator)
+    pred = predict(model, loader, accelerator, desc="validation")
     result = score(pred.classes, [[t] for t in pred.keys.tolist()])
     check_unreadable("validation", pred.unreadable, result["count"] + pred.unreadable, max_bad_fraction,
                      pred.failed)
