@@ -372,3 +372,21 @@ def test_command_names_a_module_without_a_bound_in_one_line(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert err.startswith("error: no Lipschitz bound is registered for module 'patch_embed.norm' of type")
     assert "CenterNorm" in err and err.strip().count("\n") == 0
+
+
+def test_command_json_is_strict_and_plot_marks_layers_without_a_finite_bound(tmp_path, capsys):
+    # issue 25.7: the released defaults (no finite SCSA bound) wrote Infinity tokens that strict JSON parsers
+    # reject, and the plot dropped those layers without a word
+    from lipsformer.lipschitz.__main__ import main
+
+    def strict(token):
+        raise ValueError(f"not JSON: {token}")
+    assert main(["--model", "lipsformer_swin_t", "--model-args", json.dumps(TINY["swin"]),
+                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]) == 0
+    result = json.loads((tmp_path / "b.json").read_text(), parse_constant=strict)
+    assert result["log10_bound"] is None
+    unbounded = [r["name"] for r in result["rows"] if r["lip"] is None]
+    assert unbounded and all(r["note"] for r in result["rows"] if r["lip"] is None)
+    printed = capsys.readouterr().out
+    assert f"plot: {len(unbounded)} of {len(result['rows'])} layers have no finite bound (red, marked inf): " \
+           f"{unbounded[0]}" in printed

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from timm.data import ImageNetInfo, infer_imagenet_subset
+from timm.data.readers.reader_image_folder import ReaderImageFolder
 
 class ClassMismatch(ValueError):
     """The class folders found cannot be matched to the model's classes."""
@@ -80,9 +81,10 @@ def reader_classes(dataset) -> Optional[List[str]]:
 
 def relabel(dataset, known: Sequence[str], where: str, known_as: str) -> str:
     """Give a timm folder dataset's samples the labels their class names have in ``known``, in place; returns the
-    note of :func:`class_mapping` (raises :class:`ClassMismatch`). Data without class names pass unchanged."""
+    note of :func:`class_mapping` (raises :class:`ClassMismatch`). Other data pass unchanged: a Hugging Face or
+    webdataset source labels every split from one class list of its own."""
     found = reader_classes(dataset)
-    if found is None:
+    if found is None or not isinstance(dataset.reader, ReaderImageFolder):
         return ""
     mapping, note = class_mapping(found, known, len(known), where, known_as)
     reader = dataset.reader

@@ -93,29 +93,56 @@ def main(argv=None) -> int:
             return 2
         for n, value in measured.items():
             print(f"measured Jacobian norm of {n}: {value:.4g} (a lower bound)")
-    if args.json:
+    if args.json:  # strict JSON: a bound that is not finite is null (json's Infinity token is not JSON)
         with open(args.json, "w") as f:
-            json.dump(dict(model=name, log10_bound=report.log10_bound,
-                           log10_train_expected_bound=report.log10_train_expected_bound,
-                           log10_stages=dict(report.stages()), measured=measured,
-                           rows=[vars(r) for r in report.rows]), f, indent=2)
+            json.dump(_finite(dict(model=name, log10_bound=report.log10_bound,
+                                   log10_train_expected_bound=report.log10_train_expected_bound,
+                                   log10_stages=dict(report.stages()), measured=measured,
+                                   rows=[vars(r) for r in report.rows])), f, indent=2, allow_nan=False)
     if args.plot:
-        _plot(report, args.plot, name)
+        unbounded = _plot(report, args.plot, name)
+        if unbounded:
+            print(f"plot: {len(unbounded)} of {len(report.rows)} layers have no finite bound (red, marked inf): "
+                  f"{', '.join(unbounded[:5])}{', ...' if len(unbounded) > 5 else ''}")
     return 0
 
 
-def _plot(report, path, title) -> None:
+def _finite(value):
+    """``value`` with every non-finite float replaced by None (JSON null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _plot(report, path, title) -> list:
+    """A bar per layer (log10 of its bound); a layer without a finite bound is a red bar reaching above every
+    finite one, marked inf. Returns those layers' names."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = [math.log10(r.lip) if math.isfinite(r.lip) else float("nan") for r in report.rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(values) * 0.15), 4))
-    ax.bar(range(len(values)), values)
+    finite = [math.log10(r.lip) for r in report.rows if math.isfinite(r.lip)]
+    top = max(finite + [0.0]) * 1.2 + 0.5
+    fig, ax = plt.subplots(figsize=(max(6, len(report.rows) * 0.15), 4))
+    unbounded = []
+    for i, r in enumerate(report.rows):
+        if math.isfinite(r.lip):
+            ax.bar(i, math.log10(r.lip), color="tab:blue")
+        else:
+            unbounded.append(r.name)
+            ax.bar(i, top, color="tab:red", hatch="//", label="no finite bound" if len(unbounded) == 1 else None)
+            ax.text(i, top, "inf", ha="center", va="bottom", color="tab:red", fontsize=7)
+    if unbounded:
+        ax.legend(loc="upper left")
     ax.set(xlabel="layer (input to output)", ylabel="log10 certified bound", title=title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return unbounded
 
 
 if __name__ == "__main__":
