@@ -133,6 +133,19 @@ def _layer_decay_scales(p: Probe):
                                                             model).param_groups})
     assert scales[-1] == 1.0 and scales[0] == 0.5 ** (len(scales) - 1)
 
+def _decayed_lrs(p: Probe, **keys) -> List[float]:
+    """The lr after each update of the probe's two epochs, with the schedule keys given (no warmup)."""
+    from lipsformer.engine.train import build_scheduler
+    cfg = dataclasses.replace(p.cfg, warmup_epochs=0, **keys)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    sched = build_scheduler(cfg, opt, UPDATES_PER_EPOCH)
+    out = []
+    for t in range(1, 2 * UPDATES_PER_EPOCH + 1):
+        sched.step_update(t)
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
 _SPEED: Dict[str, Any] = {}
 
 
@@ -196,6 +209,13 @@ KEYS: Dict[str, Case] = {
     "weight_decay": Case(0.02, lambda p: max(g["weight_decay"] for g in p.run.optimizer.param_groups) == 0.02),
     "sched": Case("constant", lambda p: {r["lr"] for r in p.train_rows()[UPDATES_PER_EPOCH:]} == {LR}),  # no decay
     "warmup_epochs": Case(1, _lr_ramp),
+    # the decay keys act on the schedules that read them (step / multistep / poly), refused on the others
+    "decay_epochs": Case(1.0, lambda p: _decayed_lrs(p, sched="step", decay_epochs=1.0)  # x0.1 every 3 updates
+                         == pytest.approx([LR, LR, LR * 0.1, LR * 0.1, LR * 0.1, LR * 0.01]), alone=True),
+    "decay_milestones": Case([1], lambda p: _decayed_lrs(p, sched="multistep", decay_milestones=[1])[::5]
+                             == pytest.approx([LR, LR * 0.1]), alone=True),  # once (timm: one update early)
+    "decay_rate": Case(0.5, lambda p: _decayed_lrs(p, sched="step", decay_epochs=1.0, decay_rate=0.5)[-1]
+                       == pytest.approx(LR * 0.25), alone=True),
     "min_lr": Case(MIN_LR, lambda p: p.initial["lr"] == MIN_LR),  # where the warmup starts
     "clip_grad": Case(0.5, lambda p: p.clip_max_norms == [0.5] * UPDATES_PER_EPOCH),
     "label_smoothing": Case(0.2, lambda p: p.run.mixup.label_smoothing == 0.2),
@@ -372,6 +392,17 @@ def test_warmup_ramps_as_timms_scheduler_does(probe):
     ("lipschitz_tau_max=0", "lipschitz_tau_max must be positive"),
     ("max_bad_fraction=1.5", "max_bad_fraction must be in [0, 1]"),
     ("batch_size=3", "mixup/cutmix need an even batch_size"),
+    ("num_classes=-5", "num_classes must be at least 1"),
+    ("num_classes=0", "num_classes must be at least 1"),
+    ("sched=step", "sched step needs decay_epochs"),
+    ("sched=multistep", "sched multistep needs decay_milestones"),
+    ("decay_epochs=30", "decay_epochs applies to sched step / wsd / rsqrt, not cosine"),
+    ("decay_rate=0.5", "decay_rate applies to sched step / multistep / poly, not cosine"),
+    ("freeze=backbone", "neither pretrained nor init_checkpoint is set"),
+    ("freeze_stages=2", "neither pretrained nor init_checkpoint is set"),
+    ("pretrained=local-dir:checkpoints/x", "for weights in a folder or file set init_checkpoint: checkpoints/x"),
+    ("model_kwargs.pretrained_cfg_overlay={file: w.safetensors}", "set init_checkpoint: w.safetensors instead"),
+    ("model_kwargs.pretrained=true", "model_kwargs.pretrained: set the top-level key pretrained"),
 ])
 def test_bad_values_are_config_errors_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -18,6 +18,9 @@ class ConfigError(ValueError):
 MODEL_ARGS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_size": "img_size"}
 # timm.scheduler.create_scheduler_v2 names that can step per optimizer update ('plateau' steps per epoch on a
 # metric; 'none' leaves nothing to checkpoint: use 'constant').
+# Keys whose values a checkpoint restores (optimizer param groups, scheduler state): a resume may not change them.
+RESTORED_ON_RESUME = ("epochs", "global_batch", "opt", "lr", "betas", "eps", "weight_decay", "layer_decay", "sched",
+                      "warmup_epochs", "min_lr", "decay_epochs", "decay_milestones", "decay_rate")
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
 
 
@@ -50,6 +53,9 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.05
     sched: str = "cosine"  # a timm scheduler (create_scheduler_v2), stepped per optimizer update: see SCHEDULERS
+    decay_epochs: Optional[float] = None  # step: epochs between decays (required); wsd / rsqrt: decay phase length
+    decay_milestones: Optional[List[int]] = None  # multistep: the epochs to decay at (required)
+    decay_rate: Optional[float] = None  # step / multistep: lr factor per decay; poly: the power (null: timm's 0.1)
     warmup_epochs: int = 0  # the paper's point: no warmup (linear from min_lr to lr when set)
     min_lr: float = 1e-5
     clip_grad: Optional[float] = None
@@ -108,7 +114,7 @@ class TrainConfig:
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
         for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last",
-                    "lipschitz_every_steps"):
+                    "lipschitz_every_steps", "num_classes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
@@ -154,6 +160,48 @@ class TrainConfig:
                               "set lipschitz_target, or a fixed margin_bound")
         if self.lipschitz_conv_max is not None and self.lipschitz_target is None:
             raise ConfigError("lipschitz_conv_max is applied when the bound is kept: set lipschitz_target too")
+        self._check_schedule()
+        self._check_weight_source()
+
+    def _check_schedule(self) -> None:
+        """The decay keys: required where the schedule needs them, refused where it would ignore them."""
+        uses = {"decay_epochs": ("step", "wsd", "rsqrt"), "decay_milestones": ("multistep",),
+                "decay_rate": ("step", "multistep", "poly")}
+        for key, scheds in uses.items():
+            if getattr(self, key) is not None and self.sched not in scheds:
+                raise ConfigError(f"{key} applies to sched {' / '.join(scheds)}, not {self.sched}: unset it or "
+                                  f"change sched")
+        if self.sched == "step" and self.decay_epochs is None:
+            raise ConfigError("sched step needs decay_epochs (the epochs between two decays of the lr)")
+        if self.sched == "multistep" and not self.decay_milestones:
+            raise ConfigError("sched multistep needs decay_milestones (the epochs at which the lr decays)")
+        if self.decay_epochs is not None and not 0 < self.decay_epochs <= self.epochs:
+            raise ConfigError(f"decay_epochs must be in (0, epochs={self.epochs}], got {self.decay_epochs}")
+        late = [m for m in self.decay_milestones or [] if not 0 < m < self.epochs]
+        if late:
+            raise ConfigError(f"decay_milestones must lie in (0, epochs={self.epochs}) to decay the lr, got {late}")
+        if self.decay_rate is not None and not self.decay_rate > 0:
+            raise ConfigError(f"decay_rate must be positive, got {self.decay_rate}")
+
+    def _check_weight_source(self) -> None:
+        """Keys that only act on loaded weights need a source; a source spelled another way is named."""
+        source = self.pretrained or self.init_checkpoint
+        if self.pretrained and self.pretrained.startswith(("local-dir:", "hf-hub:", "hf_hub:")):
+            where = self.pretrained.split(":", 1)[1]
+            raise ConfigError(f"pretrained takes a timm name with published weights (MODEL.TAG), not "
+                              f"{self.pretrained!r}; for weights in a folder or file set init_checkpoint: {where}")
+        if "pretrained" in self.model_kwargs:
+            raise ConfigError("model_kwargs.pretrained: set the top-level key pretrained (MODEL.TAG) or "
+                              "init_checkpoint instead")
+        overlay = self.model_kwargs.get("pretrained_cfg_overlay") or {}
+        files = sorted(k for k in ("file", "url", "hf_hub_id", "state_dict") if isinstance(overlay, dict)
+                       and overlay.get(k))
+        if files and not self.pretrained:
+            raise ConfigError(f"model_kwargs.pretrained_cfg_overlay.{files[0]} is read only when pretrained weights "
+                              f"load: set init_checkpoint: {overlay[files[0]]} instead (or pretrained: MODEL.TAG)")
+        if (self.freeze or self.freeze_stages) and not source:
+            raise ConfigError("freeze / freeze_stages hold pretrained weights fixed, but neither pretrained nor "
+                              "init_checkpoint is set: the frozen modules would stay at their random init")
 
     def model_args(self) -> Dict[str, Any]:
         """``timm.create_model`` arguments: the top-level model keys (MODEL_ARGS) plus ``model_kwargs``."""
@@ -190,6 +238,10 @@ def _check_type(key: str, value: Any, hint) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
         return tuple(_check_type(key, v, a) for v, a in zip(value, args))
+    if origin in (list, List):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_check_type(key, v, args[0]) for v in value]
     if origin in (dict, Dict):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
@@ -202,6 +254,13 @@ def _check_type(key: str, value: Any, hint) -> Any:
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise ConfigError(f"{key} must be of type {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
+
+
+def check_type(key: str, value: Any) -> Any:
+    """``value`` coerced to the type of TrainConfig's ``key``, or a ConfigError naming the key."""
+    if key not in _HINTS:
+        raise ConfigError(f"unknown config key(s): {key}")
+    return _check_type(key, value, _HINTS[key])
 
 
 def load_config(path=None, overrides: Optional[List[str]] = None) -> TrainConfig:
