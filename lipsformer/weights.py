@@ -118,11 +118,19 @@ def check_state_dict(state_dict: dict, model: torch.nn.Module, source) -> None:
     built with a different ``num_classes``.
     """
     ours = model.state_dict()
-    classifier = (model.pretrained_cfg or {}).get("classifier") or "head.fc"
+    cfg = model.pretrained_cfg or {}
+    classifier = cfg.get("classifier") or "head.fc"
+    stem, source_chans = f"{cfg.get('first_conv')}.weight", (cfg.get("input_size") or (3,))[0]
+
+    def adapted(key, theirs, mine) -> bool:  # timm's load_pretrained adapts the stem to in_chans (adapt_input_conv)
+        return (key == stem and len(theirs) == 4 and theirs[1] == source_chans
+                and (theirs[0], *theirs[2:]) == (mine[0], *mine[2:]))
+
     missing = [k for k in ours if k not in state_dict]
     unexpected = [k for k in state_dict if k not in ours]
     shapes = [f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
-              if k in state_dict and state_dict[k].shape != v.shape and not k.startswith(classifier + ".")]
+              if k in state_dict and state_dict[k].shape != v.shape and not k.startswith(classifier + ".")
+              and not adapted(k, tuple(state_dict[k].shape), tuple(v.shape))]
     problems = [f"{what} ({len(keys)}): {', '.join(keys[:5])}" for what, keys in
                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if keys]
     if problems:

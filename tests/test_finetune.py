@@ -17,7 +17,7 @@ from lipsformer.engine.finetune import eval_frozen, start_model
 from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
-from conftest import TINY, load_script, reset_accelerate
+from conftest import TINY, family, load_script, reset_accelerate
 from test_train import make_folder, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,6 +181,26 @@ def test_killed_finetuning_run_resumes_to_bit_identical_weights(tmp_path, data, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
+@pytest.mark.parametrize("weights, model", [("released", "lipsformer_swin_t"), ("cswin_file", "lipsformer_cswin_t")])
+@pytest.mark.parametrize("in_chans", [1, 4])
+def test_three_channel_weights_load_into_another_in_chans_as_timm_adapts_them(request, weights, model, in_chans):
+    """timm's ``adapt_input_conv`` on the stem (``first_conv``), every other tensor as in the file: through
+    ``init_checkpoint`` (a released-layout file) and timm's own pretrained path (``pretrained_cfg_overlay``)."""
+    from timm.models import adapt_input_conv
+    from lipsformer.weights import create_from_checkpoint
+    path = request.getfixturevalue(weights)
+    path = path[0] if isinstance(path, tuple) else path
+    arch = dict(TINY[family(model)], init="xavier")
+    rgb = create_from_checkpoint(path, model, **arch).state_dict()
+    for net in (create_from_checkpoint(path, model, in_chans=in_chans, **arch),
+                timm.create_model(model, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                                  in_chans=in_chans, **arch)):
+        ours = net.state_dict()
+        assert torch.equal(ours["patch_embed.proj.weight"], adapt_input_conv(in_chans, rgb["patch_embed.proj.weight"]))
+        assert all(torch.equal(v, rgb[k]) for k, v in ours.items() if k != "patch_embed.proj.weight")
+        assert net(torch.randn(1, in_chans, 32, 32)).shape == (1, 1000)
+
+
 # -- bad input: one line naming the thing to fix, nothing written -------------------------------------------
 @pytest.fixture(scope="module")
 def cswin_file(tmp_path_factory):
@@ -192,23 +212,26 @@ def cswin_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (lambda p: dict(init_checkpoint=str(p)), "init_checkpoint: "),  # another architecture: keys named
-    (lambda p: dict(init_checkpoint=str(p.parent / "missing.pth")), "init_checkpoint: no checkpoint "),
-    (lambda p: dict(model="lipsformer_cswin_t", model_kwargs={}, pretrained="lipsformer_cswin_t"),
+    (lambda p, r: dict(init_checkpoint=str(p)), "init_checkpoint: "),  # another architecture: keys named
+    (lambda p, r: dict(init_checkpoint=str(p.parent / "missing.pth")), "init_checkpoint: no checkpoint "),
+    (lambda p, r: dict(model="lipsformer_cswin_t", model_kwargs={}, pretrained="lipsformer_cswin_t"),
      "pretrained 'lipsformer_cswin_t': no published weights under that name (published for lipsformer_cswin_t: "
      "none)"),
-    (lambda p: dict(pretrained="lipsformer_cswin_t.in1k"), "pretrained 'lipsformer_cswin_t.in1k' names weights of "
-     "lipsformer_cswin_t, but model is lipsformer_swin_t"),
-    (lambda p: dict(freeze="neck"), "freeze: 'neck' names no module with parameters in lipsformer_swin_t"),
-    (lambda p: dict(freeze_stages=5), "freeze_stages 5: lipsformer_swin_t has 4 stages; use 0 to 4"),
+    (lambda p, r: dict(pretrained="lipsformer_cswin_t.in1k"),
+     "pretrained 'lipsformer_cswin_t.in1k' names weights of lipsformer_cswin_t, but model is lipsformer_swin_t"),
+    (lambda p, r: dict(freeze="neck", init_checkpoint=str(r)),
+     "freeze: 'neck' names no module with parameters in lipsformer_swin_t"),
+    (lambda p, r: dict(freeze_stages=5, init_checkpoint=str(r)),
+     "freeze_stages 5: lipsformer_swin_t has 4 stages; use 0 to 4"),
     # a model argument the constructor refuses, from scratch and with weights to load
-    (lambda p: dict(model_kwargs=dict(ARCH, stage_act="relu")), "lipsformer_swin_t: stage_act must be one of "
+    (lambda p, r: dict(model_kwargs=dict(ARCH, stage_act="relu")), "lipsformer_swin_t: stage_act must be one of "
      "('none', 'gelu', 'groupsort'), got 'relu'"),
-    (lambda p: dict(model_kwargs=dict(ARCH, v_nrom=True), init_checkpoint=str(p)), "lipsformer_swin_t: "
+    (lambda p, r: dict(model_kwargs=dict(ARCH, v_nrom=True), init_checkpoint=str(p)), "lipsformer_swin_t: "
      "LipsFormerSwin.__init__() got an unexpected keyword argument 'v_nrom'"),
 ])
-def test_bad_starting_point_stops_before_anything_is_written(tmp_path, data, cswin_file, overrides, message):
-    cfg = config(tmp_path, data, **overrides(cswin_file))
+def test_bad_starting_point_stops_before_anything_is_written(tmp_path, data, cswin_file, released, overrides,
+                                                             message):
+    cfg = config(tmp_path, data, **overrides(cswin_file, released[0]))
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")) as info:
         train(cfg)
     assert "\n" not in str(info.value)
