@@ -17,6 +17,7 @@ from lipsformer.data import TransformError
 from lipsformer.engine.checkpoint import SaveFailed
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.processes import ends_processes
+from lipsformer.engine.finetune import WeightsUnavailable
 from lipsformer.engine.train import Preempted, TooManyBadSamples, TrainingDiverged, train
 from lipsformer.lipschitz.constraints import BoundUnreachable
 from lipsformer.weights import CheckpointError
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
     except (CheckpointError, FileNotFoundError) as e:  # a checkpoint to resume from that cannot be used
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WeightsUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (TrainingDiverged, TooManyBadSamples, FileExistsError, BoundUnreachable, SaveFailed) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
@@ -66,7 +70,9 @@ def main(argv=None) -> int:
         if PartialState().is_main_process:
             print(f"preempted: {e} (exit code {PREEMPTED}: requeue)", file=sys.stderr)
         return PREEMPTED
-    print(f"best top-1 {summary['best_top1']:.2f}% | checkpoint {summary['checkpoint']} | curves {summary['curves']}")
+    print(f"done: {summary['epochs']} epochs, {summary['step']} steps | best top-1 {summary['best_top1']:.2f}% "
+          f"({summary['best']}) | last weights {summary['last']} | last checkpoint {summary['checkpoint']} | "
+          f"curves {summary['curves']}")
     return 0
 
 

@@ -61,7 +61,7 @@ def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_id
     said = capsys.readouterr().err.splitlines()
     assert [line for line in said if "preempted" in line] == [
         f"preempted: SIGUSR1 received: every process finished step 2 and checkpoint {run}/checkpoints/"
-        f"step_000000002 is written (epoch 0, 16 of its samples used); continue with --resume auto (exit code 75: "
+        f"step_000000002 is written (epoch 1, 16 of its samples used); continue with --resume auto (exit code 75: "
         f"requeue)"]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are given back
     assert [r["step"] for r in records] == [1, 1, 2, 2]  # step 2 finished, nothing after it
@@ -162,7 +162,7 @@ def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path,
         loop._train_step = loop_step
     said = capsys.readouterr().out
     assert said.count(NOTICE) == 1 and "resumed on 1 process(es) x batch 4 from a checkpoint written on 2 x batch 4: " \
-        "global batch 8 kept (2 accumulation step(s)), schedule at step 4, epoch 1 continues after its first 8 " \
+        "global batch 8 kept (2 accumulation step(s)), schedule at step 4, epoch 2 continues after its first 8 " \
         "samples" in said
     reset_accelerate()
     (tmp_path / "records").mkdir()
@@ -191,7 +191,7 @@ def test_the_resume_notice_names_what_cannot_carry_over():
     loader = SimpleNamespace(dataset=type("Streamed", (IterableDataset,), {"__iter__": lambda self: iter(())})())
     line = _move_position(state, cfg, accelerator, loader, updates_per_epoch=3)
     assert (state.batch_in_epoch, state.processes, accelerator.step) == (2, 2, 2)
-    assert "epoch 1 continues after its first 16 samples (streamed data shard by process: which samples" in line
+    assert "epoch 2 continues after its first 16 samples (streamed data shard by process: which samples" in line
     assert "(an epoch now takes 3 optimizer steps, not 4: " in line and NOTICE in line
     assert line.endswith("(processes 1.. had none saved)")
     assert _move_position(state, cfg, accelerator, loader, updates_per_epoch=3) is None  # nothing changed

@@ -43,6 +43,7 @@ class TrainState:
         self.batch_size = batch_size
         self.global_batch = global_batch
         self.updates_per_epoch = updates_per_epoch  # optimizer steps an epoch takes in that geometry
+        self.epoch_sums = {}  # the current epoch's sums so far (train.py's _EpochMeter.totals), for a mid-epoch resume
 
     @property
     def samples_in_epoch(self) -> int:

@@ -19,7 +19,7 @@ MODEL_ARGS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_
 # timm.scheduler.create_scheduler_v2 names that can step per optimizer update ('plateau' steps per epoch on a
 # metric; 'none' leaves nothing to checkpoint: use 'constant').
 # Keys whose values a checkpoint restores (optimizer param groups, scheduler state): a resume may not change them.
-RESTORED_ON_RESUME = ("epochs", "global_batch", "opt", "lr", "betas", "eps", "weight_decay", "layer_decay", "sched",
+RESTORED_ON_RESUME = ("epochs", "opt", "lr", "betas", "eps", "weight_decay", "layer_decay", "sched",
                       "warmup_epochs", "min_lr", "decay_epochs", "decay_milestones", "decay_rate")
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
 

@@ -22,6 +22,10 @@ from .config import ConfigError, TrainConfig
 BACKBONE = "backbone"  # freeze: every parameter but the classifier's (a linear probe)
 
 
+class WeightsUnavailable(RuntimeError):
+    """Published weights could not be fetched (no network, server down): a runtime fault, not a bad config."""
+
+
 @dataclass
 class ModelStart:
     """Where a run's weights came from and what of the model does not train."""
@@ -62,6 +66,10 @@ def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
         return create(), name
     except (CheckpointError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: timm, e.g. a failed download
         raise ConfigError(f"{key}: {e}") from None
+    except OSError as e:  # urllib's URLError, requests' ConnectionError: no network, or the server refused
+        reason = getattr(e, "reason", None) or e
+        raise WeightsUnavailable(f"{key} {name}: could not download its weights ({reason}); check the network, or "
+                                 f"download them elsewhere and set init_checkpoint: FILE") from None
     except (TypeError, ValueError) as e:  # the constructor refused a model argument, as in build_model
         raise ConfigError(f"{cfg.model}: {e}") from None
 

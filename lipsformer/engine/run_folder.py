@@ -16,6 +16,7 @@ reads finished runs from it::
       lipsformer/            TensorBoard events
 """
 import json
+import os
 import re
 from pathlib import Path
 from typing import List, Optional
@@ -75,6 +76,17 @@ class RunFolder:
     def read_metrics(self) -> List[dict]:
         """The rows of ``metrics.jsonl`` in order (none when the run wrote none, e.g. it stopped at once)."""
         return read_metrics(self.metrics)
+
+    def keep_metrics_until(self, step: int, epochs: int) -> None:
+        """Drop the rows a resumed run logs again: train rows after optimizer ``step``, epoch rows after epoch
+        ``epochs`` (what the checkpoint resumed from had finished). Rewritten beside the file and renamed."""
+        rows = self.read_metrics()
+        kept = [r for r in rows if (r["epoch"] <= epochs if r["kind"] == "epoch" else r["step"] <= step)]
+        if len(kept) == len(rows):
+            return
+        tmp = self.temporary(self.metrics)
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.metrics)
 
     def weights(self, ema: bool = False) -> Path:
         """The final weights (``last.safetensors``), or their EMA."""

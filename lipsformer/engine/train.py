@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
@@ -35,12 +36,12 @@ from ..models._base import LipsFormerBase
 from ..weights import CheckpointError
 from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoint, latest_checkpoint,
                          save_checkpoint, verify_checkpoint)
-from .config import ConfigError, TrainConfig
+from .config import RESTORED_ON_RESUME, ConfigError, TrainConfig, check_type
 from .ema import ShardEma, _whole
 from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, margin_criterion
-from .run_folder import RunFolder, read_metrics
+from .run_folder import MANIFEST, RunFolder, checkpoint_step, read_metrics
 from .speed import compile_model, prepare_model, set_tf32
 
 _logger = logging.getLogger(__name__)
@@ -105,8 +106,7 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
     Streamed data (``wds/``, ``hfids/``, ``tfds/``) shard themselves by process and loader worker (timm's
     readers), so Accelerate only moves their batches to the device.
     """
-    if not cfg.data_dir and not cfg.dataset:
-        raise ValueError("no data: set data_dir (a folder with train/ and val/) or dataset (hfds/..., wds/...)")
+    check_data(cfg)
     loaders, classes = [], None
     for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
@@ -131,6 +131,31 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
         loaders.append(accelerator.prepare_data_loader(DataLoader(
             ds, shuffle=training, generator=torch.Generator().manual_seed(cfg.seed), **common)))
     return loaders
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """A ConfigError naming the missing folder unless the data can be found (an image folder's splits)."""
+    if not cfg.data_dir and not cfg.dataset:
+        raise ConfigError("no data: set data_dir (--data-dir: a folder with train/ and val/) or dataset "
+                          "(hfds/..., wds/...)")
+    if cfg.dataset:  # timm's readers name what they cannot find
+        return
+    root = Path(cfg.data_dir)
+    if not root.is_dir():
+        raise ConfigError(f"data_dir {root}: no such folder (it should hold {cfg.train_split}/ and "
+                          f"{cfg.val_split}/, one sub-folder per class)")
+    missing = [split for split in (cfg.train_split, cfg.val_split) if not (root / split).is_dir()]
+    if missing:
+        raise ConfigError(f"data_dir {root} has no {' and no '.join(m + '/' for m in missing)} folder (it should "
+                          f"hold {cfg.train_split}/ and {cfg.val_split}/, one sub-folder per class)")
+
+
+def check_classes(cfg: TrainConfig, classes: Optional[List[str]]) -> None:
+    """A ConfigError when the training data have more classes than the model's ``num_classes`` (their labels
+    would index past the classifier); ``classes``: the training data's names (None when the reader has none)."""
+    if classes is not None and len(classes) > cfg.num_classes:
+        raise ConfigError(f"num_classes is {cfg.num_classes} but the training data have {len(classes)} classes "
+                          f"({', '.join(map(str, classes[:3]))}, ...): set num_classes: {len(classes)}")
 
 
 def build_criterion(cfg: TrainConfig):
@@ -230,7 +255,7 @@ class _Run:
     preemption: _Preemption = field(default_factory=_Preemption)
 
     def diverged(self, what: str, epoch: int) -> TrainingDiverged:
-        return TrainingDiverged(f"non-finite {what} at step {self.state.step} (epoch {epoch}); "
+        return TrainingDiverged(f"non-finite {what} at step {self.state.step} (epoch {epoch + 1}); "
                                 f"last good checkpoint: {self.last_good or 'none written yet'}")
 
     def keep_bound(self) -> None:
@@ -239,7 +264,8 @@ class _Run:
 
 @dataclass
 class _EpochMeter:
-    """The running sums of one epoch's training batches."""
+    """The running sums of one epoch's training batches; ``carried`` holds the sums of the batches before a
+    mid-epoch resume (checkpointed as ``TrainState.epoch_sums``), so a resumed epoch's row counts the whole epoch."""
 
     failed: List[str] = field(default_factory=list)  # paths of images that could not be read
     seen: int = 0  # samples in this process's batches
@@ -248,10 +274,22 @@ class _EpochMeter:
     images: int = 0  # over all processes, for the speed shown
     window_bad: bool = False  # a non-finite loss or gradient in the current accumulation window
     t0: float = field(default_factory=time.time)
+    carried: Dict[str, Any] = field(default_factory=dict)  # :meth:`totals` at the checkpoint resumed from
 
     @property
-    def loss(self) -> float:
-        return self.loss_sum / max(self.loss_n, 1)
+    def loss(self) -> float:  # this process's mean batch loss over the epoch so far
+        return (self.carried.get("loss_sum", 0.0) + self.loss_sum) / max(self.carried.get("loss_n", 0) + self.loss_n, 1)
+
+    def totals(self, accelerator) -> Dict[str, Any]:
+        """The epoch so far, carried part included: samples and unreadable ones over all processes (a collective
+        call), this process's loss sums, wall seconds, and a few unreadable paths for messages."""
+        counts = accelerator.reduce(torch.tensor([float(len(self.failed)), float(self.seen)],
+                                                 device=accelerator.device), "sum")
+        c = self.carried
+        return dict(failed=c.get("failed", 0) + int(counts[0]), seen=c.get("seen", 0) + int(counts[1]),
+                    loss_sum=c.get("loss_sum", 0.0) + self.loss_sum, loss_n=c.get("loss_n", 0) + self.loss_n,
+                    seconds=c.get("seconds", 0.0) + time.time() - self.t0,
+                    failed_paths=(list(c.get("failed_paths", [])) + self.failed)[:5])
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -263,25 +301,68 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
 
 def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
     """timm's ``sched`` schedule over ``epochs``, stepped once per optimizer update; warmup (``warmup_epochs``)
-    ramps linearly from ``min_lr`` to ``lr``."""
-    scheduler, _ = create_scheduler_v2(optimizer, cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr,
+    ramps linearly from ``min_lr`` to ``lr``; ``decay_*`` reach timm's step / multistep / poly / wsd / rsqrt."""
+    decay = {k: v for k, v in dict(decay_epochs=cfg.decay_epochs, decay_milestones=cfg.decay_milestones,
+                                   decay_rate=cfg.decay_rate).items() if v is not None}
+    scheduler, _ = create_scheduler_v2(optimizer, cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr, **decay,
                                        warmup_lr=cfg.min_lr, warmup_epochs=cfg.warmup_epochs,
                                        step_on_epochs=False, updates_per_epoch=updates_per_epoch)
     return scheduler
 
 
 def _resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
-    """The checkpoint to resume from (``resume="auto"``: decided once the model exists, see :func:`_verified`)."""
+    """The checkpoint to resume from (``resume="auto"``: decided once the model exists, see :func:`_verified`).
+    ``resume`` may name a run folder: its newest checkpoint (the output folder's own: as ``auto``)."""
     if resume == "auto":
-        return latest_checkpoint(folder.root)
+        found = latest_checkpoint(folder.root)
+        if found is None:
+            why = "does not exist" if not folder.root.exists() else "holds no checkpoint"
+            _logger.warning(f"--resume auto: {folder.root} {why}; starting a new run there")
+        return found
     if resume:
-        if not Path(resume).is_dir():
-            raise FileNotFoundError(f"--resume {resume}: no such checkpoint folder")
-        return Path(resume)
+        path = Path(resume)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--resume {resume}: no such folder; pass a checkpoint folder "
+                                    f"(RUN/checkpoints/step_N), a run folder, or auto")
+        if RunFolder(path).is_run() or RunFolder(path).checkpoints.is_dir():  # a run folder: its newest checkpoint
+            found = latest_checkpoint(path)
+            if found is None:
+                raise FileNotFoundError(f"--resume {resume}: that run folder holds no checkpoint "
+                                        f"({RunFolder(path).checkpoints} is empty or missing)")
+            return found
+        if checkpoint_step(path) is None and not (path / MANIFEST).is_file():
+            raise FileNotFoundError(f"--resume {resume}: not a checkpoint folder (RUN/checkpoints/step_N) nor a run "
+                                    f"folder (with {RunFolder(path).config.name})")
+        return path
     if latest_checkpoint(folder.root) is not None:
         raise FileExistsError(f"{folder.root} already holds checkpoints; pass --resume auto to continue that run, "
                               f"or choose another output_dir")
     return None
+
+
+def _check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
+    """Refuse a resume whose config changes what the checkpoint restores (the optimizer's hyperparameters, the lr
+    schedule): the checkpoint's values would win silently. Compared with the run's ``config.yaml``."""
+    if resume_from is None:
+        return
+    saved_config = RunFolder(resume_from.parent.parent).config
+    if not saved_config.is_file():
+        return
+    saved = yaml.safe_load(saved_config.read_text()) or {}
+    for key in RESTORED_ON_RESUME:
+        if key not in saved:
+            continue
+        try:
+            before = check_type(key, saved[key])
+        except ConfigError:
+            continue
+        if before != getattr(cfg, key):
+            raise ConfigError(
+                f"--resume: {key} is {getattr(cfg, key)!r} here but {before!r} in {saved_config}; the checkpoint "
+                f"restores the optimizer and the lr schedule as they were set up over that run's {key}, so the new "
+                f"value would not act (lr would stay where the old schedule is). Resume with the run's own value, or "
+                f"start a new run from its weights with init_checkpoint: {saved_config.parent} (fresh optimizer and "
+                f"schedule)")
 
 
 def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path], model) -> Optional[Path]:
@@ -320,6 +401,8 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
         raise ConfigError("the EMA under FSDP needs FSDP2 (fsdp_version: 2 in the accelerate config), whose "
                           "parameters are DTensor shards; or set ema_decay: null")
     resume_from = _resume_point(folder, resume)
+    _check_resumable(cfg, resume_from)
+    check_data(cfg)
     set_seed(cfg.seed)
     # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
     model, start = start_model(cfg, load_weights=resume_from is None)
@@ -328,6 +411,7 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
     classes = reader_classes(train_loader.dataset)
+    check_classes(cfg, classes)
     if accelerator.is_main_process:  # every check above came first: a refused run writes nothing
         folder.root.mkdir(parents=True, exist_ok=True)
         cfg.save(folder.config)
@@ -350,10 +434,12 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
         except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
             raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
         notice = _move_position(state, cfg, accelerator, train_loader, updates_per_epoch)
-        accelerator.print(f"resumed from {resume_from} (epoch {state.epoch}, step {state.step}, "
-                          f"batch {state.batch_in_epoch} of the epoch)")
+        accelerator.print(f"resumed from {resume_from} (step {state.step}: epoch {state.epoch + 1}, "
+                          f"{state.batch_in_epoch} of its batches done)")
         if notice:
             accelerator.print(notice)
+        if accelerator.is_main_process:  # rows logged after that checkpoint are logged again from here
+            folder.keep_metrics_until(state.step, state.epoch)
     else:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
@@ -397,7 +483,7 @@ def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator
     streamed = isinstance(train_loader.dataset, IterableDataset)
     return (f"resumed on {processes} process(es) x batch {cfg.batch_size} from a checkpoint written on {old[0]} x "
             f"batch {old[1]}: global batch {cfg.global_batch} kept ({accelerator.gradient_accumulation_steps} "
-            f"accumulation step(s)), schedule at step {state.step}, epoch {state.epoch} continues after its first "
+            f"accumulation step(s)), schedule at step {state.step}, epoch {state.epoch + 1} continues after its first "
             f"{samples} samples"
             + (" (streamed data shard by process: which samples the rest of this epoch holds cannot carry over, "
                "some may repeat or be missed)" if streamed else "")
@@ -409,7 +495,7 @@ def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator
             + (f" (processes {old[0]}.. had none saved)" if processes > old[0] else ""))
 
 
-def _stop_if_preempted(run: _Run) -> None:
+def _stop_if_preempted(run: _Run, meter: Optional[_EpochMeter] = None) -> None:
     """Between optimizer steps: when any process was sent a preemption signal (the flag is reduced, so every
     process stops at the same step), write this step's checkpoint and raise Preempted."""
     accelerator, state = run.accelerator, run.state
@@ -417,10 +503,12 @@ def _stop_if_preempted(run: _Run) -> None:
                                       "max").item())
     if not received:
         return
+    if meter is not None:  # mid-epoch: the resumed run completes the epoch's sums
+        state.epoch_sums = meter.totals(accelerator)
     run.last_good = save_checkpoint(accelerator, run.model, run.folder.root, state, run.cfg.keep_last)
     accelerator.end_training()
     raise Preempted(f"{signal.Signals(received).name} received: every process finished step {state.step} and "
-                    f"checkpoint {run.last_good} is written (epoch {state.epoch}, {state.samples_in_epoch} of its "
+                    f"checkpoint {run.last_good} is written (epoch {state.epoch + 1}, {state.samples_in_epoch} of its "
                     f"samples used); continue with --resume auto")
 
 
@@ -439,10 +527,10 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
 
 def _train(run: _Run) -> dict:
     cfg, state, accelerator = run.cfg, run.state, run.accelerator
-    for epoch in range(state.epoch, cfg.epochs):
+    for epoch in range(state.epoch, cfg.epochs):  # epochs count from 1 wherever a user reads them (epoch + 1)
         row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
         row.update(alpha_statistics(accelerator.unwrap_model(run.model)))
-        state.epoch, state.batch_in_epoch = epoch + 1, 0
+        state.epoch, state.batch_in_epoch, state.epoch_sums = epoch + 1, 0, {}
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             row.update(evaluate_and_keep_best(run))
         run.log("epoch", state.step, **row)
@@ -456,6 +544,7 @@ def _train(run: _Run) -> dict:
             _save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(ema=True))
     accelerator.end_training()
     summary = dict(output_dir=str(run.folder.root), checkpoint=str(run.last_good), best_top1=state.best_top1,
+                   best=str(run.folder.best), last=str(run.folder.weights()), epochs=state.epoch,
                    step=state.step, skipped_steps=state.skipped_steps, curves=str(run.folder.curves))
     if accelerator.is_main_process:
         plot_curves(run.folder.metrics, run.folder.curves)
@@ -474,9 +563,9 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     loader = run.train_loader
     if state.batch_in_epoch:
         loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
-    meter = _EpochMeter()
+    meter = _EpochMeter(carried=dict(state.epoch_sums) if state.batch_in_epoch else {})
     # closed however the loop ends, so an error line printed after it starts on a line of its own
-    with tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch}",
+    with tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
               disable=not accelerator.is_main_process, dynamic_ncols=True) as bar:
         for images, targets, bad in loader:
             meter.failed += bad
@@ -492,13 +581,11 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
             if accelerator.sync_gradients:
                 _after_update(run, meter, epoch, bar)
 
-    totals = accelerator.reduce(torch.tensor([float(len(meter.failed)), float(meter.seen)],
-                                             device=accelerator.device), "sum")
-    n_failed, n_seen = int(totals[0]), int(totals[1])
-    check_unreadable(f"epoch {epoch}", n_failed, n_seen, cfg.max_bad_fraction, meter.failed)
-    row = dict(train_loss=meter.loss, bad_samples=n_failed, train_samples=n_seen,
-               processes=accelerator.num_processes, skipped_steps=state.skipped_steps,
-               seconds=time.time() - meter.t0)
+    totals = meter.totals(accelerator)
+    check_unreadable(f"epoch {epoch + 1}", totals["failed"], totals["seen"], cfg.max_bad_fraction,
+                     meter.failed or totals["failed_paths"])
+    row = dict(train_loss=meter.loss, bad_samples=totals["failed"], train_samples=totals["seen"],
+               processes=accelerator.num_processes, skipped_steps=state.skipped_steps, seconds=totals["seconds"])
     if run.keep is not None:  # keep()'s own bound when it projected after this step, else the report's
         step, bound = run.kept
         row["lipschitz_bound"] = bound if step == state.step else \
@@ -552,10 +639,11 @@ def _after_update(run: _Run, meter: _EpochMeter, epoch: int, bar) -> None:
     speed = meter.images / max(time.time() - meter.t0, 1e-9)
     bar.set_postfix(loss=f"{meter.loss:.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
     if state.step % cfg.log_every_steps == 0:
-        run.log("train", state.step, epoch=epoch, loss=meter.loss, lr=lr, img_per_s=speed)
+        run.log("train", state.step, epoch=epoch + 1, loss=meter.loss, lr=lr, img_per_s=speed)
     if state.step % cfg.checkpoint_every_steps == 0:
+        state.epoch_sums = meter.totals(run.accelerator)  # a resume from this checkpoint completes these sums
         run.last_good = save_checkpoint(run.accelerator, run.model, run.folder.root, state, cfg.keep_last)
-    _stop_if_preempted(run)
+    _stop_if_preempted(run, meter)
 
 
 def evaluate_and_keep_best(run: _Run) -> dict:
