@@ -58,3 +58,21 @@ def test_build_time_prints_both_tables_and_writes_json(tmp_path):
     assert build["ratio"] == pytest.approx(build["build_s"] / build["baseline_s"])
     assert load["ratio"] == pytest.approx(load["load_s"] / load["build_read_s"])
     assert "lipsformer_swin_t" in proc.stdout and "pretrained load" in proc.stdout
+
+
+def test_loader_benchmark_prints_each_loaders_rate_against_timms_and_the_seeding_cost(tmp_path):
+    out = tmp_path / "loader.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loader.py"), "--data", str(tmp_path / "jpegs"),
+                           "--images", "8", "--size", "64x48", "--batch", "4", "--workers", "1", "0", "--rounds", "1",
+                           "--seeding-samples", "20", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(list((tmp_path / "jpegs" / "train").rglob("*.jpg"))) == result["images"] == 8
+    rows = result["rows"]
+    assert [(r["workers"], r["loader"]) for r in rows] == [
+        (w, name) for w in (1, 0) for name in ("timm", "ours", "ours unseeded")]
+    for r in rows:
+        base = next(b for b in rows if b["workers"] == r["workers"] and b["loader"] == "timm")
+        assert r["img_s"] > 0 and r["ratio"] == pytest.approx(r["img_s"] / base["img_s"])  # one round
+    assert set(result["seeding_us"]) == {"worker", "main"}
+    assert "vs timm" in proc.stdout and "per-sample seeding" in proc.stdout
