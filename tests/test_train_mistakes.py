@@ -96,9 +96,9 @@ def _rows(run: Path) -> list:
     return [{k: v for k, v in r.items() if k not in ("seconds", "img_per_s")} for r in read_metrics(run)]
 
 
-def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, config):
+def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monkeypatch, config):
     """Item 3: a mid-epoch resume and the fallback from a damaged checkpoint leave metrics.jsonl as the
-    uninterrupted run wrote it: one row per step and per epoch, the resumed epoch's figures whole. Item 8: epochs
+    uninterrupted run wrote it (so does a preemption): one row per step and per epoch, the resumed epoch's figures whole. Item 8: epochs
     count from 1 everywhere, and the last line names the best and the last weights for what they are.
     Item 7: --resume auto into a folder that does not exist says so."""
     run = tmp_path / "run"
@@ -111,6 +111,7 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, conf
     reference = _rows(run)
     epochs = [r for r in reference if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2] and [r["train_samples"] for r in epochs] == [24, 24]
+    assert all(0 < r["val_loss"] < 10 for r in epochs)
     assert [(r["step"], r["epoch"]) for r in reference if r["kind"] == "train"] == \
         [(s, 1) for s in range(1, 7)] + [(s, 2) for s in range(7, 13)]  # the same numbers as the epoch rows
 
@@ -126,6 +127,17 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, conf
     code, out, err = train_cli(capsys, "--config", config, "--resume", "auto")
     assert code == 0, err
     assert "skipped damaged checkpoint step_000000012" in caplog.text
+    assert _rows(run) == reference
+
+    # preempted after step 9 (mid-epoch 2, off the checkpoint period): the preemption checkpoint carries the sums
+    from lipsformer.engine import train as loop
+    from train_probe import probed_step
+    monkeypatch.setattr(loop, "_train_step", probed_step(loop._train_step, [], signal_at_step=9))
+    code, _, err = train_cli(capsys, "--config", config, "--resume", run / "checkpoints" / "step_000000006")
+    assert code == 75 and "step_000000009 is written (epoch 2," in err, err
+    monkeypatch.undo()
+    code, _, err = train_cli(capsys, "--config", config, "--resume", run / "checkpoints" / "step_000000009")
+    assert code == 0, err
     assert _rows(run) == reference
 
 
@@ -144,3 +156,43 @@ def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, caps
     code, out, err = train_cli(capsys, "--config", config, "--set", "epochs=1", "--resume", run)
     assert code == 0, err
     assert f"resumed from {run / 'checkpoints' / 'step_000000006'}" in out
+
+
+def test_validation_reports_the_mean_cross_entropy_of_the_readable_images():
+    """Item 12: the validation loss behind curves.png's val-loss curve (an unreadable image's stand-in is left out)."""
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from lipsformer.engine.evaluate import evaluate
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    images, targets = torch.randn(7, 3, 2, 2), torch.tensor([0, 1, 2, 3, 0, 1, 2])
+    batches = [(images[:4], targets[:4], []), (images[4:], targets[4:], ["broken.jpg"])]  # the last is a stand-in
+    result = evaluate(model, batches, Accelerator(cpu=True))
+    with torch.no_grad():
+        expected = F.cross_entropy(model(images[:6]), targets[:6]).item()
+    assert result["count"] == 6 and result["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_curves_have_a_title_the_val_loss_and_whole_epoch_ticks():
+    """Item 12: curves.png names the run, draws the val loss beside the training loss (at each evaluated epoch's
+    last step), and its epoch axes tick at whole epochs."""
+    from lipsformer.engine.train import draw_curves
+    rows = [dict(kind="init", step=0)]
+    rows += [dict(kind="train", step=s, epoch=(s - 1) // 3 + 1, loss=2.0 / s, lr=1e-3) for s in range(1, 10)]
+    rows += [dict(kind="epoch", step=3 * e, epoch=e, train_loss=1.0, top1=10.0 * e, val_loss=1.5 / e,
+                  ema_top1=9.0 * e, ema_val_loss=1.6 / e, alpha_mean_s0=0.1 * e, alpha_std_s0=0.01) for e in (1, 2, 3)]
+    fig = draw_curves(rows, "lipsformer_swin_t: output/run")
+    assert fig._suptitle.get_text() == "lipsformer_swin_t: output/run"
+    loss, top1, alpha = fig.axes
+    lines = {line.get_label(): line for line in loss.get_lines()}
+    assert list(lines["val loss"].get_xdata()) == [3, 6, 9]
+    assert list(lines["val loss"].get_ydata()) == pytest.approx([1.5, 0.75, 0.5])
+    assert list(lines["EMA val loss"].get_ydata()) == pytest.approx([1.6, 0.8, 1.6 / 3])
+    fig.canvas.draw()
+    for ax in (top1, alpha):
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    import matplotlib.pyplot as plt
+    plt.close(fig)

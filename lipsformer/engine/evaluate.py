@@ -4,10 +4,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import timm
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -46,20 +47,22 @@ class Predictions:
     probs: torch.Tensor  # (n, k) their softmax probabilities
     unreadable: int = 0  # samples that failed to load, over all processes
     failed: List[str] = field(default_factory=list)  # this process's unreadable paths
+    loss: Optional[torch.Tensor] = None  # (n,) cross-entropy of each readable sample (``losses=True``: keys are targets)
 
 
 @torch.no_grad()
-def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation") -> Predictions:
+def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation",
+            losses: bool = False) -> Predictions:
     """Top-``k`` predictions for every sample of ``loader`` across processes, in loader order, with a progress
     bar named ``desc`` on the main process when stderr is a terminal (tqdm's ``disable=None``).
 
     Batches are ``(images, keys, failed_paths)`` as :func:`~lipsformer.data.collate_skip_failed` makes them:
     the copies standing in for unreadable images are left out and counted, so an unreadable image is never
     scored as its neighbour. Accelerate's ``gather_for_metrics`` drops the samples repeated to even out the
-    last batch.
+    last batch. ``losses``: the keys are class targets, and each sample's cross-entropy is kept too.
     """
     model.eval()
-    keys, classes, probs, valid, failed = [], [], [], [], []
+    keys, classes, probs, valid, failed, nll = [], [], [], [], [], []
     for batch in tqdm(loader, desc=desc, disable=None if accelerator.is_main_process else True, leave=False,
                       dynamic_ncols=True):
         images, key = batch[0], batch[1]
@@ -71,7 +74,12 @@ def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation")
             logits = model(images)
         p, c = logits.float().softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
         read = torch.arange(len(images), device=c.device) < len(images) - len(bad)  # stand-ins come last
-        key, c, p, read = accelerator.gather_for_metrics((key, c, p, read))
+        if losses:
+            loss = F.cross_entropy(logits.float(), key, reduction="none")
+            key, c, p, read, loss = accelerator.gather_for_metrics((key, c, p, read, loss))
+            nll.append(loss.cpu())
+        else:
+            key, c, p, read = accelerator.gather_for_metrics((key, c, p, read))
         keys.append(key.cpu())
         classes.append(c.cpu())
         probs.append(p.cpu())
@@ -80,7 +88,7 @@ def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation")
         return Predictions(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))
     read = torch.cat(valid)
     return Predictions(torch.cat(keys)[read], torch.cat(classes)[read], torch.cat(probs)[read],
-                       unreadable=int((~read).sum()), failed=failed)
+                       unreadable=int((~read).sum()), failed=failed, loss=torch.cat(nll)[read] if losses else None)
 
 
 def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
@@ -101,10 +109,13 @@ def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
 
 
 def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
-    """Top-1 / top-5 of a ``(images, targets, failed)`` loader (training's validation) over its readable images;
-    ``unreadable`` counts the others, under the same rule as training batches (:func:`check_unreadable`)."""
-    pred = predict(model, loader, accelerator, desc="validation")
-    result = score(pred.classes, [[t] for t in pred.keys.tolist()])
+    """Top-1 / top-5 and the mean cross-entropy (``loss``) of a ``(images, targets, failed)`` loader (training's
+    validation) over its readable images; ``unreadable`` counts the others, under the same rule as training
+    batches (:func:`check_unreadable`)."""
+    pred = predict(model, loader, accelerator, desc="validation", losses=True)
+    result = dict(score(pred.classes, [[t] for t in pred.keys.tolist()]),
+                  loss=pred.loss.double().mean().item() if pred.loss is not None and pred.loss.numel()
+                  else float("nan"))
     check_unreadable("validation", pred.unreadable, result["count"] + pred.unreadable, max_bad_fraction,
                      pred.failed)
     return dict(result, unreadable=pred.unreadable)

@@ -200,23 +200,32 @@ def alpha_statistics(model: torch.nn.Module) -> Dict[str, float]:
     return stats
 
 
-def plot_curves(metrics_path: Path, png_path: Path) -> None:
+def draw_curves(rows: List[dict], title: str):
+    """The figure of ``curves.png`` from ``metrics.jsonl`` rows: training loss per logged step with the val loss
+    of each evaluated epoch (at its last step), val top-1 per epoch, and per-stage |alpha| per epoch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    rows = read_metrics(metrics_path)
     train = [r for r in rows if r["kind"] == "train"]
     epochs = [r for r in rows if r["kind"] == "epoch"]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train])
-    ax1.set(xlabel="optimizer step", ylabel="train loss", yscale="log")
-    for key in ("top1", "ema_top1"):
+    fig.suptitle(title)
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss (epoch running mean)")
+    for key, label in (("val_loss", "val loss"), ("ema_val_loss", "EMA val loss")):
+        pts = [(r["step"], r[key]) for r in epochs if r.get(key) is not None]
+        if pts:
+            ax1.plot(*zip(*pts), marker="o", label=label)
+    ax1.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log")
+    ax1.legend()
+    for key, label in (("top1", "model"), ("ema_top1", "EMA")):
         pts = [(r["epoch"], r[key]) for r in epochs if r.get(key) is not None]
         if pts:
-            ax2.plot(*zip(*pts), marker="o", label=key)
+            ax2.plot(*zip(*pts), marker="o", label=label)
     ax2.set(xlabel="epoch", ylabel="val top-1 (%)")
-    ax2.legend()
+    if ax2.lines:
+        ax2.legend()
     stages = sorted({k.rsplit("_s", 1)[1] for r in epochs for k in r if k.startswith("alpha_mean_s")}, key=int)
     for i in stages:  # LipsFormer Figure 5: "alpha first grows, then stabilises"
         pts = [(r["epoch"], r[f"alpha_mean_s{i}"], r[f"alpha_std_s{i}"]) for r in epochs if f"alpha_mean_s{i}" in r]
@@ -226,7 +235,15 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     ax3.set(xlabel="epoch", ylabel="|alpha| per stage (mean +- std)")
     if stages:
         ax3.legend()
+    for ax in (ax1, ax2, ax3):  # steps and epochs are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(metrics_path: Path, png_path: Path, title: str = "") -> None:
+    import matplotlib.pyplot as plt
+    fig = draw_curves(read_metrics(metrics_path), title or str(Path(metrics_path).parent))
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 
@@ -547,7 +564,7 @@ def _train(run: _Run) -> dict:
                    best=str(run.folder.best), last=str(run.folder.weights()), epochs=state.epoch,
                    step=state.step, skipped_steps=state.skipped_steps, curves=str(run.folder.curves))
     if accelerator.is_main_process:
-        plot_curves(run.folder.metrics, run.folder.curves)
+        plot_curves(run.folder.metrics, run.folder.curves, f"{cfg.model}: {run.folder.root}")
     return summary
 
 
@@ -651,13 +668,13 @@ def evaluate_and_keep_best(run: _Run) -> dict:
     ``best.safetensors`` when it beats every earlier epoch. Returns the epoch row's validation figures."""
     accelerator, model, state, ema = run.accelerator, run.model, run.state, run.ema
     metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
-    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_count=metrics["count"],
+    row = dict(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"], val_count=metrics["count"],
                val_bad_samples=metrics["unreadable"])
     candidates = {"model": metrics["top1"]}
     if ema is not None:
         with ema.applied(model):
             ema_metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
-        row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+        row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"], ema_val_loss=ema_metrics["loss"])
         candidates["ema"] = ema_metrics["top1"]
     which = max(candidates, key=candidates.get)
     if candidates[which] > state.best_top1:
