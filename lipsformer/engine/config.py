@@ -24,6 +24,15 @@ RESTORED_ON_RESUME = ("epochs", "opt", "lr", "betas", "eps", "weight_decay", "la
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
 
 
+# Keys with a fixed set of values.
+CHOICES = {
+    "mixed_precision": ("bf16", "fp16", "no"),
+    "on_nonfinite": ("stop", "skip"),
+    "sched": SCHEDULERS,
+    "compile_mode": COMPILE_MODES,
+}
+
+
 @dataclass
 class TrainConfig:
     """Every knob of a training run. Defaults are the paper's Table 6 recipe for the Tiny models."""
@@ -104,13 +113,7 @@ class TrainConfig:
 
     def __post_init__(self):
         """Every check a config can fail without running anything lives here, each naming its key."""
-        checks = {
-            "mixed_precision": ("bf16", "fp16", "no"),
-            "on_nonfinite": ("stop", "skip"),
-            "sched": SCHEDULERS,
-            "compile_mode": COMPILE_MODES,
-        }
-        for key, allowed in checks.items():
+        for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
         for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last",
@@ -280,7 +283,10 @@ def load_config(path=None, overrides: Optional[List[str]] = None) -> TrainConfig
             data.setdefault("model_kwargs", {})
             data["model_kwargs"] = dict(data["model_kwargs"], **{key.split(".", 1)[1]: yaml.safe_load(raw)})
             continue
-        data[key] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
+        if isinstance(value, bool) and raw.strip() in CHOICES.get(key, ()):
+            value = raw.strip()  # YAML 1.1 reads no as a boolean: --set mixed_precision=no means the word
+        data[key] = value
     unknown = sorted(set(data) - set(_HINTS))
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
