@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo finetune-demo flops clean gpu-wheels gpu-check
+.PHONY: install test test-floors demo finetune-demo flops clean gpu-wheels gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,20 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The oldest versions pyproject.toml allows, in a venv of their own, on the suite's fast subset (not part of CI,
+# which tests what pip resolves today): the shipped recipes, models, layers, checkpoints, weights and evaluation.
+FLOORS := torch==2.9.1 torchvision==0.24.1 timm==1.0.31 accelerate==1.15.0 pillow==10.0.0
+FLOORS_VENV := .venv-floors
+FLOORS_TESTS := tests/test_configs.py tests/test_models.py tests/test_layers.py tests/test_checkpoint.py \
+	tests/test_weights.py tests/test_eval.py
+test-floors:
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -e ".[dev]" $(FLOORS)
+	$(FLOORS_VENV)/bin/python -c "import torch, torchvision, timm, accelerate, PIL; print('floors:', torch.__version__, \
+		torchvision.__version__, timm.__version__, accelerate.__version__, PIL.__version__)"
+	$(FLOORS_VENV)/bin/python -m pytest -q $(FLOORS_TESTS)
 
 # The digits demo: written once as an image folder, trained from scratch (its output folder is replaced),
 # then its last weights evaluated by eval.py.
@@ -37,7 +51,7 @@ flops: $(STAMP)
 	$(PY) -m lipsformer.flops
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache
 
 # A GPU machine without a package registry (README GPU): `make gpu-wheels` here, where pip reaches PyPI, fills .whl/
 # with the wheels such a machine lacks (CUDA torch 2.11, torchvision, accelerate 1.15 and timm are there; fvcore
