@@ -403,6 +403,16 @@ def test_warmup_ramps_as_timms_scheduler_does(probe):
     ("pretrained=local-dir:checkpoints/x", "for weights in a folder or file set init_checkpoint: checkpoints/x"),
     ("model_kwargs.pretrained_cfg_overlay={file: w.safetensors}", "set init_checkpoint: w.safetensors instead"),
     ("model_kwargs.pretrained=true", "model_kwargs.pretrained: set the top-level key pretrained"),
+    # values that ended in a ZeroDivisionError or a torch / timm traceback once training had written its folder
+    ("eval_every_epochs=0", "eval_every_epochs must be at least 1"),
+    ("log_every_steps=0", "log_every_steps must be at least 1"),
+    ("lr=0", "lr must be in (0, inf)"),
+    ("weight_decay=-0.1", "weight_decay must be in [0, inf)"),
+    ("label_smoothing=1.0", "label_smoothing must be in [0, 1)"),
+    ("drop_path=1.5", "drop_path must be in [0, 1)"),
+    ("crop_pct=0", "crop_pct must be in (0, 1]"),
+    ("reprob=2", "reprob must be in [0, 1]"),
+    ("workers=-1", "workers must be 0 or more"),
 ])
 def test_bad_values_are_config_errors_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -117,7 +117,7 @@ class TrainConfig:
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
         for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last",
-                    "lipschitz_every_steps", "num_classes"):
+                    "lipschitz_every_steps", "num_classes", "log_every_steps", "eval_every_epochs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
@@ -125,6 +125,19 @@ class TrainConfig:
         for key in ("lipschitz_target", "lipschitz_tau_max", "lipschitz_weight_max"):
             if getattr(self, key) is not None and getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
+        ranges = {  # (low, high, low inclusive, high inclusive): values torch / timm would refuse late or misuse
+            "lr": (0.0, float("inf"), False, False), "min_lr": (0.0, float("inf"), True, False),
+            "weight_decay": (0.0, float("inf"), True, False), "label_smoothing": (0.0, 1.0, True, False),
+            "drop_path": (0.0, 1.0, True, False), "crop_pct": (0.0, 1.0, False, True),
+            "mixup": (0.0, float("inf"), True, False), "cutmix": (0.0, float("inf"), True, False),
+            "reprob": (0.0, 1.0, True, True), "hflip": (0.0, 1.0, True, True)}
+        for key, (low, high, low_in, high_in) in ranges.items():
+            v = getattr(self, key)
+            if not ((low <= v if low_in else low < v) and (v <= high if high_in else v < high)):
+                raise ConfigError(f"{key} must be in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+                                  f", got {v}")
+        if self.workers < 0:
+            raise ConfigError(f"workers must be 0 or more, got {self.workers}")
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs must be at least 0, got {self.warmup_epochs}")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
