@@ -1,5 +1,6 @@
-"""eval.py on train.py's own outputs (issue 25): class names travel with the weights and label every val folder by
-name, in training's validation as in eval.py; periodic checkpoints evaluate; --use-ema says what is missing."""
+"""eval.py and convert on train.py's own outputs (issue 25): class names travel with the weights and label every val
+folder by name, in training's validation as in eval.py; periodic checkpoints evaluate; --use-ema says what is
+missing; checkpoints/README.md's convert commands run as written."""
 import json
 from pathlib import Path
 
@@ -131,3 +132,36 @@ def test_use_ema_where_there_is_none_says_why_in_one_line(run, tmp_path, capsys,
     code, _, err = eval_cli(capsys, "--checkpoint", run / where, "--data-dir", data, "--use-ema")
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_every_convert_command_of_checkpoints_readme_runs_as_written(run, tmp_path, monkeypatch, capsys):
+    # issue 25.12: the README's demo command asked for an EMA the demo run does not have (it failed as written)
+    import ast
+    import shlex
+
+    import timm
+    import torch
+    from lipsformer.convert import main as convert
+    from lipsformer.models import lipsformer_swin
+    from safetensors.torch import load_file
+    text = (Path(__file__).resolve().parents[1] / "checkpoints" / "README.md").read_text()
+    section = text[text.index("## Converting and exporting"):]
+    bash = section.split("```bash\n")[1].split("```")[0]
+    python = section.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    released = timm.create_model("lipsformer_swin_t", init="xavier")  # stands in for the released file, full size
+    torch.save({"model": lipsformer_swin.released_state_dict(released)}, tmp_path / "lipsformer-swin-tiny.pth")
+    (tmp_path / "output").mkdir()
+    (tmp_path / "output" / "demo_digits").symlink_to(run)
+    commands = [line for line in bash.splitlines() if line.startswith("python -m lipsformer.convert ")]
+    assert len(commands) == 2
+    for line in commands:
+        assert convert(shlex.split(line)[3:]) == 0, capsys.readouterr().err
+    assert torch.equal(load_file("checkpoints/lipsformer_swin_t.digits/model.safetensors")["head.fc.weight"],
+                       load_file(str(run / "last.safetensors"))["head.fc.weight"])
+    expected = released.state_dict()
+    loads = [s for s in ast.parse(python).body if isinstance(s, ast.Expr)]
+    assert len(loads) == 2
+    for statement in loads:  # each loads the converted released file
+        model = eval(compile(ast.Expression(statement.value), "README", "eval"), {"timm": timm})
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), ast.unparse(statement)

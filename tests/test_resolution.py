@@ -98,7 +98,7 @@ def test_set_input_size_refuses_what_does_not_fit_and_leaves_the_model_as_it_was
 ])
 def test_set_input_size_validates_before_it_changes_the_model(name, bad, message):
     # issue 25.10: a refused call leaves the model exactly as it was (size, windows, weights, outputs)
-    model = perturbed(name)
+    model = perturbed(name, init="xavier")
     x = torch.randn(2, 3, 32, 32)
     before, state = model(x), copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=message):
