@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from lipsformer.data import EVAL_DATASETS, TransformError
 from lipsformer.engine.config import ConfigError
@@ -77,6 +78,10 @@ def main(argv=None) -> int:
         parser.error("--pretrained needs --model")
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         parser.error(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
+    for option, path in (("--output", args.output), ("--predictions", args.predictions)):
+        if path and not Path(path).parent.is_dir():  # found now, not after the evaluation
+            print(f"error: {option} {path}: no folder {Path(path).parent}", file=sys.stderr)
+            return 2
     try:
         certify_eps = parse_eps(args.certify_eps, "--certify-eps")
         attack_eps = parse_eps(args.attack_eps, "--attack-eps")

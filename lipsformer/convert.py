@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from .weights import CheckpointError, create_from_checkpoint, export, sha256_of
+from .weights import CheckpointError, check_model_args, create_from_checkpoint, export, sha256_of
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
@@ -34,7 +34,8 @@ def main(argv=None) -> int:
               f"got {args.tag!r}", file=sys.stderr)
         return 2
     try:
-        model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema, **args.model_args)
+        model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema,
+                                       **check_model_args(args.model_args))
         name = model.pretrained_cfg["architecture"]
         out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source, tag=args.tag)
     except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:

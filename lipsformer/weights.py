@@ -44,6 +44,14 @@ class _InertConfig:
 _SAFE_GLOBALS = [(_InertConfig, "yacs.config.CfgNode"), argparse.Namespace]
 
 
+def check_model_args(model_args) -> dict:
+    """``--model-args`` of eval.py, convert and the Lipschitz command: a JSON object of model arguments."""
+    if not isinstance(model_args, dict):
+        raise ValueError(f"--model-args must be a JSON object of model arguments, e.g. '{{\"img_size\": 32}}'; got "
+                         f"{json.dumps(model_args)}")
+    return model_args
+
+
 def sha256_of(path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

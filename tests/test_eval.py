@@ -314,6 +314,10 @@ def test_eval_refuses_class_folders_it_cannot_match_in_one_line(tmp_path, capsys
     (["--img-size", "0"], "--img-size must be a positive number of pixels"),
     (["--img-size", "48"], "stage 3 cannot halve an odd resolution (3, 3); use an img_size divisible by 32"),
     (["--img-size", "34"], "must be divisible by patch_size"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),  # more of the same kind: these were tracebacks
+    (["--workers", "-1"], "--workers must be 0"),
+    (["--model-args", "[32]"], "--model-args must be a JSON object of model arguments"),
+    (["--predictions", "missing/p.csv"], "--predictions missing/p.csv: no folder missing"),  # was found after the pass
 ])
 def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys, args, message):
     # issue 25.2 / 25.5 / 25.11: attacks of 0 steps or restarts reported clean accuracy as "PGD-attacked";

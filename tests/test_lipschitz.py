@@ -390,3 +390,15 @@ def test_command_json_is_strict_and_plot_marks_layers_without_a_finite_bound(tmp
     printed = capsys.readouterr().out
     assert f"plot: {len(unbounded)} of {len(result['rows'])} layers have no finite bound (red, marked inf): " \
            f"{unbounded[0]}" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model-args", "[1]"], "--model-args must be a JSON object of model arguments"),  # was a TypeError traceback
+    (["--json", "missing/b.json"], "--json missing/b.json: no folder missing"),  # was found after the bounds
+    (["--plot", "missing/b.png"], "--plot missing/b.png: no folder missing"),
+])
+def test_command_refuses_unusable_arguments_before_any_work_in_one_line(capsys, args, message):
+    from lipsformer.lipschitz.__main__ import main
+    assert main(["--model", "lipsformer_swin_t", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {message}" + err[len(f"error: {message}"):] and err.count("\n") == 1, err

@@ -220,3 +220,11 @@ def test_converted_folders_are_git_ignored():
     assert ignored("checkpoints/lipsformer_swin_t.official_in1k/model.safetensors")
     assert ignored("checkpoints/lipsformer_swin_t.official_in1k/config.json")
     assert not ignored("checkpoints/README.md")
+
+
+def test_convert_model_args_must_be_an_object(tmp_path, capsys):
+    before = sorted(tmp_path.rglob("*"))
+    assert convert_main([str(tmp_path / "w.safetensors"), "--model-args", "[32]", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model-args must be a JSON object of model arguments" in err, err
+    assert sorted(tmp_path.rglob("*")) == before

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import describe_samples
 from ..lipschitz.certify import certify_dataset
-from ..weights import CheckpointError, create_from_checkpoint
+from ..weights import CheckpointError, check_model_args, create_from_checkpoint
 from .config import ConfigError, TrainConfig
 from .speed import compile_model, prepare_model
 
@@ -182,8 +182,16 @@ class WeightsUnavailable(RuntimeError):
 
 
 def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_steps: int = 20,
-                        attack_restarts: int = 3) -> None:
+                        attack_restarts: int = 3, batch_size: int = 1, workers: int = 0, model_args=None) -> None:
     """A ConfigError naming the setting unless the evaluation settings make sense (before any work starts)."""
+    try:
+        check_model_args(model_args or {})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
+    if workers < 0:
+        raise ConfigError(f"--workers must be 0 (load in the main process) or more, got {workers}")
     if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
         raise ConfigError(f"--img-size must be a positive number of pixels, got {img_size}")
     if crop_pct is not None and not 0.0 < crop_pct <= 1.0:
@@ -230,7 +238,7 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     each image's certified radius."""
     if (checkpoint is None) == (not pretrained):
         raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
-    check_eval_settings(img_size, crop_pct, attack_eps, attack_steps, attack_restarts)
+    check_eval_settings(img_size, crop_pct, attack_eps, attack_steps, attack_restarts, batch_size, workers, model_args)
     model_args = dict(model_args or {})
     if img_size is not None:
         if model_args.get("img_size", img_size) != img_size:

@@ -7,11 +7,12 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 import timm
 import torch
 
-from ..weights import CheckpointError, create_from_checkpoint
+from ..weights import CheckpointError, check_model_args, create_from_checkpoint
 from .bounds import NoBoundError, lipschitz_report
 from .estimate import jacobian_norm
 
@@ -54,7 +55,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the table and bounds as JSON")
     parser.add_argument("--plot", help="write a PNG of every layer's bound")
     args = parser.parse_args(argv)
-    kwargs = dict(args.model_args)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).parent.is_dir():  # found now, not after the bounds are computed
+            print(f"error: {option} {path}: no folder {Path(path).parent}", file=sys.stderr)
+            return 2
+    try:
+        kwargs = dict(check_model_args(args.model_args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.input_size:
         kwargs.update(in_chans=args.input_size[0], img_size=tuple(args.input_size[1:]))
     if args.measure:
