@@ -18,6 +18,7 @@ from ..data.imagenet_eval import describe_samples
 from ..lipschitz.certify import certify_dataset
 from ..weights import CheckpointError, check_model_args, create_from_checkpoint
 from .config import ConfigError, TrainConfig
+from .finetune import WeightsUnavailable
 from .speed import compile_model, prepare_model
 
 TOPK = 5
@@ -175,10 +176,6 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
             if radius is not None:
                 row.append(f"{float(radius[n]):.6g}")
             writer.writerow(row)
-
-
-class WeightsUnavailable(RuntimeError):
-    """Published weights could not be fetched (no network, server down): a runtime fault, not bad input."""
 
 
 def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_steps: int = 20,
