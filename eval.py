@@ -29,7 +29,8 @@ def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
     if r["certified"]:
         why = f"; nothing certifies: {r['reason']}" if r["reason"] else ""
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified"].items())
-        parts.append(f"certified (L = {r['lipschitz']:.4g} in pixel space{why}) {accs}")
+        parts.append(f"certified (L = {r['lipschitz']:.4g} in pixel space, solver defect D = {r['defect']:.3g}, "
+                     f"margins in {r['margins']} whatever --amp{why}) {accs}")
     if r["attacked"]:
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["attacked"].items())
         parts.append(f"PGD-attacked (l2, {steps} steps, {restarts} restarts) {accs}")
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--interpolation", choices=("bilinear", "bicubic", "nearest"),
                         help="resize interpolation (default: the model's config)")
     parser.add_argument("--certify-eps", nargs="+", default=[], metavar="EPS",
-                        help="certified accuracy at these l2 radii in [0, 1] pixel space (margin / (sqrt(2) L), "
+                        help="certified accuracy at these l2 radii in [0, 1] pixel space ((margin - 2 sqrt(2) D) / (sqrt(2) L) "
+                             "from float32 margins whatever --amp, "
                              "L from the Lipschitz report); --predictions gets each image's certified radius")
     parser.add_argument("--attack-eps", nargs="+", default=[], metavar="EPS",
                         help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")

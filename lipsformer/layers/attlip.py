@@ -10,8 +10,9 @@ For tokens ``x`` (N, C) and per-head projections ``W^h`` (d_h, C) the potential 
 weights. The proximal problem is solved by gradient descent with Armijo backtracking (Algorithms 1 and 2);
 fewer steps while training, more at evaluation (the paper trains with 1-3 and evaluates with 20).
 """
+import contextlib
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from timm.layers import register_notrace_module
@@ -52,15 +53,59 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
     return y.transpose(-3, -2).flatten(-2) @ weight  # sum over heads of Y^h W^h
 
 
+class SolverToleranceError(RuntimeError):
+    """AttLip's proximal solve did not reach its tolerance within the hard cap of :func:`solve_to_tolerance`:
+    a certificate resting on that tolerance would be unsound, so none is given."""
+
+
+def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float) -> torch.Tensor:
+    """||grad phi_x(y)||_2 per leading index (one token group), evaluated in float64 at the float32 iterate ``y``:
+    the residual g_K of AttLip Proposition 3, with the float32 rounding of its evaluation left out."""
+    y64, x64, w64 = y.detach().double(), x.detach().double(), weight.detach().double()
+    g = attlip_grad(y64, w64, heads) + (y64 - x64) / eta
+    return g.pow(2).sum((-1, -2)).sqrt()
+
+
 def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
                 tol: float = 1e-6, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
-                step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
+                step_init: float = 1.0, callback: Optional[Callable] = None, strict: bool = False,
+                grad_steps: int = 20) -> torch.Tensor:
     """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index.
 
     The step sizes are chosen without gradient tracking, so the output stays differentiable through the
     (unrolled) descent steps, as in training with a few steps. ``callback(k, y_k, g_k)``, if given, sees each
     iterate and the subproblem's gradient there (k = 0 is the input; AttLip Fig. 1 plots ``||g_k||``).
+
+    ``strict=True`` (certified inference): ``steps`` is a hard cap, not a budget. The returned point's residual
+    ``||grad phi_x(y64)||`` in float64 plus its rounding ``||y - y64|| / eta`` to ``x``'s dtype is at most ``tol`` for
+    every leading index (every window), so ``||y - prox(x)|| <= eta * tol``; else :class:`SolverToleranceError`
+    is raised. Without it the loop may stop at ``steps`` with a larger residual.
+    Its value is that checked point exactly; where gradients are needed (attacks) they are those of
+    ``grad_steps`` unrolled descent steps (straight-through), which do not change the value.
     """
+    if strict:  # solved in float64, so that fp32 rounding of the potential cannot stall Armijo above tol
+        with torch.no_grad():
+            y64 = _descend(x.double(), weight.detach().double(), heads, eta, steps, tol / 2, beta, c, max_backtracks,
+                           step_init, callback)
+            y = y64.to(x.dtype)
+            # ||y - prox(x)|| <= ||y - y64|| + eta * residual(y64) (Prop. 3 (1)): the effective residual below
+            # charges the output's rounding to x.dtype as residual, so eta * tol bounds the deviation
+            rounding = (y.double() - y64).pow(2).sum((-1, -2)).sqrt() / eta
+            worst = float((prox_residual64(y64, x, weight, heads, eta) + rounding).max()) if y.numel() else 0.0
+        if worst > tol:
+            raise SolverToleranceError(
+                f"AttLip's proximal solve left a window's residual at {worst:.3g} > tol {tol:g} after the hard cap "
+                f"of {steps} steps (float64 solve, rounding to {x.dtype} included): raise the cap "
+                f"(solve_to_tolerance(max_steps=...)) or attlip_tol")
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            unrolled = _descend(x, weight, heads, eta, grad_steps, 0.0, beta, c, max_backtracks, step_init, None)
+            y = y + (unrolled - unrolled.detach())
+        return y
+    return _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback)
+
+
+def _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
+    """Algorithms 1 and 2: at most ``steps`` Armijo gradient steps, stopping once every group's residual <= tol."""
     x0 = x
     y = x
 
@@ -106,9 +151,13 @@ class AttLip(nn.Module):
             raise ValueError(f"eta must be positive, got {eta}")
         self.heads, self.eta, self.tol = heads, eta, tol
         self.train_steps, self.eval_steps = train_steps, eval_steps
+        self.solve_cap: Optional[int] = None  # set by solve_to_tolerance: strict solving with this hard cap
         self.weight = nn.Parameter(torch.randn(dim, dim) / math.sqrt(dim))  # rows: the heads' W^h stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.solve_cap is not None and not self.training:
+            return attlip_prox(x, self.weight, self.heads, self.eta, self.solve_cap, self.tol, strict=True,
+                               grad_steps=self.eval_steps)
         steps = self.train_steps if self.training else self.eval_steps
         return attlip_prox(x, self.weight, self.heads, self.eta, steps, self.tol)
 
@@ -157,5 +206,35 @@ class AttLipMixer(nn.Module):
             outs.append(out[:, :H, :W] if out.shape[1:3] != (H, W) else out)
         return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
+    def solver_defect(self, hw) -> float:
+        """Per image, a bound on ``||computed - exact||_2`` of this mixer's output on an ``hw`` token grid when every
+        window is solved to its branch's ``tol`` (:func:`solve_to_tolerance`): AttLip Proposition 3 (1) gives
+        ``eta * tol`` per window; windows and branches are disjoint blocks of the output, so their squares add.
+        ``I - prox`` deviates by as much as ``prox``; zero padding and cropping do not increase it."""
+        H, W = hw
+        sq = 0.0
+        for window, layer in zip(self.windows, self.branches):
+            n = math.ceil(H / window[0]) * math.ceil(W / window[1])
+            sq += n * (layer.eta * layer.tol) ** 2
+        return math.sqrt(sq)
+
     def extra_repr(self) -> str:
         return f"windows={self.windows}, delta={self.delta}"
+
+
+@contextlib.contextmanager
+def solve_to_tolerance(model: nn.Module, max_steps: int = 1000) -> Iterator[nn.Module]:
+    """Certified inference: inside, every :class:`AttLip` of ``model`` in eval mode solves its proximal problem
+    until each window's residual (float64) is at most its ``tol``, raising :class:`SolverToleranceError` past
+    ``max_steps`` rather than stopping early; that tolerance is what the certificate's defect charges."""
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+    layers = [m for m in model.modules() if isinstance(m, AttLip)]
+    saved = [m.solve_cap for m in layers]
+    for m in layers:
+        m.solve_cap = max_steps
+    try:
+        yield model
+    finally:
+        for m, cap in zip(layers, saved):
+            m.solve_cap = cap

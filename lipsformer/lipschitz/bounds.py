@@ -128,6 +128,9 @@ class Row:
     drop_path: float = 0.0
     scale_by_keep: bool = True
     note: str = ""
+    #: per image, a bound on ``||computed - exact||_2`` of this layer's output when its approximate parts meet
+    #: their tolerances (AttLip under :func:`~lipsformer.layers.attlip.solve_to_tolerance`); 0 for exact layers
+    defect: float = 0.0
 
 
 RowsFn = Callable[[nn.Module, str, HW], List[Row]]
@@ -530,6 +533,19 @@ class LipschitzReport:
         return out
 
     @property
+    def defect(self) -> float:
+        """A bound on ``||computed logits - exact logits||_2`` per image: each row's defect times the bound of the
+        rows after it (AttLip appendix, "Composition of approximate proximal layers", with the Lipschitz constant
+        of what follows each block instead of 1). Holds when every AttLip block meets its ``tol`` on every input,
+        which :func:`~lipsformer.layers.attlip.solve_to_tolerance` guarantees or refuses."""
+        out, after = 0.0, 0.0  # after: log10 of the product of the bounds of the rows after the current one
+        for r in reversed(self.rows):
+            if r.defect:
+                out += r.defect * _power10(after)
+            after += math.log10(r.lip)
+        return out
+
+    @property
     def bound(self) -> float:
         """The network bound (eq. 19); ``inf`` also when it exceeds the float range (see :attr:`log10_bound`)."""
         return _power10(self.log10_bound)
@@ -576,6 +592,8 @@ def block_rows(block: LipsBlock, name: str, hw: HW) -> List[Row]:
     rows = module_rows(block.convs, f"{name}.convs", hw)
     attn, note = module_bound(block.attn, hw, f"{name}.attn")
     rows.append(residual_row(f"{name}.res_attn", block.res_attn, attn, note))
+    if isinstance(block.attn, AttLipMixer):  # the residual scales the mixer's deviation by at most max|alpha|
+        rows[-1].defect = rows[-1].alpha * block.attn.solver_defect(hw)
     rows += module_rows(block.norm1, f"{name}.norm1", hw)
     mlp, note = module_bound(block.mlp, hw, f"{name}.mlp")
     rows.append(residual_row(f"{name}.res_mlp", block.res_mlp, mlp, note))

@@ -10,8 +10,17 @@ crop of its preprocessing), before the normalisation ``(x - mean) / std``. The n
 so ``L = network bound / min(std)``, the network bound taken from :func:`~lipsformer.lipschitz.bounds.lipschitz_report`
 (the report users read), never assumed. A model without a finite bound certifies nothing, and says why.
 
-The certificate is sound for the model in evaluation mode, computed in float32 or wider (AttLip's proximal step is
-solved to its tolerance; the bound holds for the exact prox).
+The certificate is for the function actually computed. AttLip blocks are solved only approximately; under
+:func:`~lipsformer.layers.attlip.solve_to_tolerance` each window's proximal residual is at most ``tol`` on every
+input (or the forward refuses), so by AttLip Proposition 3 (1) each block's output is within ``D_l`` of the exact
+1-Lipschitz prox, and the logits within ``D = sum_l D_l * L_after(l)`` of the exact network's
+(:attr:`~lipsformer.lipschitz.bounds.LipschitzReport.defect`). For any ``x'`` with ``||x' - x|| <= r``, every logit
+difference then moves by at most ``sqrt(2) (L r + 2 D)``, so the certified radius is
+
+    r(x) = max(0, (margin(x) - 2 sqrt(2) D) / (sqrt(2) L)).
+
+Margins are always taken from a float32 forward with autocast off (:func:`predict_certified`), whatever precision
+the rest of evaluation runs in; a model whose weights are not float32 or wider certifies nothing.
 """
 import math
 from dataclasses import dataclass
@@ -33,6 +42,7 @@ class PixelLipschitz:
     network: float  # the report's network bound (eq. 19), on normalised inputs
     input_scale: float  # 1 / min(std): the normalisation's Lipschitz constant
     reason: str = ""  # why the bound is infinite ("" when finite)
+    defect: float = 0.0  # ||computed - exact logits||_2 per image (the report's defect): 2 sqrt(2) D off each margin
 
     @property
     def bound(self) -> float:
@@ -61,7 +71,7 @@ def pixel_lipschitz(model: nn.Module, report: Optional[LipschitzReport] = None) 
         notes = sorted({r.note for r in report.rows if not math.isfinite(r.lip) and r.note})
         reason = ("the certified bound is infinite: " + "; ".join(notes) if notes
                   else f"the certified bound exceeds the float range (1e{report.log10_bound:.0f})")
-    return PixelLipschitz(network, 1.0 / float(std.min()), reason)
+    return PixelLipschitz(network, 1.0 / float(std.min()), reason, report.defect)
 
 
 def logit_margin(logits: torch.Tensor) -> torch.Tensor:
@@ -71,13 +81,39 @@ def logit_margin(logits: torch.Tensor) -> torch.Tensor:
 
 
 def certified_radius(logits: torch.Tensor, lipschitz: Union[float, PixelLipschitz]) -> torch.Tensor:
-    """Per image, ``margin / (sqrt(2) L)``: no l2 perturbation of smaller norm changes its prediction
-    (Tsuzuku et al. 2018). 0 everywhere when ``L`` is infinite."""
+    """Per image, ``max(0, (margin - 2 sqrt(2) D) / (sqrt(2) L))``: no l2 perturbation of smaller norm changes
+    the prediction of the computed network (Tsuzuku et al. 2018, with the solver defect ``D`` of the module
+    docstring; ``D = 0`` for a float ``L``). 0 everywhere when ``L`` is infinite."""
     L = lipschitz.bound if isinstance(lipschitz, PixelLipschitz) else float(lipschitz)
+    defect = lipschitz.defect if isinstance(lipschitz, PixelLipschitz) else 0.0
     margin = logit_margin(logits).double()
     if not math.isfinite(L):
         return torch.zeros_like(margin)
-    return margin / (SQRT2 * L)
+    return ((margin - 2 * SQRT2 * defect) / (SQRT2 * L)).clamp_min(0.0)
+
+
+def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optional[PixelLipschitz] = None,
+                      max_steps: int = 1000) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Predictions and certified radii of a batch of normalised ``images``: ``(logits, pred, radius)``.
+
+    The one call behind ``eval.py --certify-eps``. The forward runs in eval mode, in float32 with autocast off
+    (an Accelerate-prepared model's mixed-precision wrapper is bypassed), with every AttLip solved to its
+    tolerance (:func:`~lipsformer.layers.attlip.solve_to_tolerance`, raising past ``max_steps``), so the radius is
+    sound for the logits returned. ``lipschitz`` defaults to :func:`pixel_lipschitz` of ``model``.
+    """
+    from ..layers.attlip import solve_to_tolerance
+
+    bare = getattr(model, "module", model)
+    dtypes = {p.dtype for p in bare.parameters() if p.is_floating_point()}
+    if any(torch.finfo(d).bits < 32 for d in dtypes):
+        raise NoBoundError(f"certificates need float32 margins; the model's weights are {sorted(map(str, dtypes))}: "
+                           f"load it in float32 (autocast for the rest of evaluation is fine)")
+    L = pixel_lipschitz(bare) if lipschitz is None else lipschitz
+    forward = getattr(bare, "_original_forward", bare.forward)  # Accelerate keeps the forward before autocast
+    bare.eval()
+    with torch.no_grad(), torch.autocast(images.device.type, enabled=False), solve_to_tolerance(bare, max_steps):
+        logits = forward(images.float()).float()
+    return logits, logits.argmax(-1), certified_radius(logits, L)
 
 
 def certified_accuracy(radius: torch.Tensor, correct: torch.Tensor, eps: Sequence[float]) -> Dict[float, float]:
@@ -160,9 +196,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
                                f"eval.py --img-size) to certify there")
         stand_ins = len(batch[2]) if len(batch) > 2 else 0
         read = torch.arange(len(images), device=images.device) < len(images) - stand_ins
-        with torch.no_grad():
-            logits = model(images)
-        pred = logits.argmax(-1)
+        logits, pred, radius = predict_certified(bare, images, L)
         correct = torch.tensor([int(p) in set(label_sets[int(i)]) for p, i in zip(pred.tolist(), index.tolist())],
                                device=images.device)
         robust = torch.zeros(len(pred), len(attack_eps), dtype=torch.bool, device=images.device)
@@ -172,7 +206,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
                 fooled = pgd_l2(model, pixels[correct], pred[correct], e, mean, std, attack_steps, attack_restarts)
                 robust[correct.nonzero().squeeze(1), k] = ~fooled
         index, radius, correct, robust, read = accelerator.gather_for_metrics(
-            (index.to(images.device), certified_radius(logits, L).to(images.device), correct, robust, read))
+            (index.to(images.device), radius.to(images.device), correct, robust, read))
         keys.append(index.cpu())
         radii.append(radius.cpu())
         corrects.append(correct.cpu())
@@ -187,6 +221,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     by_index = torch.zeros(len(label_sets), dtype=torch.double)  # unreadable images keep 0: nothing certified
     by_index[index] = radius
     return dict(lipschitz=L.bound, network_bound=L.network, input_scale=L.input_scale, reason=L.reason,
+                defect=L.defect, margins="float32",
                 certified=certified_accuracy(radius[scored], correct[scored], certify_eps),
                 attacked={float(e): 100.0 * float(robust[scored, k].sum()) / count for k, e in enumerate(attack_eps)},
                 count=int(scored.sum()), radius=by_index)
