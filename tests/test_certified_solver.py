@@ -5,7 +5,7 @@ import timm
 import torch
 
 from lipsformer.layers.attlip import AttLip, SolverToleranceError, attlip_grad, solve_to_tolerance
-from lipsformer.lipschitz.certify import normalization, pgd_l2, pixel_lipschitz, predict_certified
+from lipsformer.lipschitz.certify import logit_margin, normalization, pgd_l2, pixel_lipschitz, predict_certified
 from lipsformer.lipschitz.constraints import keep_bound
 
 
@@ -35,8 +35,10 @@ def test_early_stopped_solver_certifies_smaller_radii_never_larger():
     assert pixel_lipschitz(model).defect > 0
     set_tol(model, 3e-4)  # stopped earlier: a larger residual is allowed, and charged
     loose_L = pixel_lipschitz(model)
-    _, loose_pred, loose = predict_certified(model, images, loose_L)
+    loose_logits, loose_pred, loose = predict_certified(model, images, loose_L)
     assert loose_L.defect > 100 * pixel_lipschitz(small()).defect
+    charged = (logit_margin(loose_logits).double() - 2 * 2 ** 0.5 * loose_L.defect) / (2 ** 0.5 * loose_L.bound)
+    assert torch.allclose(loose, charged.clamp_min(0))  # 2 sqrt(2) D comes off each margin
     assert (tight > 0).any()
     assert (loose <= tight).all() and (loose < tight)[tight > 0].all()
 
