@@ -44,6 +44,12 @@ def _pretrained_cfg(name: str) -> dict:
     return dict(timm.models.get_pretrained_cfg(name).to_dict())
 
 
+def training_transforms(cfg):
+    """``(ours, timm's)``: ``cfg``'s training transform as train.py builds it, and timm's own."""
+    model = _Carrier(_pretrained_cfg(cfg.model))
+    return create_loader_transform(model, True, cfg), recipe_transform(model, True, cfg)
+
+
 def _seed(i: int) -> None:
     torch.manual_seed(i)
     random.seed(i)
@@ -54,8 +60,7 @@ def soak(config: Path, images: int, img_size: int = None, max_side: int = 640, s
     """Run ``images`` random images through ``config``'s training transform (at ``img_size`` if given) and timm's.
     Returns counts: ours_raised (with the first messages), timm_raised, compared, mismatched."""
     cfg = load_config(config, [f"img_size={img_size}"] if img_size else [])
-    model = _Carrier(_pretrained_cfg(cfg.model))
-    ours, timms = create_loader_transform(model, True, cfg), recipe_transform(model, True, cfg)
+    ours, timms = training_transforms(cfg)
     rng = np.random.default_rng(seed)
     result = dict(images=images, ours_raised=0, errors=[], timm_raised=0, compared=0, mismatched=0)
     t0 = time.perf_counter()
@@ -93,8 +98,7 @@ def main(argv=None) -> int:
     groups = {}
     for path in configs:
         cfg = load_config(path)
-        transform = create_loader_transform(_Carrier(_pretrained_cfg(cfg.model)), True, cfg)
-        groups.setdefault(repr(transform), []).append(path)
+        groups.setdefault(repr(training_transforms(cfg)[0]), []).append(path)
     import PIL
     import timm
     import torchvision

@@ -18,7 +18,7 @@ from PIL import Image
 from timm.data import auto_augment
 from conftest import ROOT, TINY, family, load_script, reset_accelerate
 
-from lipsformer.data import TransformError, create_loader_transform
+from lipsformer.data import TransformError
 from lipsformer.data.augment import apply_transform, portable, posterize
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.finetune import build_model
@@ -149,7 +149,7 @@ def _ops_of_shipped_recipes():
         cfg = load_config(path)
         if not cfg.aa:
             continue
-        transform = create_loader_transform(build_model(load_config(path, tiny_model(path))), True, cfg)
+        transform = SOAK.training_transforms(cfg)[0]  # as train.py builds it (no model needed but its config)
         ra = next(t for t in transform.transforms if isinstance(t, auto_augment.RandAugment))
         for op in ra.ops:
             ops.setdefault(op.name, op)

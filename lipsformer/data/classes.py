@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from timm.data import ImageNetInfo, infer_imagenet_subset
 from timm.data.readers.reader_image_folder import ReaderImageFolder
 
+
 class ClassMismatch(ValueError):
     """The class folders found cannot be matched to the model's classes."""
 
