@@ -1,4 +1,5 @@
 """A certifiable LipsFormer: 1-Lipschitz layers, bound keeping, the Lipschitz-margin loss (issue 17)."""
+import copy
 import math
 
 import pytest
@@ -309,6 +310,80 @@ def test_normalized_linear_divides_by_its_norm_inside_the_graph():
     assert dense_operator_norm(conv, (8, 8)) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="stride == kernel"):
         NormalizedConv2d(3, 8, 3, padding=1)
+
+
+def _normalized_pair():
+    from lipsformer.layers import NormalizedConv2d, NormalizedLinear
+    return [(NormalizedLinear(12, 5), torch.randn(3, 12)), (NormalizedConv2d(3, 6, 2, stride=2), torch.randn(2, 3, 8, 8))]
+
+
+def _fresh(layer, x):
+    """The eval output of a new layer loaded with ``layer``'s weights (nothing cached)."""
+    other = copy.deepcopy(layer)
+    other.forget_divisor()
+    with torch.no_grad():
+        return other.eval()(x)
+
+
+def test_eval_divisor_is_computed_once(monkeypatch):
+    """Eval mode computes each normalised weight's exact divisor once, not in every forward (issue 26 item 2)."""
+    from lipsformer.layers import normalized
+
+    calls = []
+    exact = normalized.top_singular_triple
+    monkeypatch.setattr(normalized, "top_singular_triple", lambda w: calls.append(1) or exact(w))
+    for layer, x in _normalized_pair():
+        layer.eval()
+        calls.clear()
+        with torch.no_grad():
+            first, second = layer(x), layer(x)
+        assert len(calls) == 1 and torch.equal(first, second)
+        assert torch.allclose(first, layer.train()(x), atol=1e-6)  # the train-mode (in-graph) divisor's output
+
+
+def _change(layer, x, how):
+    if how == "load_state_dict":
+        layer.load_state_dict({k: v * torch.linspace(0.5, 2, v.shape[-1]) for k, v in layer.state_dict().items()})
+    elif how in ("step in train mode, then eval", "step in eval mode"):
+        opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+        layer.train(how.startswith("step in train"))
+        layer(x).pow(2).sum().backward()
+        opt.step()
+        layer.eval()
+    elif how == "in-place edit":
+        with torch.no_grad():
+            layer.raw_weight[0].mul_(-3.0)
+    else:  # .to() a dtype and back: new storage (the rounded weights), perhaps at the old address
+        layer.half().float()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "step in train mode, then eval", "step in eval mode",
+                                 "in-place edit", "half, then float"])
+def test_eval_divisor_is_never_stale(how):
+    """The cached divisor is recomputed after every change of the raw weight: the eval output equals a fresh
+    computation's (a copy with nothing cached)."""
+    for layer, x in _normalized_pair():
+        with torch.no_grad():
+            before = layer.eval()(x)  # cached
+        _change(layer, x, how)
+        with torch.no_grad():
+            after = layer(x)
+        assert torch.equal(after, _fresh(layer, x)) and not torch.allclose(after, before)
+
+
+def test_eval_divisor_keeps_the_weight_gradient_and_the_input_gradient():
+    """The cached divisor is a constant in the input (attacks) and, where the raw weight needs a gradient, gives
+    the gradient of the in-graph division (u v^T straight through)."""
+    for layer, x in _normalized_pair():
+        grads = {}
+        for mode in (True, False):
+            layer.train(mode)
+            xi = x.clone().requires_grad_()
+            layer(xi).pow(2).sum().backward()
+            grads[mode] = (layer.raw_weight.grad.clone(), xi.grad)
+            layer.zero_grad()
+        assert torch.allclose(grads[False][0], grads[True][0], atol=1e-5)
+        assert torch.allclose(grads[False][1], grads[True][1], atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])

@@ -1,4 +1,5 @@
-"""Spectrally normalised linear maps: the weight divided by its exact largest singular value in every forward.
+"""Spectrally normalised linear maps: the weight divided by its exact largest singular value (in every training
+forward; in eval mode once per change of the weight, see :class:`_RawWeight`).
 
 Keeping a layer's norm at 1 by projection (rescaling the weight after each optimizer step, as
 :func:`lipsformer.lipschitz.constraints.keep_bound` does) leaves the gradient blind to the constraint: the step
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spectral import gram_norm
+from .spectral import gram_norm, top_singular_triple
 
 LINEARS = ("plain", "normalized")
 
@@ -27,7 +28,20 @@ def _normalized(w: torch.Tensor) -> torch.Tensor:
 
 
 class _RawWeight:
-    """The parameter behind a normalised ``weight`` (stored as ``weight`` in ``_parameters`` and state dicts)."""
+    """The parameter behind a normalised ``weight`` (stored as ``weight`` in ``_parameters`` and state dicts).
+
+    In training the divisor is computed in every forward, inside the graph. In eval mode (``not self.training``)
+    the exact divisor is computed once and reused while the raw weight is unchanged (the weights do not move at
+    inference): the cache is keyed on the parameter's storage, version counter (bumped by in-place optimizer steps,
+    ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device, shape and strides, holds an alias of that
+    storage (so a later tensor cannot reuse its address), and is dropped by ``.to()`` / ``.half()`` (``_apply``)
+    and on entering train mode. Only a write that bypasses the version counter while in eval mode
+    (``raw_weight.data.mul_(...)``) is not seen: write under ``torch.no_grad()`` instead, or call
+    :meth:`forget_divisor`. In eval mode the divisor's value is that constant; where the raw weight needs a
+    gradient its gradient is the exact one (``u v^T``, the top singular vectors, straight through), and gradients
+    with respect to the input (attacks) do not involve it."""
+
+    _eval_divisor = None  # (storage fingerprint, alias of the raw weight, sigma, u, v), eval mode only
 
     @property
     def raw_weight(self) -> nn.Parameter:
@@ -38,7 +52,37 @@ class _RawWeight:
         w = self._parameters.get("weight")
         if w is None:  # during nn.Module.__init__, before the parameter is registered
             raise AttributeError("weight")
-        return _normalized(w)
+        if self.training:
+            return _normalized(w)
+        return w / self._cached_divisor(w)
+
+    def _cached_divisor(self, w: torch.Tensor) -> torch.Tensor:
+        """The exact divisor of ``w`` (eval mode), from the cache when ``w`` is the tensor it was computed for."""
+        key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), w.stride())
+        cached = self._eval_divisor
+        if cached is None or cached[0] != key:
+            sigma, u, v = top_singular_triple(w)
+            sigma = sigma.to(w.dtype).clamp_min(torch.finfo(w.dtype).tiny)
+            cached = (key, w.detach(), sigma, u.to(w.dtype), v.to(w.dtype))
+            self.__dict__["_eval_divisor"] = cached
+        sigma, u, v = cached[2:]
+        if torch.is_grad_enabled() and w.requires_grad:  # value sigma, gradient d sigma / dW = u v^T
+            t = u @ w.flatten(1) @ v
+            sigma = sigma + (t - t.detach())
+        return sigma
+
+    def forget_divisor(self) -> None:
+        """Drop the eval-mode divisor: the next eval forward computes it again."""
+        self.__dict__.pop("_eval_divisor", None)
+
+    def train(self, mode: bool = True):
+        if mode:  # a write during training that the version counter misses is not carried into the next eval
+            self.forget_divisor()
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self.forget_divisor()  # .to() / .half() / .cuda(): new storage, possibly at a freed address
+        return super()._apply(fn, recurse)
 
     @torch.no_grad()
     def _copy_from(self, module: nn.Module) -> None:

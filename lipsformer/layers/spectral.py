@@ -74,6 +74,22 @@ def gram_norm(weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def top_singular_triple(weight: torch.Tensor):
+    """``(sigma, u, v)``: the largest singular value of ``weight`` viewed as (out, in * kh * kw) and its left and
+    right singular vectors, float64, from ``eigh`` of the smaller Gram matrix (the route of :func:`gram_norm`, with
+    its eigenvector); ``u^T W v = sigma``. Outside the graph: the eval-mode divisor of the normalised layers."""
+    w = weight.detach().flatten(1).to(torch.float64)
+    tall = w.shape[0] >= w.shape[1]
+    a = w if tall else w.T  # (m, n) with n the smaller side
+    values, vectors = torch.linalg.eigh(a.T @ a)
+    sigma = values[-1].clamp_min(0).sqrt()
+    small = vectors[:, -1]
+    large = a @ small
+    large = large / large.norm().clamp_min(torch.finfo(torch.float64).tiny)
+    return (sigma, large, small) if tall else (sigma, small, large)
+
+
+@torch.no_grad()
 def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: int = 100) -> float:
     """Largest singular value of ``weight`` viewed as (out, in * kh * kw), in float64.
 

@@ -1,0 +1,71 @@
+"""What the normalised layers' divisor costs (issue 26): an eval forward with the cached divisor against one that
+recomputes it (the behaviour before the cache), interleaved in one process, medians.
+
+    python benchmarks/normalized_speed.py [--model lipsformer_swin_t] [--img 224] [--batch 4] [--threads 1] [--reps 7]
+
+The model is the certifiable configuration without AttLip (``attn=l2``, ``linear=normalized``: every Linear and
+non-overlapping convolution normalised), so that the divisor's share is not hidden behind AttLip's solver.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lipsformer  # noqa: E402,F401  (registers the models)
+from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear  # noqa: E402
+
+
+def build(name: str, img: int) -> torch.nn.Module:
+    return timm.create_model(name, img_size=img, attn="l2", tied_qk=True, linear="normalized", init="xavier",
+                             norm="none", residual="convex", act="groupsort")
+
+
+def forget(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, (NormalizedLinear, NormalizedConv2d)):
+            m.forget_divisor()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="lipsformer_swin_t")
+    p.add_argument("--img", type=int, default=224)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=7)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build(args.model, args.img).eval()
+    x = torch.randn(args.batch, 3, args.img, args.img)
+    layers = sum(isinstance(m, (NormalizedLinear, NormalizedConv2d)) for m in model.modules())
+
+    def eval_forward(cached: bool) -> float:
+        if not cached:
+            forget(model)  # every forward computes every divisor again, as before the cache
+        t = time.perf_counter()
+        with torch.no_grad():
+            model(x)
+        return time.perf_counter() - t
+
+    eval_forward(True)  # warm-up, and fills the cache
+    times = {True: [], False: []}
+    for _ in range(args.reps):
+        for cached in (False, True):
+            times[cached].append(eval_forward(cached))
+    fresh, cached = statistics.median(times[False]), statistics.median(times[True])
+    print(f"{args.model} at {args.img}, batch {args.batch}, {args.threads} thread(s), {layers} normalised layers, "
+          f"median of {args.reps}")
+    print(f"eval forward: recomputed divisors {fresh * 1e3:.1f} ms, cached {cached * 1e3:.1f} ms, "
+          f"speed-up {fresh / cached:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
