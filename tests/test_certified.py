@@ -253,6 +253,57 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
             load_config(None, bad)
 
 
+def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_schedule(tmp_path, monkeypatch,
+                                                                                       fresh_accelerate):
+    """attlip_train_steps (the AttLip paper's schedule, starting at one step): each epoch's training forwards use
+    its phase's step count, evaluation keeps eval_steps, and a run resumed mid-schedule trains as the
+    uninterrupted one (bit-identical weights); a model without AttLip refuses the key before writing anything."""
+    from safetensors.torch import load_file
+    from test_train import make_folder
+
+    from lipsformer.engine.config import ConfigError, load_config
+    from lipsformer.engine.train import train
+    from lipsformer.layers.attlip import AttLip
+
+    used = []
+    forward = AttLip.forward
+    monkeypatch.setattr(AttLip, "forward", lambda self, x: used.append(
+        (self.training, self.train_steps if self.training else self.eval_steps)) or forward(self, x))
+    data = make_folder(tmp_path / "data", train_per_class=(2, 2, 2, 2), val_per_class=(1, 1, 1, 1))
+    base = ["model=lipsformer_swin_t", "num_classes=4", "img_size=32", "crop_pct=1.0", "drop_path=0.0",
+            "model_kwargs={embed_dim: 16, depths: [1, 1], num_heads: [2, 2], window_size: 4, attn: attlip, "
+            "attlip_steps: [2, 3], norm: none, residual: convex, act: groupsort, alpha_init: 0.1, init: xavier}",
+            f"data_dir={data}", "workers=0", "epochs=3", "global_batch=4", "batch_size=4", "lr=0.05", "aa=null",
+            "reprob=0.0", "mixup=0.0", "cutmix=0.0", "label_smoothing=0.0", "ema_decay=null", "eval_every_epochs=3",
+            "mixed_precision='no'", "checkpoint_every_steps=100", "keep_last=5"]
+
+    def run(name, *overrides, resume=None):
+        used.clear()
+        cfg = load_config(None, base + [f"output_dir={tmp_path / name}", *overrides])
+        try:
+            train(cfg, resume=resume)
+        finally:
+            reset_accelerate()
+        trained = [s for t, s in used if t]  # 2 batches x 2 AttLip modules per epoch
+        per_epoch = [sorted(set(trained[i:i + 4])) for i in range(0, len(trained), 4)]
+        return load_file(str(tmp_path / name / "last.safetensors")), per_epoch, sorted({s for t, s in used if not t})
+
+    fixed, fixed_steps, _ = run("fixed")
+    scheduled, steps, eval_steps = run("scheduled", "attlip_train_steps=[1, 2, 2]")
+    assert fixed_steps[:3] == [[2], [2], [2]] and steps[:3] == [[1], [2], [2]] and eval_steps == [3]
+    assert any(not torch.equal(fixed[k], scheduled[k]) for k in fixed)
+    # resumed from the end of the first epoch (2 steps per epoch): epochs 2 and 3 take 2 steps, the same weights
+    (tmp_path / "scheduled" / "last.safetensors").unlink()
+    resumed, steps, _ = run("scheduled", "attlip_train_steps=[1, 2, 2]",
+                            resume=str(tmp_path / "scheduled" / "checkpoints" / "step_000000002"))
+    assert steps[:2] == [[2], [2]] and all(torch.equal(scheduled[k], resumed[k]) for k in scheduled)
+    with pytest.raises(ConfigError, match="attlip_train_steps sets the proximal steps of AttLip attention"):
+        run("no_attlip", "attlip_train_steps=[1]", "model_kwargs.attn=scsa")
+    assert not (tmp_path / "no_attlip").exists()
+    with pytest.raises(ConfigError, match="attlip_train_steps has 3 phases but the run has 2 epochs"):
+        load_config(None, ["epochs=2", "attlip_train_steps=[1, 2, 3]"])
+
+
 def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
     import sys
     from pathlib import Path

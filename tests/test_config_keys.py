@@ -146,6 +146,20 @@ def _decayed_lrs(p: Probe, **keys) -> List[float]:
     return out
 
 
+def _attlip_steps(p: Probe, schedule) -> list:
+    """Every AttLip module's training steps in each of the probe's two epochs, as the loop sets them (the probe's
+    model has no AttLip: a tiny one with it; tests/test_certified.py trains and resumes with the key)."""
+    from lipsformer.engine.train import build_model, set_attlip_steps
+    from lipsformer.layers.attlip import AttLip
+    cfg = dataclasses.replace(p.cfg, attlip_train_steps=schedule, model_kwargs=dict(p.cfg.model_kwargs, attn="attlip"))
+    model = build_model(cfg)
+    out = []
+    for epoch in range(cfg.epochs):
+        set_attlip_steps(model, cfg, epoch)
+        out.append({m.train_steps for m in model.modules() if isinstance(m, AttLip)})
+    return out
+
+
 _SPEED: Dict[str, Any] = {}
 
 
@@ -249,6 +263,7 @@ KEYS: Dict[str, Case] = {
     "margin_eps": Case(0.1, lambda p: p.run.criterion.eps == 0.1 and p.run.criterion.margin > 0),
     "margin_bound": Case(2.0, lambda p: p.run.criterion.bound == 2.0),  # fixed, not the kept bound
     "lipschitz_tau_max": Case(5.0, lambda p: p.initial["taus"] and max(p.initial["taus"]) == 5.0),  # initialised 10
+    "attlip_train_steps": Case([1, 3], lambda p: _attlip_steps(p, [1, 3]) == [{1}, {3}], alone=True),
     # speed (lipsformer.engine.speed)
     "compile": Case(True, lambda p: _speed_start(p)["compiled"] and len(_speed_start(p)["compile"]) == 1,
                     alone=True),
@@ -413,6 +428,9 @@ def test_warmup_ramps_as_timms_scheduler_does(probe):
     ("crop_pct=0", "crop_pct must be in (0, 1]"),
     ("reprob=2", "reprob must be in [0, 1]"),
     ("workers=-1", "workers must be 0 or more"),
+    ("attlip_train_steps=[]", "attlip_train_steps must be a non-empty list of step counts >= 1"),
+    ("attlip_train_steps=[1, 0]", "attlip_train_steps must be a non-empty list of step counts >= 1"),
+    ("attlip_train_steps=[1.5]", "attlip_train_steps must be of type int"),
 ])
 def test_bad_values_are_config_errors_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -95,6 +95,10 @@ class TrainConfig:
     margin_eps: float = 0.0  # 0: off
     margin_bound: Optional[float] = None  # L: a fixed value, or None for the bound kept by lipschitz_target
     lipschitz_tau_max: Optional[float] = None  # a learnable SCSA tau is clipped to (0, this] (None: free)
+    # AttLip's proximal steps in training, by phase: the epochs split into len(list) equal consecutive phases, every
+    # AttLip module trains with list[i] steps in phase i (the AttLip paper: 1-3, starting at one: [1, 2, 3]);
+    # null: the model's own (model_kwargs.attlip_steps[0]). Evaluation keeps attlip_steps[1].
+    attlip_train_steps: Optional[List[int]] = None
     # speed (lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding
     compile: bool = False  # torch.compile the prepared model, static shapes
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
@@ -176,6 +180,14 @@ class TrainConfig:
                               "set lipschitz_target, or a fixed margin_bound")
         if self.lipschitz_conv_max is not None and self.lipschitz_target is None:
             raise ConfigError("lipschitz_conv_max is applied when the bound is kept: set lipschitz_target too")
+        if self.attlip_train_steps is not None:
+            steps = self.attlip_train_steps
+            if not steps or min(steps) < 1:
+                raise ConfigError(f"attlip_train_steps must be a non-empty list of step counts >= 1 (null: the "
+                                  f"model's own), got {steps}")
+            if len(steps) > self.epochs:
+                raise ConfigError(f"attlip_train_steps has {len(steps)} phases but the run has {self.epochs} epochs: "
+                                  f"each phase needs at least one epoch")
         self._check_schedule()
         self._check_weight_source()
 
@@ -218,6 +230,11 @@ class TrainConfig:
         if (self.freeze or self.freeze_stages) and not source:
             raise ConfigError("freeze / freeze_stages hold pretrained weights fixed, but neither pretrained nor "
                               "init_checkpoint is set: the frozen modules would stay at their random init")
+
+    def attlip_steps_at(self, epoch: int) -> Optional[int]:
+        """AttLip's proximal steps in training at ``epoch`` (from 0) under ``attlip_train_steps``, or None."""
+        steps = self.attlip_train_steps
+        return None if steps is None else steps[epoch * len(steps) // self.epochs]
 
     def model_args(self) -> Dict[str, Any]:
         """``timm.create_model`` arguments: the top-level model keys (MODEL_ARGS) plus ``model_kwargs``."""

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..data import ClassMismatch, collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.classes import reader_classes, write_class_names
+from ..layers.attlip import AttLip
 from ..layers.residual import WeightedResidual
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
@@ -423,6 +424,9 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     set_seed(cfg.seed)
     # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
     model, start = start_model(cfg, load_weights=resume_from is None)
+    if cfg.attlip_train_steps is not None and not any(isinstance(m, AttLip) for m in model.modules()):
+        raise ConfigError(f"attlip_train_steps sets the proximal steps of AttLip attention, which {cfg.model} does "
+                          f"not use here: set model_kwargs.attn: attlip, or unset attlip_train_steps")
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
     resume_from = _verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
@@ -574,6 +578,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     cfg, accelerator, state = run.cfg, run.accelerator, run.state
     run.model.train()
     eval_frozen(accelerator.unwrap_model(run.model), run.start.frozen)
+    attlip_steps = set_attlip_steps(accelerator.unwrap_model(run.model), cfg, epoch)
     run.train_loader.set_epoch(epoch)
     if hasattr(run.train_loader.dataset, "set_epoch"):  # the augmentation's seeds: Accelerate's set_epoch stops at
         run.train_loader.dataset.set_epoch(epoch)  # a sharded sampler (several processes) and never reaches them
@@ -603,11 +608,24 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
                      meter.failed or totals["failed_paths"])
     row = dict(train_loss=meter.loss, bad_samples=totals["failed"], train_samples=totals["seen"],
                processes=accelerator.num_processes, skipped_steps=state.skipped_steps, seconds=totals["seconds"])
+    if attlip_steps is not None:
+        row["attlip_train_steps"] = attlip_steps
     if run.keep is not None:  # keep()'s own bound when it projected after this step, else the report's
         step, bound = run.kept
         row["lipschitz_bound"] = bound if step == state.step else \
             lipschitz_report(accelerator.unwrap_model(run.model)).bound
     return row
+
+
+def set_attlip_steps(model: torch.nn.Module, cfg: TrainConfig, epoch: int) -> Optional[int]:
+    """``attlip_train_steps``: every AttLip module's training steps for ``epoch`` (a function of the epoch alone, so
+    a run resumed mid-schedule trains as the uninterrupted one); returns them, or None when the key is unset."""
+    steps = cfg.attlip_steps_at(epoch)
+    if steps is not None:
+        for m in model.modules():
+            if isinstance(m, AttLip):
+                m.train_steps = steps
+    return steps
 
 
 def _train_step(run: _Run, meter: _EpochMeter, images, targets, epoch: int) -> Optional[float]:
