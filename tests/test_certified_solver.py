@@ -4,7 +4,8 @@ import pytest
 import timm
 import torch
 
-from lipsformer.layers.attlip import AttLip, SolverToleranceError, attlip_grad, solve_to_tolerance
+from lipsformer.layers.attlip import (AttLip, SolverToleranceError, attlip_grad, attlip_prox, attlip_prox_certified,
+                                     prox_residual64, solve_to_tolerance)
 from lipsformer.lipschitz.certify import logit_margin, normalization, pgd_l2, pixel_lipschitz, predict_certified
 from lipsformer.lipschitz.constraints import keep_bound
 
@@ -29,7 +30,7 @@ def test_early_stopped_solver_certifies_smaller_radii_never_larger():
     model = small()
     mean, std = normalization(model)
     images = (torch.rand(4, 3, 16, 16) - mean) / std
-    with pytest.raises(SolverToleranceError, match="hard cap of 2 steps"):  # a cap fails loudly, never stops early
+    with pytest.raises(SolverToleranceError, match="hard cap 2"):  # a cap fails loudly, never stops early
         predict_certified(model, images, max_steps=2)
     _, pred, tight = predict_certified(model, images)
     assert pixel_lipschitz(model).defect > 0
@@ -65,6 +66,56 @@ def test_pgd_at_the_certified_radius_flips_none_on_inputs_hardest_for_the_solver
     with solve_to_tolerance(model):
         fooled = pgd_l2(model, pixels, pred, radius.float() * (1 - 1e-6), mean, std, steps=5, restarts=3)
     assert not fooled.any()
+
+
+def test_the_attack_finds_a_known_adversarial_and_none_inside_the_certified_radius():
+    """Potency: the same PGD breaks every image within the distance of an adversarial we know (the first point on
+    the segment toward an image of another class where the prediction changes), so its silence at the certified
+    radius means something."""
+    torch.manual_seed(1)
+    model = small()
+    mean, std = normalization(model)
+    pixels = torch.cat([torch.rand(6, 3, 16, 16), torch.rand(6, 3, 1, 1).expand(6, 3, 16, 16),
+                        (torch.rand(6, 3, 16, 16) > 0.5).float()])  # noise, flat colours, binary noise
+    _, pred, radius = predict_certified(model, (pixels - mean) / std)
+    pairs = [(i, next(j for j in range(len(pred)) if pred[j] != pred[i])) for i in range(len(pred))
+             if (pred != pred[i]).any()]
+    assert len(pairs) >= 4
+    src, dst = (pixels[[p[k] for p in pairs]] for k in (0, 1))
+    lo, hi = torch.zeros(len(pairs)), torch.ones(len(pairs))
+    with torch.no_grad(), solve_to_tolerance(model):
+        for _ in range(12):  # bisection for the first t where the prediction of src + t (dst - src) changes
+            mid = (lo + hi) / 2
+            moved = model((src + mid.view(-1, 1, 1, 1) * (dst - src) - mean) / std).argmax(-1) != pred[[p[0] for p in pairs]]
+            hi, lo = torch.where(moved, mid, hi), torch.where(moved, lo, mid)
+    known = hi * (dst - src).flatten(1).norm(dim=1)  # an adversarial lies at this distance
+    with solve_to_tolerance(model):
+        assert pgd_l2(model, src, pred[[p[0] for p in pairs]], known * 1.05, mean, std, steps=20, restarts=3).all()
+        assert not pgd_l2(model, src, pred[[p[0] for p in pairs]], radius[[p[0] for p in pairs]].float(),
+                          mean, std, steps=20, restarts=3).any()
+    assert (radius[[p[0] for p in pairs]] < known.double()).all()
+
+
+def test_certified_solve_meets_its_tolerance_in_float64_and_says_what_it_took():
+    torch.manual_seed(0)
+    layer = AttLip(16, heads=2)
+    x = torch.randn(6, 9, 16) * 2
+    ref = attlip_prox(x.double(), layer.weight.detach().double(), 2, steps=500, tol=1e-12)
+    for tol in (1e-4, 1e-6):  # at 1e-6 float32 stalls above tol here: the stalled windows finish in float64
+        y, stats = attlip_prox_certified(x, layer.weight, 2, 1.0, tol)
+        assert y.dtype == torch.float32 and stats.tol == tol
+        if tol == 1e-4:  # (after a float64 finish the bound is residual(y64) + ||y - y64|| / eta, checked below)
+            assert float(prox_residual64(y, x, layer.weight, 2, 1.0).max()) <= tol
+        assert stats.residual <= tol and 1 <= stats.mean_steps <= stats.steps
+        assert (stats.float64_windows > 0) == (tol == 1e-6)
+        # Prop. 3 (1): the output is within eta * tol of the exact prox (plus float32 rounding of the output)
+        assert float((y.detach().double() - ref).pow(2).sum((-1, -2)).sqrt().max()) <= tol + 1e-6
+    layer.eval()
+    with solve_to_tolerance(layer):
+        layer(x)
+    assert layer.last_solve.steps > 1 and layer.last_solve.residual <= layer.tol
+    with pytest.raises(SolverToleranceError, match="rounding of the output to torch.float32 alone"):
+        attlip_prox_certified(x, layer.weight, 2, 1.0, 1e-8)  # below what a float32 output can carry
 
 
 def test_bf16_forward_never_certifies_more_than_fp32_and_margins_stay_fp32(fresh_accelerate):

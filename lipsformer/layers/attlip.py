@@ -12,7 +12,7 @@ fewer steps while training, more at evaluation (the paper trains with 1-3 and ev
 """
 import contextlib
 import math
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from timm.layers import register_notrace_module
@@ -68,40 +68,134 @@ def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, head
 
 def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
                 tol: float = 1e-6, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
-                step_init: float = 1.0, callback: Optional[Callable] = None, strict: bool = False,
-                grad_steps: int = 20) -> torch.Tensor:
-    """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index.
+                step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
+    """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index: at
+    most ``steps`` steps, stopping once every group's residual is at most ``tol`` (training and plain evaluation).
 
     The step sizes are chosen without gradient tracking, so the output stays differentiable through the
     (unrolled) descent steps, as in training with a few steps. ``callback(k, y_k, g_k)``, if given, sees each
     iterate and the subproblem's gradient there (k = 0 is the input; AttLip Fig. 1 plots ``||g_k||``).
-
-    ``strict=True`` (certified inference): ``steps`` is a hard cap, not a budget. The returned point's residual
-    ``||grad phi_x(y64)||`` in float64 plus its rounding ``||y - y64|| / eta`` to ``x``'s dtype is at most ``tol`` for
-    every leading index (every window), so ``||y - prox(x)|| <= eta * tol``; else :class:`SolverToleranceError`
-    is raised. Without it the loop may stop at ``steps`` with a larger residual.
-    Its value is that checked point exactly; where gradients are needed (attacks) they are those of
-    ``grad_steps`` unrolled descent steps (straight-through), which do not change the value.
+    Certified inference uses :func:`attlip_prox_certified` instead.
     """
-    if strict:  # solved in float64, so that fp32 rounding of the potential cannot stall Armijo above tol
-        with torch.no_grad():
-            y64 = _descend(x.double(), weight.detach().double(), heads, eta, steps, tol / 2, beta, c, max_backtracks,
-                           step_init, callback)
-            y = y64.to(x.dtype)
-            # ||y - prox(x)|| <= ||y - y64|| + eta * residual(y64) (Prop. 3 (1)): the effective residual below
-            # charges the output's rounding to x.dtype as residual, so eta * tol bounds the deviation
-            rounding = (y.double() - y64).pow(2).sum((-1, -2)).sqrt() / eta
-            worst = float((prox_residual64(y64, x, weight, heads, eta) + rounding).max()) if y.numel() else 0.0
-        if worst > tol:
-            raise SolverToleranceError(
-                f"AttLip's proximal solve left a window's residual at {worst:.3g} > tol {tol:g} after the hard cap "
-                f"of {steps} steps (float64 solve, rounding to {x.dtype} included): raise the cap "
-                f"(solve_to_tolerance(max_steps=...)) or attlip_tol")
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            unrolled = _descend(x, weight, heads, eta, grad_steps, 0.0, beta, c, max_backtracks, step_init, None)
-            y = y + (unrolled - unrolled.detach())
-        return y
     return _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback)
+
+
+# gradient evaluations of the certified solve's first pass in the input's dtype; a window that has not met its
+# tolerance by then (float32 rounding can floor its residual) continues in float64
+FIRST_PASS_STEPS = 100
+# a window whose residual has not reached a new low for this many evaluations is stalled (at its dtype's rounding
+# floor; BB steps are not monotone, so a single rise is not a stall)
+STALLED_AFTER = 8
+
+
+class SolveStats(NamedTuple):
+    """What one certified solve took: gradient evaluations of the slowest window, their mean over windows, the
+    largest verified residual (float64, rounding to the output dtype included), the tolerance it met, and how many
+    windows had to finish in float64."""
+
+    steps: int
+    mean_steps: float
+    residual: float
+    tol: float
+    float64_windows: int = 0
+
+
+def _bb_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
+              y: Optional[torch.Tensor] = None):
+    """Gradient descent on phi_x(y) = f(y) + ||y - x||^2 / (2 eta) with Barzilai-Borwein steps, per window.
+
+    The step is closed-form from the last two iterates (BB1, ``s.s / s.(g' - g)``: the inverse of a secant estimate
+    of the local curvature; AttLip Algorithm 2 allows any step rule), so no potential is evaluated. phi is
+    (1 / eta)-strongly convex, so that estimate never exceeds ``eta``; the step is kept in [eta / 1000, eta]. Each
+    window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not
+    reached a new low for ``STALLED_AFTER`` evaluations (a stall: the caller checks in float64), and only the windows
+    still running are computed (the solves are batched, the finished ones leave the batch). Returns the iterate
+    (``x``'s dtype) and the gradient evaluations each window took (its first one included).
+    """
+    lead = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:])
+    y = x.clone() if y is None else y.reshape(x.shape).clone()
+    taken = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    live = torch.arange(x.shape[0], device=x.device)
+    xl, yl = x, y
+    if max_steps < 1:
+        return y.reshape(*lead, *y.shape[-2:]), taken.reshape(lead)
+    g = attlip_grad(yl, weight, heads) + (yl - xl) / eta
+    lam = torch.full((len(live), 1, 1), eta / 2, dtype=x.dtype, device=x.device)
+    best = torch.full((len(live),), math.inf, dtype=x.dtype, device=x.device)
+    since_best = torch.zeros(len(live), dtype=torch.long, device=x.device)
+    for k in range(max_steps):  # evaluation k + 1 is checked here
+        taken[live] += 1
+        residual = g.pow(2).sum((-1, -2)).sqrt()
+        improved = residual < best
+        best, since_best = torch.where(improved, residual, best), torch.where(improved, 0, since_best + 1)
+        done = (residual <= tol) | (since_best >= STALLED_AFTER)  # met, or stalled at the dtype's rounding floor
+        if bool(done.any()):
+            y[live[done]] = yl[done]
+            keep = ~done
+            live, xl, yl, g, lam = live[keep], xl[keep], yl[keep], g[keep], lam[keep]
+            best, since_best = best[keep], since_best[keep]
+            if not len(live):
+                break
+        if k + 1 == max_steps:
+            break
+        y_new = yl - lam * g
+        g_new = attlip_grad(y_new, weight, heads) + (y_new - xl) / eta
+        s, d = y_new - yl, g_new - g
+        curvature = (s * d).sum((-1, -2), keepdim=True)
+        lam = torch.where(curvature > 0, s.pow(2).sum((-1, -2), keepdim=True) / curvature.clamp_min(1e-300),
+                          torch.full_like(lam, eta)).clamp(eta / 1000, eta)
+        yl, g = y_new, g_new
+    if len(live) and yl is not y:  # (no step taken: yl is still y)
+        y[live] = yl
+    return y.reshape(*lead, *y.shape[-2:]), taken.reshape(lead)
+
+
+def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
+                          max_steps: int = 1000, grad_steps: int = 20) -> Tuple[torch.Tensor, SolveStats]:
+    """prox_{eta f}(x) to a verified tolerance, for certified inference: every window's residual
+    ``||grad phi_x(y)||`` evaluated in float64 at the returned point is at most ``tol``, so that
+    ``||y - prox(x)|| <= eta * tol`` (AttLip Proposition 3 (1)); past ``max_steps`` gradient evaluations a
+    :class:`SolverToleranceError` is raised, never an early stop.
+
+    The solve runs in ``x``'s dtype (:func:`_bb_solve`, to ``tol / 2``, at most ``FIRST_PASS_STEPS`` evaluations);
+    the residual is then checked in float64. Windows whose float64 residual exceeds ``tol`` (float32 rounding can
+    stall a solve near its floor) continue in float64 from where they are, and their result's rounding back to ``x``'s dtype, ``||y - y64|| / eta``, is charged to the residual.
+    The float64 evaluation's own rounding (about 1e-16 relative, far below any usable ``tol``) is left out.
+    Where gradients are needed (attacks) they are those of ``grad_steps`` unrolled Armijo steps (straight-through),
+    which do not change the value.
+    """
+    with torch.no_grad():
+        w = weight.detach()
+        y, taken = _bb_solve(x.detach(), w.to(x.dtype), heads, eta, tol / 2, min(max_steps, FIRST_PASS_STEPS))
+        residual = prox_residual64(y, x, w, heads, eta)
+        stalled = residual > tol
+        rounding = torch.zeros_like(residual)
+        if bool(stalled.any()):
+            xs = x.detach()[stalled].double()
+            y64, more = _bb_solve(xs, w.double(), heads, eta, tol / 2, max(max_steps - int(taken.max()), 0),
+                                  y[stalled].double())
+            y[stalled] = y64.to(x.dtype)
+            taken[stalled] += more
+            rounding[stalled] = (y[stalled].double() - y64).pow(2).sum((-1, -2)).sqrt() / eta
+            residual[stalled] = prox_residual64(y64, xs, w, heads, eta) + rounding[stalled]
+        worst = float(residual.max()) if residual.numel() else 0.0
+        steps = int(taken.max()) if taken.numel() else 0
+        if worst > tol:
+            floor = float(rounding.max())
+            why = (f"the rounding of the output to {x.dtype} alone is {floor:.3g}: raise attlip_tol above it"
+                   if floor > tol / 2 else
+                   f"raise the cap (solve_to_tolerance(max_steps=...)) or attlip_tol")
+            raise SolverToleranceError(
+                f"AttLip's proximal solve left a window's residual at {worst:.3g} > tol {tol:g} after {steps} "
+                f"gradient evaluations (hard cap {max_steps}; checked in float64, rounding to {x.dtype} included); "
+                + why)
+        stats = SolveStats(steps, float(taken.double().mean()) if taken.numel() else 0.0, worst, tol,
+                           int(stalled.sum()))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        unrolled = _descend(x, weight, heads, eta, grad_steps, 0.0, 0.5, 1e-4, 20, 1.0, None)
+        y = y + (unrolled - unrolled.detach())
+    return y, stats
 
 
 def _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
@@ -152,12 +246,14 @@ class AttLip(nn.Module):
         self.heads, self.eta, self.tol = heads, eta, tol
         self.train_steps, self.eval_steps = train_steps, eval_steps
         self.solve_cap: Optional[int] = None  # set by solve_to_tolerance: strict solving with this hard cap
+        self.last_solve: Optional[SolveStats] = None  # what the last certified solve took
         self.weight = nn.Parameter(torch.randn(dim, dim) / math.sqrt(dim))  # rows: the heads' W^h stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.solve_cap is not None and not self.training:
-            return attlip_prox(x, self.weight, self.heads, self.eta, self.solve_cap, self.tol, strict=True,
-                               grad_steps=self.eval_steps)
+            y, self.last_solve = attlip_prox_certified(x, self.weight, self.heads, self.eta, self.tol,
+                                                       self.solve_cap, grad_steps=self.eval_steps)
+            return y
         steps = self.train_steps if self.training else self.eval_steps
         return attlip_prox(x, self.weight, self.heads, self.eta, steps, self.tol)
 
