@@ -40,7 +40,7 @@ from ..layers.block import GeluMlp, LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
 from ..layers.residual import WeightedResidual
-from ..layers.spectral import largest_singular_value
+from ..layers.spectral import gram_norm_upper, largest_singular_value
 from ..models._base import LipsFormerBase, LipsStage
 from ..models.lipsformer_cswin import ConvDownsample, CrossShapedAttention
 from ..models.lipsformer_swin import PatchMerging, WindowAttention
@@ -82,7 +82,8 @@ def conv_bound(conv: nn.Conv2d, input_hw: Tuple[int, int]) -> float:
     """Certified upper bound on the operator norm of a Conv2d (no dilation) on (C, H, W) inputs.
 
     - stride == kernel, no padding (patch embedding, 2x2 downsampling): the patches do not overlap, so
-      the norm is exactly the largest singular value of each group's reshaped kernel.
+      the norm is exactly the largest singular value of each group's reshaped kernel (bounded above with its
+      rounding by :func:`~lipsformer.layers.spectral.gram_norm_upper`).
     - stride 1: a zero-padded conv is a crop of a circular conv on the (H+kh-1, W+kw-1) grid, whose norm
       is the largest singular value over the grid's frequencies of the kernel's DFT (per group).
     - anything else falls back to the reshaped-kernel bound times the number of overlapping positions.
@@ -92,7 +93,7 @@ def conv_bound(conv: nn.Conv2d, input_hw: Tuple[int, int]) -> float:
     groups = w.view(g, w.shape[0] // g, *w.shape[1:])  # (g, out/g, in/g, kh, kw)
     kh, kw = conv.kernel_size
     if tuple(conv.stride) == (kh, kw) and tuple(conv.padding) == (0, 0):
-        return max(float(torch.linalg.matrix_norm(m.flatten(1), ord=2)) for m in groups)
+        return max(gram_norm_upper(m) for m in groups)
     if tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1):
         grid = (input_hw[0] + kh - 1, input_hw[1] + kw - 1)
         spectrum = torch.fft.fft2(groups, s=grid)  # (g, out/g, in/g, n1, n2)
