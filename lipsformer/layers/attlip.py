@@ -53,6 +53,14 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
     return y.transpose(-3, -2).flatten(-2) @ weight  # sum over heads of Y^h W^h
 
 
+# The AttLip solver tolerance by default (``attlip_tol``): each window's residual ||grad phi_x(y)||, so each block's
+# output is within eta * tol per window of the exact prox in certified inference. Float32 outputs cannot carry much
+# less than about 1e-6 at Swin-T's window sizes (their rounding alone is charged); 1e-4 costs the certifiable
+# Swin-T at 224 about 1e-3 of l2 radius (benchmarks/certified_speed.py prints the figure), a few fewer solver steps
+# than 1e-5.
+DEFAULT_TOL = 1e-4
+
+
 class SolverToleranceError(RuntimeError):
     """AttLip's proximal solve did not reach its tolerance within the hard cap of :func:`solve_to_tolerance`:
     a certificate resting on that tolerance would be unsound, so none is given."""
@@ -67,7 +75,7 @@ def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, head
 
 
 def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
-                tol: float = 1e-6, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
+                tol: float = DEFAULT_TOL, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
                 step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
     """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index: at
     most ``steps`` steps, stopping once every group's residual is at most ``tol`` (training and plain evaluation).
@@ -237,7 +245,7 @@ class AttLip(nn.Module):
     """
 
     def __init__(self, dim: int, heads: int = 1, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
-                 tol: float = 1e-6):
+                 tol: float = DEFAULT_TOL):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} must be divisible by heads {heads}")
@@ -273,7 +281,7 @@ class AttLipMixer(nn.Module):
     """
 
     def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
-                 tol: float = 1e-6, delta: bool = True):
+                 tol: float = DEFAULT_TOL, delta: bool = True):
         super().__init__()
         self.delta = delta
         nb = len(windows)

@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from .attention import ATTENTIONS, AttentionKernel
-from .attlip import AttLipMixer
+from .attlip import DEFAULT_TOL, AttLipMixer
 from .conv_blocks import ACTS, CONV_BLOCKS, create_act
 from .init import INITS
 from .norm import NORMS
@@ -70,7 +70,7 @@ class LipschitzOptions:
     fused_attn: bool = True
     attlip_eta: float = 1.0
     attlip_steps: Tuple[int, int] = (2, 20)
-    attlip_tol: float = 1e-6
+    attlip_tol: float = DEFAULT_TOL
     residual: str = "add"
     act: str = "gelu"
     linear: str = "plain"

@@ -1,0 +1,179 @@
+"""What a certificate costs: certified inference and a training step of the certifiable models against the plain
+LipsFormer of the same size, interleaved in one process (issue 26).
+
+    python benchmarks/certified_speed.py [--pairs lipsformer_swin_t:lipsformer_swin_t_cert ...] [--batch 32]
+        [--img-size 224] [--rounds 3] [--threads 2] [--json out.json]
+
+For each pair (plain, certifiable), each round times, in this order:
+
+- plain inference: ``model(images)`` under ``no_grad`` in eval mode;
+- certified inference: :func:`lipsformer.lipschitz.certify.predict_certified` (the call ``eval.py --certify-eps``
+  makes: a float32 forward with every AttLip solved to its tolerance and checked in float64, then the radii), with
+  the Lipschitz bound computed once beforehand (it depends on the weights only; its time is printed apart);
+- a training step of each: forward, cross-entropy, backward, AdamW step, in train mode.
+
+Each figure is the median over ``--rounds`` rounds (one warm-up call each first); the ratios are certifiable /
+plain. Then one certified forward is profiled: the time inside the AttLip solves (split into the solve and its
+float64 check), inside the normalised layers' divisors, and the rest; and the gradient evaluations each AttLip block
+took (slowest window and mean over windows). Weights are random (no certified weights are published): solver
+steps on trained weights may differ.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lipsformer  # noqa: E402,F401  (registers the models)
+from lipsformer.layers import attlip, spectral  # noqa: E402
+from lipsformer.layers.attlip import AttLip  # noqa: E402
+from lipsformer.lipschitz.certify import pixel_lipschitz, predict_certified  # noqa: E402
+
+PAIRS = ("lipsformer_swin_t:lipsformer_swin_t_cert", "lipsformer_cswin_t:lipsformer_cswin_t_cert")
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def train_step(model, opt, images, target):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), target).backward()
+        opt.step()
+    return step
+
+
+@contextmanager
+def time_spent_in(spans: dict):
+    """Accumulate wall time spent inside the AttLip certified solve, its float64 check, and the normalised layers'
+    spectral divisors, by wrapping those functions for the duration."""
+    originals = dict(solve=(attlip, "_bb_solve"), check=(attlip, "prox_residual64"),
+                     divisor=(lipsformer.layers.normalized, "gram_norm"))
+    saved = {}
+    for key, (module, name) in originals.items():
+        fn = getattr(module, name)
+        saved[key] = fn
+
+        def wrapper(*args, _fn=fn, _key=key, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spans[_key] += time.perf_counter() - start
+        setattr(module, name, wrapper)
+    try:
+        yield spans
+    finally:
+        for key, (module, name) in originals.items():
+            setattr(module, name, saved[key])
+
+
+def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    plain = timm.create_model(plain_name, img_size=img_size)
+    cert = timm.create_model(cert_name, img_size=img_size)
+    images = torch.randn(batch, 3, img_size, img_size)
+    target = torch.randint(0, plain.num_classes, (batch,))
+    bound_s = timed(lambda: pixel_lipschitz(cert))
+    L = pixel_lipschitz(cert)
+    steps = {name: train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-6), images, target)
+             for name, m in (("plain", plain), ("cert", cert))}
+
+    def plain_infer():
+        plain.eval()
+        with torch.no_grad():
+            plain(images)
+
+    def cert_infer():
+        predict_certified(cert, images, L)
+
+    def plain_train():
+        plain.train()
+        steps["plain"]()
+
+    def cert_train():
+        cert.train()
+        steps["cert"]()
+
+    runs = dict(plain_infer=plain_infer, cert_infer=cert_infer, plain_train=plain_train, cert_train=cert_train)
+    times = defaultdict(list)
+    for fn in runs.values():  # warm-up
+        fn()
+    for r in range(rounds):
+        for key, fn in runs.items():
+            times[key].append(timed(fn))
+        print(f"  {cert_name} round {r + 1}/{rounds}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+              flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    spans = defaultdict(float)
+    with time_spent_in(spans):
+        total = timed(cert_infer)
+    blocks = [(name, m.last_solve) for name, m in cert.named_modules() if isinstance(m, AttLip)]
+    profile = dict(total_s=total, attlip_solve_s=spans["solve"], attlip_float64_check_s=spans["check"],
+                   normalized_divisor_s=spans["divisor"],
+                   rest_s=total - spans["solve"] - spans["check"] - spans["divisor"])
+    return dict(plain=plain_name, cert=cert_name, batch=batch, img_size=img_size, rounds=rounds,
+                threads=torch.get_num_threads(), bound_once_s=bound_s, defect=L.defect, lipschitz=L.bound,
+                radius_cost=2 * L.defect / L.bound, **{f"{k}_s": v for k, v in med.items()},
+                infer_ratio=med["cert_infer"] / med["plain_infer"], train_ratio=med["cert_train"] / med["plain_train"],
+                profile=profile,
+                solver_steps=[dict(block=n, steps=s.steps, mean_steps=round(s.mean_steps, 2),
+                                   float64_windows=s.float64_windows) for n, s in blocks])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), metavar="PLAIN:CERT")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for pair in args.pairs:
+        plain_name, sep, cert_name = pair.partition(":")
+        if not sep or not timm.is_model(plain_name) or not timm.is_model(cert_name):
+            parser.error(f"--pairs takes PLAIN:CERT of registered models, got {pair!r}")
+        rows.append(measure_pair(plain_name, cert_name, args.batch, args.img_size, args.rounds))
+    print(f"\nbatch {args.batch} at {args.img_size}px, {torch.get_num_threads()} threads, medians of {args.rounds} "
+          f"interleaved rounds (certifiable / plain)\n")
+    print("| certifiable | plain | certified inference | ratio | train step | ratio | D (solver defect) | "
+          "radius cost 2D/L |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['cert']} | {r['plain']} | {r['cert_infer_s']:.2f} s vs {r['plain_infer_s']:.2f} s | "
+              f"**{r['infer_ratio']:.2f}x** | {r['cert_train_s']:.2f} s vs {r['plain_train_s']:.2f} s | "
+              f"**{r['train_ratio']:.2f}x** | {r['defect']:.2e} | {r['radius_cost']:.2e} |")
+    for r in rows:
+        p = r["profile"]
+        print(f"\n{r['cert']}: one certified forward {p['total_s']:.2f} s = AttLip solve {p['attlip_solve_s']:.2f} s"
+              f" + its float64 check {p['attlip_float64_check_s']:.2f} s + normalised divisors "
+              f"{p['normalized_divisor_s']:.2f} s + the rest {p['rest_s']:.2f} s; the bound, once: "
+              f"{r['bound_once_s']:.2f} s")
+        print("  gradient evaluations per AttLip block (slowest window / mean): " + ", ".join(
+            f"{s['steps']}/{s['mean_steps']:g}" + (f" ({s['float64_windows']} in float64)" if s["float64_windows"]
+                                                   else "") for s in r["solver_steps"]))
+    if args.json:
+        args.json.write_text(json.dumps(dict(rows=rows), indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
