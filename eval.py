@@ -29,8 +29,10 @@ def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
     if r["certified"]:
         why = f"; nothing certifies: {r['reason']}" if r["reason"] else ""
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified"].items())
-        parts.append(f"certified (L = {r['lipschitz']:.4g} in pixel space, solver defect D = {r['defect']:.3g}, "
-                     f"margins in {r['margins']} whatever --amp{why}) {accs}")
+        solver = (f", AttLip solved to tolerance in at most {max(r['solver_steps'].values())} gradient evaluations "
+                  f"a block" if r["solver_steps"] else "")
+        parts.append(f"certified (L = {r['lipschitz']:.4g} in pixel space, solver defect D = {r['defect']:.3g}"
+                     f"{solver}, margins in {r['margins']} whatever --amp{why}) {accs}")
     if r["attacked"]:
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["attacked"].items())
         parts.append(f"PGD-attacked (l2, {steps} steps, {restarts} restarts) {accs}")

@@ -149,3 +149,18 @@ def test_spectral_norm_bound_is_an_upper_bound_with_its_rounding_charged():
     layer = NormalizedLinear(96, 96)
     bound = module_bound(layer).lip  # the normalised matrix, as the forward uses it, with rounding charged
     assert float(gram_norm(layer.weight)) < bound <= 1.0 + 1e-6
+
+
+def test_certify_dataset_reports_the_solver_steps_of_every_attlip_block(fresh_accelerate):
+    from accelerate import Accelerator
+
+    from lipsformer.lipschitz.certify import certify_dataset
+
+    model = small()
+    mean, std = normalization(model)
+    images = (torch.rand(4, 3, 16, 16) - mean) / std
+    loader = [(images[:2], torch.tensor([0, 1])), (images[2:], torch.tensor([2, 3]))]
+    out = certify_dataset(model, loader, Accelerator(cpu=True), [[0], [1], [2], [3]], certify_eps=(0.0,))
+    blocks = [name for name, m in model.named_modules() if isinstance(m, AttLip)]
+    assert sorted(out["solver_steps"]) == sorted(blocks)
+    assert all(s >= 1 for s in out["solver_steps"].values())

@@ -30,6 +30,7 @@ import torch
 from timm.data import resolve_data_config
 from torch import nn
 
+from ..layers.attlip import AttLip, solve_to_tolerance
 from .bounds import LipschitzReport, NoBoundError, lipschitz_report
 
 SQRT2 = math.sqrt(2.0)
@@ -101,8 +102,6 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
     tolerance (:func:`~lipsformer.layers.attlip.solve_to_tolerance`, raising past ``max_steps``), so the radius is
     sound for the logits returned. ``lipschitz`` defaults to :func:`pixel_lipschitz` of ``model``.
     """
-    from ..layers.attlip import solve_to_tolerance
-
     bare = getattr(model, "module", model)
     dtypes = {p.dtype for p in bare.parameters() if p.is_floating_point()}
     if any(torch.finfo(d).bits < 32 for d in dtypes):
@@ -176,7 +175,8 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     An image counts as certified at ``eps`` when its top-1 is allowed and its certified radius exceeds ``eps``; as
     attacked-correct when its top-1 is allowed and the attack at ``eps`` did not change it. So for a sound bound,
     certified <= attacked <= clean at every eps. Returns ``lipschitz`` (pixel-space L), ``reason`` (why nothing
-    certifies, or ""), ``certified`` and ``attacked`` ({eps: %}), ``count`` and ``radius`` (per image, by index).
+    certifies, or ""), ``certified`` and ``attacked`` ({eps: %}), ``count``, ``radius`` (per image, by index) and
+    ``solver_steps`` (per AttLip block, the most gradient evaluations its certified solve took on any window).
     """
     bare = accelerator.unwrap_model(model)
     L = pixel_lipschitz(bare, report)
@@ -184,6 +184,8 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     mean, std = normalization(bare)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     model.eval()
+    solved = [(name, m) for name, m in bare.named_modules() if isinstance(m, AttLip)]
+    steps: Dict[str, int] = {}  # per AttLip block, the most gradient evaluations any window of any batch took
     keys, radii, corrects, robusts, valid = [], [], [], [], []
     for batch in loader:  # (images, index) or collate_skip_failed's (images, index, failed): stand-ins come last
         images, index = batch[0], batch[1]
@@ -197,6 +199,8 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
         stand_ins = len(batch[2]) if len(batch) > 2 else 0
         read = torch.arange(len(images), device=images.device) < len(images) - stand_ins
         logits, pred, radius = predict_certified(bare, images, L)
+        for name, m in solved:
+            steps[name] = max(steps.get(name, 0), m.last_solve.steps)
         correct = torch.tensor([int(p) in set(label_sets[int(i)]) for p, i in zip(pred.tolist(), index.tolist())],
                                device=images.device)
         robust = torch.zeros(len(pred), len(attack_eps), dtype=torch.bool, device=images.device)
@@ -224,7 +228,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
                 defect=L.defect, margins="float32",
                 certified=certified_accuracy(radius[scored], correct[scored], certify_eps),
                 attacked={float(e): 100.0 * float(robust[scored, k].sum()) / count for k, e in enumerate(attack_eps)},
-                count=int(scored.sum()), radius=by_index)
+                count=int(scored.sum()), radius=by_index, solver_steps=steps)
 
 
 def parse_eps(values: Sequence[str], flag: str) -> Tuple[float, ...]:
