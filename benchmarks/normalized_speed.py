@@ -1,5 +1,7 @@
-"""What the normalised layers' divisor costs (issue 26): an eval forward with the cached divisor against one that
-recomputes it (the behaviour before the cache), interleaved in one process, medians.
+"""What the normalised layers' divisor costs (issue 26), interleaved in one process, medians: an eval forward with
+the cached divisor against one that recomputes it (the behaviour before the cache), and a training step (forward,
+backward, SGD step) with the power-iteration divisor (``linear=normalized``) against the exact one
+(``linear=normalized_exact``, the behaviour before), from the same weights.
 
     python benchmarks/normalized_speed.py [--model lipsformer_swin_t] [--img 224] [--batch 4] [--threads 1] [--reps 7]
 
@@ -22,8 +24,8 @@ import lipsformer  # noqa: E402,F401  (registers the models)
 from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear  # noqa: E402
 
 
-def build(name: str, img: int) -> torch.nn.Module:
-    return timm.create_model(name, img_size=img, attn="l2", tied_qk=True, linear="normalized", init="xavier",
+def build(name: str, img: int, linear: str = "normalized") -> torch.nn.Module:
+    return timm.create_model(name, img_size=img, attn="l2", tied_qk=True, linear=linear, init="xavier",
                              norm="none", residual="convex", act="groupsort")
 
 
@@ -65,6 +67,29 @@ def main(argv=None) -> None:
           f"median of {args.reps}")
     print(f"eval forward: recomputed divisors {fresh * 1e3:.1f} ms, cached {cached * 1e3:.1f} ms, "
           f"speed-up {fresh / cached:.2f}x")
+
+    exact = build(args.model, args.img, "normalized_exact")
+    exact.load_state_dict(model.state_dict())
+    models = {"power": model.train(), "exact": exact.train()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    y = torch.zeros(args.batch, dtype=torch.long)
+
+    def train_step(kind: str) -> float:
+        t = time.perf_counter()
+        torch.nn.functional.cross_entropy(models[kind](x), y).backward()
+        opts[kind].step()
+        opts[kind].zero_grad()
+        return time.perf_counter() - t
+
+    for kind in models:  # warm-up; the power iteration's first vector is the exact one
+        train_step(kind)
+    steps = {k: [] for k in models}
+    for _ in range(args.reps):
+        for kind in models:
+            steps[kind].append(train_step(kind))
+    power, exact_s = statistics.median(steps["power"]), statistics.median(steps["exact"])
+    print(f"training step: exact divisors {exact_s * 1e3:.1f} ms, power iteration {power * 1e3:.1f} ms, "
+          f"speed-up {exact_s / power:.2f}x")
 
 
 if __name__ == "__main__":

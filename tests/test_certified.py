@@ -257,7 +257,8 @@ def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_sc
                                                                                        fresh_accelerate):
     """attlip_train_steps (the AttLip paper's schedule, starting at one step): each epoch's training forwards use
     its phase's step count, evaluation keeps eval_steps, and a run resumed mid-schedule trains as the
-    uninterrupted one (bit-identical weights); a model without AttLip refuses the key before writing anything."""
+    uninterrupted one (bit-identical weights, the normalised layers' power iteration continued from the
+    checkpoint); a model without AttLip refuses the key before writing anything."""
     from safetensors.torch import load_file
     from test_train import make_folder
 
@@ -272,7 +273,8 @@ def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_sc
     data = make_folder(tmp_path / "data", train_per_class=(2, 2, 2, 2), val_per_class=(1, 1, 1, 1))
     base = ["model=lipsformer_swin_t", "num_classes=4", "img_size=32", "crop_pct=1.0", "drop_path=0.0",
             "model_kwargs={embed_dim: 16, depths: [1, 1], num_heads: [2, 2], window_size: 4, attn: attlip, "
-            "attlip_steps: [2, 3], norm: none, residual: convex, act: groupsort, alpha_init: 0.1, init: xavier}",
+            "attlip_steps: [2, 3], norm: none, residual: convex, act: groupsort, alpha_init: 0.1, init: xavier, "
+            "linear: normalized}",
             f"data_dir={data}", "workers=0", "epochs=3", "global_batch=4", "batch_size=4", "lr=0.05", "aa=null",
             "reprob=0.0", "mixup=0.0", "cutmix=0.0", "label_smoothing=0.0", "ema_decay=null", "eval_every_epochs=3",
             "mixed_precision='no'", "checkpoint_every_steps=100", "keep_last=5"]
@@ -420,6 +422,56 @@ def test_eval_divisor_is_never_stale(how):
         with torch.no_grad():
             after = layer(x)
         assert torch.equal(after, _fresh(layer, x)) and not torch.allclose(after, before)
+
+
+def test_power_iteration_divisor_in_training_exact_at_evaluation():
+    """linear=normalized trains with one power iteration per weight change (issue 26 item 3): the divisor
+    ||W^T u|| is at most the exact norm and tracks it, the first iterate is the exact vector (no random start: the
+    global RNG stream is that of normalized_exact), forwards between two steps share it, and eval mode divides by
+    the exact norm (the same output as normalized_exact)."""
+    from lipsformer.layers import NormalizedLinear
+
+    x = torch.randn(3, 12)
+    torch.manual_seed(1)
+    exact = NormalizedLinear(12, 5, power_iteration=False)
+    after_exact = (exact.train()(x), torch.rand(1))
+    torch.manual_seed(1)
+    lin = NormalizedLinear(12, 5)
+    first = lin.train()(x)
+    assert torch.equal(torch.rand(1), after_exact[1]) and torch.allclose(first, after_exact[0], atol=1e-6)
+    opt, opt_exact = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin, exact))
+    for step in range(4):
+        out = lin(x)
+        u = lin.weight_u.clone()
+        assert torch.equal(lin(x), out) and torch.equal(lin.weight_u, u)  # once per weight change, not per forward
+        true = float(torch.linalg.matrix_norm(lin.raw_weight.detach().double(), 2))
+        sigma = float((lin.raw_weight / lin.weight).detach().mean())
+        assert sigma <= true * (1 + 1e-6) and sigma == pytest.approx(true, rel=1e-3)
+        for m, o in ((lin, opt), (exact, opt_exact)):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    lin.eval()
+    exact.load_state_dict(lin.state_dict())
+    with torch.no_grad():
+        assert torch.equal(lin(x), exact.eval()(x))
+
+
+def test_power_iteration_state_is_not_in_the_state_dict_and_loads_from_an_exact_checkpoint():
+    """The vectors are non-persistent: a normalised layer's state dict keeps nn.Linear's keys either way, a
+    normalized_exact (or older) checkpoint loads strictly, and the first training divisor after a load is exact."""
+    from lipsformer.layers import NormalizedConv2d
+    from lipsformer.layers.normalized import PowerIterationState
+
+    conv, older = NormalizedConv2d(3, 6, 2, stride=2), NormalizedConv2d(3, 6, 2, stride=2, power_iteration=False)
+    assert list(conv.state_dict()) == list(older.state_dict()) == ["weight", "bias"]
+    x = torch.randn(2, 3, 8, 8)
+    conv.train()(x)
+    conv.load_state_dict(older.state_dict())
+    assert torch.allclose(conv(x), older.train()(x), atol=1e-6)
+    saved = PowerIterationState(conv).state_dict()
+    with pytest.raises(ValueError, match="power-iteration state for 1 layers, the model has 0"):
+        PowerIterationState(older).load_state_dict(saved)
 
 
 def test_eval_divisor_keeps_the_weight_gradient_and_the_input_gradient():

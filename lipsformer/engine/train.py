@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from ..data import ClassMismatch, collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.classes import reader_classes, write_class_names
 from ..layers.attlip import AttLip
+from ..layers.normalized import PowerIterationState
 from ..layers.residual import WeightedResidual
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
@@ -448,7 +449,8 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     mixup, criterion = build_criterion(cfg)
     criterion = margin_criterion(criterion, cfg.margin_eps, cfg.margin_bound)  # Lipschitz margin (margin.py)
     state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch, updates_per_epoch)
-    accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []))
+    power = PowerIterationState(accelerator.unwrap_model(model))  # normalised layers' vectors (linear=normalized)
+    accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []), *([power] if power.layers else []))
     if resume_from is not None:
         try:
             accelerator.load_state(str(resume_from))

@@ -12,13 +12,16 @@ The normalised weight *is* the module's ``weight``: every reader (``forward``, f
 (``raw_weight``, saved as ``weight`` so that state dicts keep ``nn.Linear``'s keys) is free; its scale is
 irrelevant. Writes to ``weight`` in place would change a temporary: write to ``raw_weight``.
 """
+from typing import Dict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .spectral import gram_norm, top_singular_triple
 
-LINEARS = ("plain", "normalized")
+# ``linear=`` choice -> whether its normalised layers train with power iteration (None: plain layers)
+LINEARS = {"plain": None, "normalized": True, "normalized_exact": False}
 
 
 def _normalized(w: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,20 @@ class _RawWeight:
     with respect to the input (attacks) do not involve it."""
 
     _eval_divisor = None  # (storage fingerprint, alias of the raw weight, sigma, u, v), eval mode only
+    # training with power iteration (``power_iteration=True``): the buffer ``weight_u`` is the vector the next
+    # iteration starts from (zeros: none yet, the first one is the exact top singular vector); ``_power`` holds
+    # (fingerprint, alias, u) of the iterate in use, computed once per change of the raw weight
+    power_iteration = False
+    _power = None
+    _start_valid = False
+
+    def __init__(self, *args, power_iteration: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.power_iteration = power_iteration
+        if power_iteration:
+            w = self.raw_weight
+            self.register_buffer("weight_u", torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+                                 persistent=False)  # saved by train.py's checkpoints (PowerIterationState)
 
     @property
     def raw_weight(self) -> nn.Parameter:
@@ -52,13 +69,47 @@ class _RawWeight:
         w = self._parameters.get("weight")
         if w is None:  # during nn.Module.__init__, before the parameter is registered
             raise AttributeError("weight")
-        if self.training:
-            return _normalized(w)
-        return w / self._cached_divisor(w)
+        if not self.training:
+            return w / self._cached_divisor(w)
+        if self.power_iteration:
+            return w / self._power_divisor(w)
+        return _normalized(w)
+
+    def _power_divisor(self, w: torch.Tensor) -> torch.Tensor:
+        """Training: ``||W^T u||`` (= u^T W v with v = W^T u / ||W^T u||, both outside the graph), u advanced by one
+        power iteration per change of ``w`` (not per forward: gradient accumulation and recomputation under
+        gradient checkpointing see the same divisor); at most the exact norm, equal once u has converged."""
+        key = _fingerprint(w)
+        if self._power is None or self._power[0] != key:
+            with torch.no_grad():
+                if self._power is not None:  # the iterate in use becomes the start of the next one
+                    self.weight_u.copy_(self._power[2])
+                    self._start_valid = True
+                u = _power_step(w, self.weight_u) if self._start_valid else top_singular_triple(w)[1]
+            self.__dict__["_power"] = (key, w.detach(), u)
+        u = self._power[2]
+        sigma = torch.mv(w.flatten(1).to(torch.float64).T, u).norm()
+        return sigma.to(w.dtype).clamp_min(torch.finfo(w.dtype).tiny)
+
+    @torch.no_grad()
+    def settle_power_iteration(self) -> None:
+        """Write the next iteration's start into ``weight_u`` and drop the iterate in use (recomputed from it, bit
+        for bit, at the next use): what a checkpoint saves, and what ``.to()`` moves."""
+        if self._power is not None and self._power[0] != _fingerprint(self.raw_weight):
+            self.weight_u.copy_(self._power[2])  # stale: the next use starts from it
+            self._start_valid = True
+        self.__dict__["_power"] = None
+
+    def load_power_iteration(self, start: torch.Tensor) -> None:
+        """Restore ``weight_u`` as :meth:`settle_power_iteration` left it (zeros: start from the exact vector)."""
+        with torch.no_grad():
+            self.weight_u.copy_(start)
+        self._start_valid = bool(start.any())
+        self.__dict__["_power"] = None
 
     def _cached_divisor(self, w: torch.Tensor) -> torch.Tensor:
         """The exact divisor of ``w`` (eval mode), from the cache when ``w`` is the tensor it was computed for."""
-        key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), w.stride())
+        key = _fingerprint(w)
         cached = self._eval_divisor
         if cached is None or cached[0] != key:
             sigma, u, v = top_singular_triple(w)
@@ -82,13 +133,40 @@ class _RawWeight:
 
     def _apply(self, fn, recurse=True):
         self.forget_divisor()  # .to() / .half() / .cuda(): new storage, possibly at a freed address
+        if self.power_iteration:
+            self.settle_power_iteration()
         return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        if self.power_iteration:  # new weights: the first iteration is the exact top singular vector again
+            self.load_power_iteration(torch.zeros_like(self.weight_u))
 
     @torch.no_grad()
     def _copy_from(self, module: nn.Module) -> None:
         self.raw_weight.copy_(module.weight)
         if module.bias is not None:
             self.bias.copy_(module.bias)
+
+
+def _fingerprint(w: torch.Tensor) -> tuple:
+    """What identifies ``w``'s values without reading them: storage, version counter (bumped by in-place writes
+    under autograd's watch: optimizer steps, ``load_state_dict``), dtype, device, shape, strides."""
+    try:
+        return (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), w.stride())
+    except RuntimeError:  # a tensor without storage of its own (a DTensor shard): never equal
+        return (object(),)
+
+
+@torch.no_grad()
+def _power_step(w: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """One power iteration from ``start`` on ``w`` viewed as (out, in * kh * kw), in float64: the new left vector."""
+    a = w.detach().flatten(1).to(torch.float64)
+    tiny = torch.finfo(torch.float64).tiny
+    v = a.T @ start.to(torch.float64)
+    v = v / v.norm().clamp_min(tiny)
+    u = a @ v
+    return u / u.norm().clamp_min(tiny)
 
 
 class NormalizedLinear(_RawWeight, nn.Linear):
@@ -102,11 +180,11 @@ class NormalizedLinear(_RawWeight, nn.Linear):
             nn.init.zeros_(self.bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "NormalizedLinear":
+    def from_linear(cls, linear: nn.Linear, power_iteration: bool = True) -> "NormalizedLinear":
         """A normalised copy of ``linear`` (same parameters, device and dtype)."""
         w = linear.weight
         out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=w.device,
-                  dtype=w.dtype)
+                  dtype=w.dtype, power_iteration=power_iteration)
         out._copy_from(linear)
         return out
 
@@ -134,11 +212,11 @@ class NormalizedConv2d(_RawWeight, nn.Conv2d):
         return F.conv2d(x, self.weight, self.bias, self.stride)
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d) -> "NormalizedConv2d":
+    def from_conv(cls, conv: nn.Conv2d, power_iteration: bool = True) -> "NormalizedConv2d":
         w = conv.weight
         out = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
                   dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, device=w.device,
-                  dtype=w.dtype)
+                  dtype=w.dtype, power_iteration=power_iteration)
         out._copy_from(conv)
         return out
 
@@ -149,13 +227,39 @@ def non_overlapping(conv: nn.Conv2d) -> bool:
             and tuple(conv.dilation) == (1, 1) and conv.groups == 1)
 
 
-def normalize_linear_maps(model: nn.Module) -> nn.Module:
+def normalize_linear_maps(model: nn.Module, power_iteration: bool = True) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` and every non-overlapping ``nn.Conv2d`` of ``model`` (exact types) by
-    its normalised copy (:class:`NormalizedLinear`, :class:`NormalizedConv2d`); overlapping convolutions stay."""
+    its normalised copy (:class:`NormalizedLinear`, :class:`NormalizedConv2d`); overlapping convolutions stay.
+    ``power_iteration``: their training divisor (see :class:`_RawWeight`)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, NormalizedLinear.from_linear(child))
+                setattr(parent, name, NormalizedLinear.from_linear(child, power_iteration))
             elif type(child) is nn.Conv2d and non_overlapping(child):
-                setattr(parent, name, NormalizedConv2d.from_conv(child))
+                setattr(parent, name, NormalizedConv2d.from_conv(child, power_iteration))
     return model
+
+
+def power_iteration_layers(model: nn.Module) -> Dict[str, "_RawWeight"]:
+    """The normalised layers of ``model`` that train with power iteration, by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, _RawWeight) and m.power_iteration}
+
+
+class PowerIterationState:
+    """The power-iteration vectors of a model's normalised layers, as a checkpointable object
+    (``accelerator.register_for_checkpointing``): the vectors are non-persistent buffers, so weight files and state
+    dicts keep ``nn.Linear``'s keys, while a resumed run continues the iteration bit for bit."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = power_iteration_layers(model)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        for m in self.layers.values():
+            m.settle_power_iteration()
+        return {n: m.weight_u.detach().cpu().clone() for n, m in self.layers.items()}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.layers):
+            raise ValueError(f"power-iteration state for {len(state)} layers, the model has {len(self.layers)}")
+        for n, m in self.layers.items():
+            m.load_power_iteration(state[n].to(m.weight_u.device, m.weight_u.dtype))

@@ -17,7 +17,7 @@ from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..layers import LipsBlock, LipschitzOptions, init_weights
-from ..layers.normalized import normalize_linear_maps
+from ..layers.normalized import LINEARS, normalize_linear_maps
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
@@ -115,10 +115,11 @@ class LipsFormerBase(nn.Module):
         self._apply_linear_option(self)
 
     def _apply_linear_option(self, module: nn.Module) -> None:
-        """``lipschitz.linear``: ``normalized`` turns ``module``'s Linear and non-overlapping Conv2d layers into
-        their spectrally normalised forms (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
-        if self.lipschitz.linear == "normalized":
-            normalize_linear_maps(module)
+        """``lipschitz.linear``: ``normalized`` / ``normalized_exact`` turn ``module``'s Linear and non-overlapping
+        Conv2d layers into their spectrally normalised forms (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
+        power_iteration = LINEARS[self.lipschitz.linear]
+        if power_iteration is not None:
+            normalize_linear_maps(module, power_iteration)
 
     # -- timm face ---------------------------------------------------------------------------
     @torch.jit.ignore
