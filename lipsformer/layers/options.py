@@ -6,6 +6,7 @@ defaults (e.g. CSwin's tau 12). Adding an option is one field here, plus its use
 """
 import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
@@ -22,6 +23,24 @@ STAGE_ACTS = ("none", *ACTS)
 # the fields that name a choice, and their choices: checked when the options are made
 CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
                act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS)
+
+
+# The certifiable configuration (issue 17), the one home of its choices: every layer 1-Lipschitz by construction
+# or kept so, the bound computed from the weights. The ``*_cert`` models are a family's size with these fields
+# (a family's own defaults, e.g. CSwin's tau, stay under them); keyword arguments still replace any of them.
+CERTIFIABLE = MappingProxyType(dict(
+    attn="attlip",          # AttLip Thm 4: 1-Lipschitz for any weights
+    norm="none",            # CenterNorm would add D/(D-1) max|gamma| per norm
+    residual="convex",      # (1 - a) x + a f(x), a in [0, 1]: 1-Lipschitz when f is
+    act="groupsort",        # 1-Lipschitz, gradient-norm preserving (GELU: 1.1289)
+    linear="normalized",    # Linear and non-overlapping convs divided by their spectral norm in every forward
+                            # (the gradient sees it); kept by projection instead: 66% clean after 6 epochs, not 92%
+    attlip_prox=True,       # the mixer returns prox(x): (1 - a) x + a prox(x), not (1 - 2a) x + a prox(x)
+    conv_blocks="A",        # no depth-wise conv blocks (kept by projection; the same accuracy without, faster)
+    alpha_init=0.1,         # the skip path keeps (1 - a) of the signal per residual
+    stage_act="groupsort",  # a 1-Lipschitz activation after the patch embedding and each downsampling: the path
+                            # between the blocks is otherwise linear (CSwin on digits, 10 epochs: 91.4 -> 94.4 clean)
+))
 
 
 @dataclass(frozen=True)

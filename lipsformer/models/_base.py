@@ -325,6 +325,16 @@ def pretrained_cfg(url: str = "", **kwargs) -> LipsPretrainedCfg:
     })
 
 
+def certified_cfg(**kwargs) -> LipsPretrainedCfg:
+    """:func:`pretrained_cfg` of the certifiable (``*_cert``) models: mean 0.5, std 1, no weights.
+
+    A certificate is a radius in pixel space ([0, 1] images), and the input normalisation ``(x - mean) / std`` is
+    ``1 / min(std)``-Lipschitz: with ImageNet's std (0.225) every certified radius would shrink 4.4 times for a
+    network bound of 1 (``lipschitz.certify.pixel_lipschitz``). With std 1 the network's bound is the pixel-space
+    bound; the mean only shifts the input (no effect on the bound) and 0.5 centres [0, 1]."""
+    return pretrained_cfg(**{"mean": (0.5, 0.5, 0.5), "std": (1.0, 1.0, 1.0), **kwargs})
+
+
 def weights_source(cfg: Optional[dict]) -> str:
     """Where a pretrained config's weights come from, for error messages."""
     cfg = cfg or {}

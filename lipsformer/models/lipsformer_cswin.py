@@ -18,9 +18,10 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.options import CERTIFIABLE
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
-                    rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
+                    pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
@@ -286,14 +287,17 @@ default_cfgs = generate_default_cfgs({
     "lipsformer_cswin_t": pretrained_cfg(),
     "lipsformer_cswin_s": pretrained_cfg(),
     "lipsformer_cswin_b": pretrained_cfg(),
+    # Certifiable (no weights): mean 0.5, std 1, so the network's bound is the pixel-space bound (certified_cfg).
+    "lipsformer_cswin_t_cert": certified_cfg(),
 })
+
+CSWIN_T = dict(embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7))
 
 
 @register_model
 def lipsformer_cswin_t(pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
     """LipsFormer-CSwin-T: 24M params, 4.7 GFLOPs, 83.5% top-1 (paper Table 2)."""
-    args = dict(embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7))
-    return _create_lipsformer_cswin("lipsformer_cswin_t", pretrained, **dict(args, **kwargs))
+    return _create_lipsformer_cswin("lipsformer_cswin_t", pretrained, **dict(CSWIN_T, **kwargs))
 
 
 @register_model
@@ -308,3 +312,12 @@ def lipsformer_cswin_b(pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
     """LipsFormer-CSwin-B: 83M params, 16.3 GFLOPs, 84.6% top-1."""
     args = dict(embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32), split_size=(1, 2, 7, 7))
     return _create_lipsformer_cswin("lipsformer_cswin_b", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_cswin_t_cert(pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
+    """Certifiable LipsFormer-CSwin-T: CSwin-T's widths, depths and stripes with every layer 1-Lipschitz
+    (:data:`lipsformer.layers.options.CERTIFIABLE`; AttLip runs in each stripe branch), so ``lipschitz_report``
+    bounds it by 1 and ``predict_certified`` gives radii in pixel space. Preprocessing mean 0.5, std 1
+    (``certified_cfg``: no 1/std factor in the bound). No weights; recipe: configs/lipsformer_cswin_t_cert.yaml."""
+    return _create_lipsformer_cswin("lipsformer_cswin_t_cert", pretrained, **{**CSWIN_T, **CERTIFIABLE, **kwargs})

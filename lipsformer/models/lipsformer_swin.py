@@ -15,9 +15,10 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.options import CERTIFIABLE
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, convert_released, create_model, pretrained_cfg,
-                    rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
+                    pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -290,14 +291,17 @@ default_cfgs = generate_default_cfgs({
     "lipsformer_swin_b": pretrained_cfg(),
     "lipsformer_swin_l": pretrained_cfg(),
     "lipsformer_swin_lpp.in22k": pretrained_cfg(num_classes=21841),
+    # Certifiable (no weights): mean 0.5, std 1, so the network's bound is the pixel-space bound (certified_cfg).
+    "lipsformer_swin_t_cert": certified_cfg(),
 })
+
+SWIN_T = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))
 
 
 @register_model
 def lipsformer_swin_t(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
     """LipsFormer-Swin-T: 31M params, 5.0 GFLOPs, 82.7% top-1 (paper Table 2)."""
-    args = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))
-    return _create_lipsformer_swin("lipsformer_swin_t", pretrained, **dict(args, **kwargs))
+    return _create_lipsformer_swin("lipsformer_swin_t", pretrained, **dict(SWIN_T, **kwargs))
 
 
 @register_model
@@ -326,3 +330,13 @@ def lipsformer_swin_lpp(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
     """LipsFormer-Swin-L++ with the ImageNet-22k head (21841 classes): 526M params."""
     args = dict(embed_dim=288, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48))
     return _create_lipsformer_swin("lipsformer_swin_lpp", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lipsformer_swin_t_cert(pretrained: bool = False, **kwargs) -> LipsFormerSwin:
+    """Certifiable LipsFormer-Swin-T: Swin-T's widths and depths with every layer 1-Lipschitz
+    (:data:`lipsformer.layers.options.CERTIFIABLE`: AttLip, convex residuals, GroupSort, spectrally normalised
+    linear maps, no norms), so ``lipschitz_report`` bounds it by 1 and ``predict_certified`` gives radii in pixel
+    space. Preprocessing mean 0.5, std 1 (``certified_cfg``: no 1/std factor in the bound). No weights;
+    recipe: configs/lipsformer_swin_t_cert.yaml."""
+    return _create_lipsformer_swin("lipsformer_swin_t_cert", pretrained, **{**SWIN_T, **CERTIFIABLE, **kwargs})
