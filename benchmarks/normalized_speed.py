@@ -1,7 +1,7 @@
 """What the normalised layers' divisor costs (issue 26), interleaved in one process, medians: an eval forward with
 the cached divisor against one that recomputes it (the behaviour before the cache), and a training step (forward,
-backward, SGD step) with the power-iteration divisor (``linear=normalized``) against the exact one
-(``linear=normalized_exact``, the behaviour before), from the same weights.
+backward, SGD step) with the power-iteration divisor (``linear=normalized_power``) against the exact one
+(``linear=normalized``), from the same weights.
 
     python benchmarks/normalized_speed.py [--model lipsformer_swin_t] [--img 224] [--batch 4] [--threads 1] [--reps 7]
 
@@ -68,9 +68,9 @@ def main(argv=None) -> None:
     print(f"eval forward: recomputed divisors {fresh * 1e3:.1f} ms, cached {cached * 1e3:.1f} ms, "
           f"speed-up {fresh / cached:.2f}x")
 
-    exact = build(args.model, args.img, "normalized_exact")
-    exact.load_state_dict(model.state_dict())
-    models = {"power": model.train(), "exact": exact.train()}
+    power = build(args.model, args.img, "normalized_power")
+    power.load_state_dict(model.state_dict())
+    models = {"power": power.train(), "exact": model.train()}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     y = torch.zeros(args.batch, dtype=torch.long)
 

@@ -274,7 +274,7 @@ def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_sc
     base = ["model=lipsformer_swin_t", "num_classes=4", "img_size=32", "crop_pct=1.0", "drop_path=0.0",
             "model_kwargs={embed_dim: 16, depths: [1, 1], num_heads: [2, 2], window_size: 4, attn: attlip, "
             "attlip_steps: [2, 3], norm: none, residual: convex, act: groupsort, alpha_init: 0.1, init: xavier, "
-            "linear: normalized}",
+            "linear: normalized_power}",
             f"data_dir={data}", "workers=0", "epochs=3", "global_batch=4", "batch_size=4", "lr=0.05", "aa=null",
             "reprob=0.0", "mixup=0.0", "cutmix=0.0", "label_smoothing=0.0", "ema_decay=null", "eval_every_epochs=3",
             "mixed_precision='no'", "checkpoint_every_steps=100", "keep_last=5"]
@@ -425,10 +425,10 @@ def test_eval_divisor_is_never_stale(how):
 
 
 def test_power_iteration_divisor_in_training_exact_at_evaluation():
-    """linear=normalized trains with one power iteration per weight change (issue 26 item 3): the divisor
+    """linear=normalized_power trains with one power iteration per weight change (issue 26 item 3): the divisor
     ||W^T u|| is at most the exact norm and tracks it, the first iterate is the exact vector (no random start: the
-    global RNG stream is that of normalized_exact), forwards between two steps share it, and eval mode divides by
-    the exact norm (the same output as normalized_exact)."""
+    global RNG stream is that of the exact divisor), forwards between two steps share it, and eval mode divides by
+    the exact norm (the same output as the exact layer)."""
     from lipsformer.layers import NormalizedLinear
 
     x = torch.randn(3, 12)
@@ -436,7 +436,7 @@ def test_power_iteration_divisor_in_training_exact_at_evaluation():
     exact = NormalizedLinear(12, 5, power_iteration=False)
     after_exact = (exact.train()(x), torch.rand(1))
     torch.manual_seed(1)
-    lin = NormalizedLinear(12, 5)
+    lin = NormalizedLinear(12, 5, power_iteration=True)
     first = lin.train()(x)
     assert torch.equal(torch.rand(1), after_exact[1]) and torch.allclose(first, after_exact[0], atol=1e-6)
     opt, opt_exact = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin, exact))
@@ -459,11 +459,11 @@ def test_power_iteration_divisor_in_training_exact_at_evaluation():
 
 def test_power_iteration_state_is_not_in_the_state_dict_and_loads_from_an_exact_checkpoint():
     """The vectors are non-persistent: a normalised layer's state dict keeps nn.Linear's keys either way, a
-    normalized_exact (or older) checkpoint loads strictly, and the first training divisor after a load is exact."""
+    linear=normalized (or older) checkpoint loads strictly, and the first training divisor after a load is exact."""
     from lipsformer.layers import NormalizedConv2d
     from lipsformer.layers.normalized import PowerIterationState
 
-    conv, older = NormalizedConv2d(3, 6, 2, stride=2), NormalizedConv2d(3, 6, 2, stride=2, power_iteration=False)
+    conv, older = NormalizedConv2d(3, 6, 2, stride=2, power_iteration=True), NormalizedConv2d(3, 6, 2, stride=2)
     assert list(conv.state_dict()) == list(older.state_dict()) == ["weight", "bias"]
     x = torch.randn(2, 3, 8, 8)
     conv.train()(x)

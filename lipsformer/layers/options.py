@@ -62,11 +62,11 @@ class LipschitzOptions:
             (``(1 - a) x + a f(x)`` with one scalar ``a`` in [0, 1]: 1-Lipschitz when ``f`` is;
             :class:`lipsformer.layers.residual.ConvexResidual`).
         act: ``gelu`` (LipsFormer) | ``groupsort`` (MaxMin, 1-Lipschitz) in the MLPs and conv blocks.
-        linear: ``plain`` | ``normalized`` | ``normalized_exact``: every Linear, and every non-overlapping
+        linear: ``plain`` | ``normalized`` | ``normalized_power``: every Linear, and every non-overlapping
             convolution (patch embedding, downsampling, 1x1), divides its weight by its largest singular value
             (:class:`lipsformer.layers.normalized.NormalizedLinear` / ``NormalizedConv2d``; bound 1, and the
             gradient sees the normalisation, unlike keeping the norm by projection after each step): exact at
-            evaluation; in training by persistent power iteration (``normalized``) or exact (``normalized_exact``).
+            evaluation; in training exact (``normalized``) or by persistent power iteration (``normalized_power``).
         attlip_prox: ``attn="attlip"``: the mixer returns ``prox(x)`` instead of ``prox(x) - x``. Under a convex
             residual ``(1 - a) x + a prox(x)`` moves the tokens toward their proximal point and is the identity at
             ``a = 0``; with ``prox(x) - x`` it is ``(1 - 2a) x + a prox(x)``, which contracts by ``1 - a``

@@ -115,7 +115,7 @@ class LipsFormerBase(nn.Module):
         self._apply_linear_option(self)
 
     def _apply_linear_option(self, module: nn.Module) -> None:
-        """``lipschitz.linear``: ``normalized`` / ``normalized_exact`` turn ``module``'s Linear and non-overlapping
+        """``lipschitz.linear``: ``normalized`` / ``normalized_power`` turn ``module``'s Linear and non-overlapping
         Conv2d layers into their spectrally normalised forms (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
         power_iteration = LINEARS[self.lipschitz.linear]
         if power_iteration is not None:
