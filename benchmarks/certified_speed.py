@@ -10,15 +10,18 @@ For each pair (plain, certifiable), each round times, in this order:
 - certified inference: :func:`lipsformer.lipschitz.certify.predict_certified` (the call ``eval.py --certify-eps``
   makes: a float32 forward with every AttLip solved to its tolerance and checked in float64, then the radii), with
   the Lipschitz bound computed once beforehand (it depends on the weights only; its time is printed apart);
-- a training step of each: forward, cross-entropy, backward, AdamW step, in train mode.
+- a training step of each: forward, cross-entropy, backward, AdamW step, in train mode (on copies of the two
+  models, so that the inference models' weights, and the certifiable one's cached divisors, stay as at evaluation).
 
 Each figure is the median over ``--rounds`` rounds (one warm-up call each first); the ratios are certifiable /
 plain. Then one certified forward is profiled: the time inside the AttLip solves (split into the solve and its
-float64 check), inside the normalised layers' divisors, and the rest; and the gradient evaluations each AttLip block
+float64 check), inside the normalised layers' divisors (cached at evaluation: computed once after a weight
+change), and the rest; and the gradient evaluations each AttLip block
 took (slowest window and mean over windows). Weights are random (no certified weights are published): solver
 steps on trained weights may differ.
 """
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import lipsformer  # noqa: E402,F401  (registers the models)
-from lipsformer.layers import attlip, spectral  # noqa: E402
+from lipsformer.layers import attlip  # noqa: E402
 from lipsformer.layers.attlip import AttLip  # noqa: E402
 from lipsformer.lipschitz.certify import pixel_lipschitz, predict_certified  # noqa: E402
 
@@ -60,12 +63,13 @@ def train_step(model, opt, images, target):
 def time_spent_in(spans: dict):
     """Accumulate wall time spent inside the AttLip certified solve, its float64 check, and the normalised layers'
     spectral divisors, by wrapping those functions for the duration."""
-    originals = dict(solve=(attlip, "_bb_solve"), check=(attlip, "prox_residual64"),
-                     divisor=(lipsformer.layers.normalized, "gram_norm"))
+    normalized = lipsformer.layers.normalized
+    originals = {("solve", "_bb_solve"): attlip, ("check", "prox_residual64"): attlip,
+                 ("divisor", "gram_norm"): normalized, ("divisor", "top_singular_triple"): normalized}
     saved = {}
-    for key, (module, name) in originals.items():
+    for (key, name), module in originals.items():
         fn = getattr(module, name)
-        saved[key] = fn
+        saved[key, name] = fn
 
         def wrapper(*args, _fn=fn, _key=key, **kwargs):
             start = time.perf_counter()
@@ -77,8 +81,8 @@ def time_spent_in(spans: dict):
     try:
         yield spans
     finally:
-        for key, (module, name) in originals.items():
-            setattr(module, name, saved[key])
+        for (key, name), module in originals.items():
+            setattr(module, name, saved[key, name])
 
 
 def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int) -> dict:
@@ -89,8 +93,11 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
     target = torch.randint(0, plain.num_classes, (batch,))
     bound_s = timed(lambda: pixel_lipschitz(cert))
     L = pixel_lipschitz(cert)
+    # the training steps change weights: they run on copies, so the inference models keep theirs (and the
+    # certifiable one its cached divisors, as at evaluation)
+    trained = dict(plain=copy.deepcopy(plain), cert=copy.deepcopy(cert))
     steps = {name: train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-6), images, target)
-             for name, m in (("plain", plain), ("cert", cert))}
+             for name, m in trained.items()}
 
     def plain_infer():
         plain.eval()
@@ -101,11 +108,11 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
         predict_certified(cert, images, L)
 
     def plain_train():
-        plain.train()
+        trained["plain"].train()
         steps["plain"]()
 
     def cert_train():
-        cert.train()
+        trained["cert"].train()
         steps["cert"]()
 
     runs = dict(plain_infer=plain_infer, cert_infer=cert_infer, plain_train=plain_train, cert_train=cert_train)
