@@ -69,9 +69,16 @@ class SolverToleranceError(RuntimeError):
 def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float) -> torch.Tensor:
     """||grad phi_x(y)||_2 per leading index (one token group), evaluated in float64 at the float32 iterate ``y``:
     the residual g_K of AttLip Proposition 3, with the float32 rounding of its evaluation left out."""
-    y64, x64, w64 = y.detach().double(), x.detach().double(), weight.detach().double()
-    g = attlip_grad(y64, w64, heads) + (y64 - x64) / eta
-    return g.pow(2).sum((-1, -2)).sqrt()
+    w64 = weight.detach().double()
+
+    def residual(y_part, x_part):
+        y64, x64 = y_part.double(), x_part.double()
+        g = attlip_grad(y64, w64, heads) + (y64 - x64) / eta
+        return g.pow(2).sum((-1, -2)).sqrt()
+
+    lead = y.shape[:-2]
+    flat = (y.detach().reshape(-1, *y.shape[-2:]), x.detach().reshape(-1, *x.shape[-2:]))
+    return _in_chunks(residual, *flat).reshape(lead)
 
 
 def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
@@ -108,8 +115,35 @@ class SolveStats(NamedTuple):
     float64_windows: int = 0
 
 
+# windows solved together: about this many tokens x channels at once, so that a solve's working set stays in the
+# CPU's caches (Swin-T stage 1 at batch 32, 2048 windows: 7.3 s in one piece, 1.8 s in chunks of 128)
+CHUNK_ELEMENTS = 2 ** 19
+
+
+def _in_chunks(fn, x: torch.Tensor, *rest: Optional[torch.Tensor]):
+    """``fn(x, *rest)`` on chunks of ``x``'s windows (its first dim) of about ``CHUNK_ELEMENTS`` values each,
+    results concatenated; ``rest`` are tensors split alike (or None)."""
+    size = max(1, CHUNK_ELEMENTS // max(1, x[0].numel()))
+    if x.shape[0] <= size:
+        return fn(x, *rest)
+    parts = [fn(x[i:i + size], *(r if r is None else r[i:i + size] for r in rest)) for i in range(0, len(x), size)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
 def _bb_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
               y: Optional[torch.Tensor] = None):
+    """:func:`_bb_solve_windows` over the flattened windows of ``x``, in cache-sized chunks."""
+    lead = x.shape[:-2]
+    flat = x.reshape(-1, *x.shape[-2:])
+    start = None if y is None else y.reshape(flat.shape)
+    out, taken = _in_chunks(lambda a, b: _bb_solve_windows(a, weight, heads, eta, tol, max_steps, b), flat, start)
+    return out.reshape(*lead, *x.shape[-2:]), taken.reshape(lead)
+
+
+def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
+                      y: Optional[torch.Tensor] = None):
     """Gradient descent on phi_x(y) = f(y) + ||y - x||^2 / (2 eta) with Barzilai-Borwein steps, per window.
 
     The step is closed-form from the last two iterates (BB1, ``s.s / s.(g' - g)``: the inverse of a secant estimate
