@@ -56,7 +56,7 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
 # The AttLip solver tolerance by default (``attlip_tol``): each window's residual ||grad phi_x(y)||, so each block's
 # output is within eta * tol per window of the exact prox in certified inference. Float32 outputs cannot carry much
 # less than about 1e-6 at Swin-T's window sizes (their rounding alone is charged); 1e-4 costs the certifiable
-# Swin-T at 224 about 1e-3 of l2 radius (benchmarks/certified_speed.py prints the figure), a few fewer solver steps
+# Swin-T at 224 about 8e-4 of l2 radius (benchmarks/certified_speed.py prints the figure), a few fewer solver steps
 # than 1e-5.
 DEFAULT_TOL = 1e-4
 
