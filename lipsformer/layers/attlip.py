@@ -21,19 +21,39 @@ from torch import nn
 from .windows import pad_to_multiple, window_partition, window_reverse
 
 
-def _scores(x: torch.Tensor, weight: torch.Tensor, heads: int):
-    """Projected tokens V (..., H, N, d_h) and scores S (..., H, N, N) of the potential."""
-    d_h = weight.shape[0] // heads
-    v = (x @ weight.T).unflatten(-1, (heads, d_h)).transpose(-3, -2)  # (..., H, N, d_h)
+def _heads(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Projected tokens (..., N, D) as per-head groups (..., H, N, D / H)."""
+    return v.unflatten(-1, (heads, v.shape[-1] // heads)).transpose(-3, -2)
+
+
+def _scores(v: torch.Tensor) -> torch.Tensor:
+    """Scores S (..., H, N, N) of the potential from per-head projected tokens v (..., H, N, d_h)."""
     u = v.pow(2).sum(-1)
-    s = (2 * v @ v.transpose(-1, -2) + u.unsqueeze(-1) + u.unsqueeze(-2)) / math.sqrt(d_h)
-    return v, s
+    return (2 * v @ v.transpose(-1, -2) + u.unsqueeze(-1) + u.unsqueeze(-2)) / math.sqrt(v.shape[-1])
 
 
 def attlip_potential(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
     """f(x) of Theorem 4 for tokens ``x`` (..., N, C); one value per leading index."""
-    _, s = _scores(x, weight, heads)
+    s = _scores(_heads(x @ weight.T, heads))
     return 0.5 * torch.logsumexp(s, dim=-1).sum((-1, -2))
+
+
+def _grad_coefficients(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """For projected tokens ``v = x W^T`` (..., N, D), the ``Y`` (..., N, D) with ``grad f(x) = Y W``: the gradient
+    in the weight's row space, where the certified solver iterates.
+
+    The row softmax of S drops S's row term ``|v_i|^2 / sqrt(d_h)`` (constant along a row), so with
+    ``w = v / d_h^(1/4)`` the logits are ``2 w_i.w_j + |w_j|^2``, one batched product; the mix is ``(a + a^T) v``
+    as two products and the self term is added in place: few passes over the (N, N) scores, which bound the cost
+    at Swin's small windows."""
+    lead, (n, d) = v.shape[:-2], v.shape[-2:]
+    d_h = d // heads
+    vh = _heads(v, heads).reshape(-1, n, d_h)  # (B * H, N, d_h)
+    w = vh * d_h ** -0.25
+    a = torch.baddbmm(w.pow(2).sum(-1).unsqueeze(-2), w, w.transpose(-1, -2), alpha=2.0).softmax(-1)
+    y = torch.baddbmm(torch.bmm(a, vh), a.transpose(-1, -2), vh)  # (a + a^T) v
+    y = y.addcmul(a.sum(-2).add(1.0).unsqueeze(-1), vh).mul(d_h ** -0.5)  # + (1 + sum_i a_ik) v_k, / sqrt(d_h)
+    return y.unflatten(0, (*lead, heads)).transpose(-3, -2).flatten(-2)
 
 
 def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -44,13 +64,7 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
     (Algorithm 4 as printed adds the identity once more and drops the :math:`1/\\sqrt{d_h}`; this is the exact
     gradient, checked against autograd in the tests.)
     """
-    d_h = weight.shape[0] // heads
-    v, s = _scores(x, weight, heads)
-    a = s.softmax(-1)
-    mix = a + a.transpose(-1, -2)
-    self_term = 1.0 + a.sum(-2)  # 1 + sum_i alpha_ik
-    y = (mix @ v + self_term.unsqueeze(-1) * v) / math.sqrt(d_h)  # (..., H, N, d_h)
-    return y.transpose(-3, -2).flatten(-2) @ weight  # sum over heads of Y^h W^h
+    return _grad_coefficients(x @ weight.T, heads) @ weight
 
 
 # The AttLip solver tolerance by default (``attlip_tol``): each window's residual ||grad phi_x(y)||, so each block's
@@ -132,65 +146,84 @@ def _in_chunks(fn, x: torch.Tensor, *rest: Optional[torch.Tensor]):
     return torch.cat(parts)
 
 
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Inner products of matching (N, D) slices, one per leading index."""
+    return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2))
+
+
 def _bb_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
-              y: Optional[torch.Tensor] = None):
+              z: Optional[torch.Tensor] = None):
     """:func:`_bb_solve_windows` over the flattened windows of ``x``, in cache-sized chunks."""
     lead = x.shape[:-2]
     flat = x.reshape(-1, *x.shape[-2:])
-    start = None if y is None else y.reshape(flat.shape)
-    out, taken = _in_chunks(lambda a, b: _bb_solve_windows(a, weight, heads, eta, tol, max_steps, b), flat, start)
-    return out.reshape(*lead, *x.shape[-2:]), taken.reshape(lead)
+    start = None if z is None else z.reshape(*flat.shape[:-1], weight.shape[0])
+    gram = weight @ weight.T
+    y, z, taken = _in_chunks(lambda a, b: _bb_solve_windows(a, weight, gram, heads, eta, tol, max_steps, b),
+                             flat, start)
+    return y.reshape(*lead, *x.shape[-2:]), z.reshape(*lead, *z.shape[-2:]), taken.reshape(lead)
 
 
-def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
-                      y: Optional[torch.Tensor] = None):
-    """Gradient descent on phi_x(y) = f(y) + ||y - x||^2 / (2 eta) with Barzilai-Borwein steps, per window.
+def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor, heads: int, eta: float,
+                      tol: float, max_steps: int, z: Optional[torch.Tensor] = None):
+    """Gradient descent on phi_x(y) = f(y) + ||y - x||^2 / (2 eta) with Barzilai-Borwein steps, per window (N, C).
 
     The step is closed-form from the last two iterates (BB1, ``s.s / s.(g' - g)``: the inverse of a secant estimate
     of the local curvature; AttLip Algorithm 2 allows any step rule), so no potential is evaluated. phi is
     (1 / eta)-strongly convex, so that estimate never exceeds ``eta``; the step is kept in [eta / 1000, eta]. Each
     window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not
     reached a new low for ``STALLED_AFTER`` evaluations (a stall: the caller checks in float64), and only the windows
-    still running are computed (the solves are batched, the finished ones leave the batch). Returns the iterate
-    (``x``'s dtype) and the gradient evaluations each window took (its first one included).
+    still running are computed (the solves are batched, the finished ones leave the batch).
+
+    Every gradient ``grad phi_x(y) = (Y + z / eta) W`` lies in the row space of the weight W (D, C) when
+    ``y = x + z W`` (``grad f(y) = Y W``, :func:`_grad_coefficients`), so the descent runs on ``z`` (N, D) and on
+    ``v = y W^T = x W^T + z G`` with the Gram matrix ``gram = W W^T``: one (N, D) x (D, D) product per evaluation
+    instead of the two of projecting ``y`` and mapping the gradient back; norms and inner products of gradients are
+    taken in the metric G. ``y`` is formed once at the end. Returns ``y`` (``x``'s dtype), ``z`` and the gradient
+    evaluations each window took (its first one included).
     """
-    lead = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:])
-    y = x.clone() if y is None else y.reshape(x.shape).clone()
+    v_x = x @ weight.T
+    z = torch.zeros_like(v_x) if z is None else z.clone()
     taken = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-    live = torch.arange(x.shape[0], device=x.device)
-    xl, yl = x, y
     if max_steps < 1:
-        return y.reshape(*lead, *y.shape[-2:]), taken.reshape(lead)
-    g = attlip_grad(yl, weight, heads) + (yl - xl) / eta
-    lam = torch.full((len(live), 1, 1), eta / 2, dtype=x.dtype, device=x.device)
+        return x + z @ weight, z, taken
+    live = torch.arange(x.shape[0], device=x.device)
+    zl, v = z, v_x + z @ gram
+
+    def coefficients(v, z):  # u with grad phi = u W, u G, and ||grad phi||^2
+        u = _grad_coefficients(v, heads).add_(z, alpha=1 / eta)
+        u_gram = u @ gram
+        return u, u_gram, _dot(u, u_gram).clamp_min(0)
+
+    u, u_gram, g_sq = coefficients(v, zl)
+    lam = torch.full((len(live),), eta / 2, dtype=x.dtype, device=x.device)
     best = torch.full((len(live),), math.inf, dtype=x.dtype, device=x.device)
     since_best = torch.zeros(len(live), dtype=torch.long, device=x.device)
     for k in range(max_steps):  # evaluation k + 1 is checked here
         taken[live] += 1
-        residual = g.pow(2).sum((-1, -2)).sqrt()
+        residual = g_sq.sqrt()
         improved = residual < best
         best, since_best = torch.where(improved, residual, best), torch.where(improved, 0, since_best + 1)
         done = (residual <= tol) | (since_best >= STALLED_AFTER)  # met, or stalled at the dtype's rounding floor
         if bool(done.any()):
-            y[live[done]] = yl[done]
+            z[live[done]] = zl[done]
             keep = ~done
-            live, xl, yl, g, lam = live[keep], xl[keep], yl[keep], g[keep], lam[keep]
+            live, zl, v, u, u_gram, g_sq, lam = (t[keep] for t in (live, zl, v, u, u_gram, g_sq, lam))
             best, since_best = best[keep], since_best[keep]
             if not len(live):
                 break
         if k + 1 == max_steps:
             break
-        y_new = yl - lam * g
-        g_new = attlip_grad(y_new, weight, heads) + (y_new - xl) / eta
-        s, d = y_new - yl, g_new - g
-        curvature = (s * d).sum((-1, -2), keepdim=True)
-        lam = torch.where(curvature > 0, s.pow(2).sum((-1, -2), keepdim=True) / curvature.clamp_min(1e-300),
+        step = -lam[:, None, None]
+        zl, v = zl.addcmul(step, u), v.addcmul(step, u_gram)  # y - lam * grad, in z and in v
+        u_new, u_gram_new, g_sq_new = coefficients(v, zl)
+        # BB1 with s = -lam g, d = g' - g: s.s = lam^2 |g|^2, s.d = lam (|g|^2 - <g, g'>), <g, g'> = <u, u' G>
+        curvature = lam * (g_sq - _dot(u, u_gram_new))
+        lam = torch.where(curvature > 0, lam.pow(2) * g_sq / curvature.clamp_min(1e-300),
                           torch.full_like(lam, eta)).clamp(eta / 1000, eta)
-        yl, g = y_new, g_new
-    if len(live) and yl is not y:  # (no step taken: yl is still y)
-        y[live] = yl
-    return y.reshape(*lead, *y.shape[-2:]), taken.reshape(lead)
+        u, u_gram, g_sq = u_new, u_gram_new, g_sq_new
+    if len(live):
+        z[live] = zl
+    return x + z @ weight, z, taken
 
 
 def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
@@ -209,14 +242,15 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
     """
     with torch.no_grad():
         w = weight.detach()
-        y, taken = _bb_solve(x.detach(), w.to(x.dtype), heads, eta, tol / 2, min(max_steps, FIRST_PASS_STEPS))
+        y, z, taken = _bb_solve(x.detach(), w.to(x.dtype), heads, eta, tol / 2,
+                                min(max_steps, FIRST_PASS_STEPS))
         residual = prox_residual64(y, x, w, heads, eta)
         stalled = residual > tol
         rounding = torch.zeros_like(residual)
         if bool(stalled.any()):
             xs = x.detach()[stalled].double()
-            y64, more = _bb_solve(xs, w.double(), heads, eta, tol / 2, max(max_steps - int(taken.max()), 0),
-                                  y[stalled].double())
+            y64, _, more = _bb_solve(xs, w.double(), heads, eta, tol / 2, max(max_steps - int(taken.max()), 0),
+                                     z[stalled].double())
             y[stalled] = y64.to(x.dtype)
             taken[stalled] += more
             rounding[stalled] = (y[stalled].double() - y64).pow(2).sum((-1, -2)).sqrt() / eta
