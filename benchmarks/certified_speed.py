@@ -11,7 +11,9 @@ For each pair (plain, certifiable), each round times, in this order:
   makes: a float32 forward with every AttLip solved to its tolerance and checked in float64, then the radii), with
   the Lipschitz bound computed once beforehand (it depends on the weights only; its time is printed apart);
 - a training step of each: forward, cross-entropy, backward, AdamW step, in train mode (on copies of the two
-  models, so that the inference models' weights, and the certifiable one's cached divisors, stay as at evaluation).
+  models, so that the inference models' weights, and the certifiable one's cached divisors, stay as at evaluation);
+  the certifiable step also keeps the Lipschitz bound (``keep_bound`` at ``--lipschitz-target``, as train.py does
+  after every step with ``configs/lipsformer_swin_t_cert.yaml``'s ``lipschitz_target``; its time is printed apart).
 
 Each figure is the median over ``--rounds`` rounds (one warm-up call each first); the ratios are certifiable /
 plain. Then one certified forward is profiled: the time inside the AttLip solves (split into the solve and its
@@ -41,6 +43,7 @@ import lipsformer  # noqa: E402,F401  (registers the models)
 from lipsformer.layers import attlip  # noqa: E402
 from lipsformer.layers.attlip import AttLip  # noqa: E402
 from lipsformer.lipschitz.certify import pixel_lipschitz, predict_certified  # noqa: E402
+from lipsformer.lipschitz.constraints import keep_bound  # noqa: E402
 
 PAIRS = ("lipsformer_swin_t:lipsformer_swin_t_cert", "lipsformer_cswin_t:lipsformer_cswin_t_cert")
 
@@ -85,7 +88,7 @@ def time_spent_in(spans: dict):
             setattr(module, name, saved[key, name])
 
 
-def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int) -> dict:
+def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int, target: float) -> dict:
     torch.manual_seed(0)
     plain = timm.create_model(plain_name, img_size=img_size)
     cert = timm.create_model(cert_name, img_size=img_size)
@@ -111,14 +114,19 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
         trained["plain"].train()
         steps["plain"]()
 
+    def keep():
+        keep_bound(trained["cert"], target)
+
     def cert_train():
         trained["cert"].train()
         steps["cert"]()
+        times["keep_bound"].append(timed(keep))
 
     runs = dict(plain_infer=plain_infer, cert_infer=cert_infer, plain_train=plain_train, cert_train=cert_train)
     times = defaultdict(list)
     for fn in runs.values():  # warm-up
         fn()
+    times.clear()
     for r in range(rounds):
         for key, fn in runs.items():
             times[key].append(timed(fn))
@@ -148,6 +156,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lipschitz-target", type=float, default=1.01,
+                        help="keep_bound's target in the certifiable training step (the recipe's lipschitz_target)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -158,7 +168,8 @@ def main(argv=None):
         plain_name, sep, cert_name = pair.partition(":")
         if not sep or not timm.is_model(plain_name) or not timm.is_model(cert_name):
             parser.error(f"--pairs takes PLAIN:CERT of registered models, got {pair!r}")
-        rows.append(measure_pair(plain_name, cert_name, args.batch, args.img_size, args.rounds))
+        rows.append(measure_pair(plain_name, cert_name, args.batch, args.img_size, args.rounds,
+                                 args.lipschitz_target))
     print(f"\nbatch {args.batch} at {args.img_size}px, {torch.get_num_threads()} threads, medians of {args.rounds} "
           f"interleaved rounds (certifiable / plain)\n")
     print("| certifiable | plain | certified inference | ratio | train step | ratio | D (solver defect) | "
@@ -173,7 +184,7 @@ def main(argv=None):
         print(f"\n{r['cert']}: one certified forward {p['total_s']:.2f} s = AttLip solve {p['attlip_solve_s']:.2f} s"
               f" + its float64 check {p['attlip_float64_check_s']:.2f} s + normalised divisors "
               f"{p['normalized_divisor_s']:.2f} s + the rest {p['rest_s']:.2f} s; the bound, once: "
-              f"{r['bound_once_s']:.2f} s")
+              f"{r['bound_once_s']:.2f} s; keep_bound in each training step {r['keep_bound_s']:.2f} s")
         print("  gradient evaluations per AttLip block (slowest window / mean): " + ", ".join(
             f"{s['steps']}/{s['mean_steps']:g}" + (f" ({s['float64_windows']} in float64)" if s["float64_windows"]
                                                    else "") for s in r["solver_steps"]))

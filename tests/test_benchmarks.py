@@ -10,6 +10,9 @@ import timm
 import torch
 from conftest import load_script
 
+import lipsformer  # noqa: F401  (registers the models)
+from lipsformer.layers.attlip import AttLip
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,3 +79,24 @@ def test_loader_benchmark_prints_each_loaders_rate_against_timms_and_the_seeding
         assert r["img_s"] > 0 and r["ratio"] == pytest.approx(r["img_s"] / base["img_s"])  # one round
     assert set(result["seeding_us"]) == {"worker", "main"}
     assert "vs timm" in proc.stdout and "per-sample seeding" in proc.stdout
+
+
+def test_certified_speed_prints_both_ratios_the_profile_and_the_solver_steps(tmp_path):
+    out = tmp_path / "cert.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "certified_speed.py"), "--pairs",
+                           "lipsformer_cswin_t:lipsformer_cswin_t_cert", "--batch", "1", "--img-size", "224",
+                           "--rounds", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["infer_ratio"] == pytest.approx(row["cert_infer_s"] / row["plain_infer_s"])
+    assert row["train_ratio"] == pytest.approx(row["cert_train_s"] / row["plain_train_s"])
+    assert 0 < row["keep_bound_s"] < row["cert_train_s"]  # bound keeping is part of the certifiable step
+    assert row["defect"] > 0 and row["radius_cost"] == pytest.approx(2 * row["defect"] / row["lipschitz"])
+    p = row["profile"]
+    assert p["attlip_solve_s"] > 0 and p["attlip_float64_check_s"] > 0
+    assert p["rest_s"] == pytest.approx(p["total_s"] - p["attlip_solve_s"] - p["attlip_float64_check_s"]
+                                        - p["normalized_divisor_s"])
+    model = timm.create_model("lipsformer_cswin_t_cert")
+    assert [s["block"] for s in row["solver_steps"]] == [n for n, m in model.named_modules() if isinstance(m, AttLip)]
+    assert all(1 <= s["mean_steps"] <= s["steps"] for s in row["solver_steps"])
+    assert "lipsformer_cswin_t_cert" in proc.stdout and "gradient evaluations per AttLip block" in proc.stdout
