@@ -199,6 +199,15 @@ def pixel_bound(model):
     return pixel_lipschitz(model)
 
 
+def branches_in_use(model) -> list:
+    """[residual branches whose weight alpha is not all zero, residual branches]: a branch at alpha 0 (keep_bound
+    clamps the convex residuals' alphas to [0, 1]) adds nothing to the function, so a LipsFormer with none in use is
+    its patch embedding, stage activations, downsamplings and head alone; the CNN has none."""
+    from lipsformer.layers.residual import ConvexResidual, WeightedResidual
+    residuals = [m for m in model.modules() if isinstance(m, (ConvexResidual, WeightedResidual))]
+    return [sum(bool(m.alpha.detach().any()) for m in residuals), len(residuals)]
+
+
 def evaluate_run(name: str, model, args, xv, yv) -> dict:
     """Certificates on every held-out image, ``lipschitz.certify.pgd_l2`` on the attack subset, and a measured
     lower bound of L. The LipsFormers certify through ``predict_certified`` (what ``eval.py --certify-eps`` does:
@@ -227,6 +236,7 @@ def evaluate_run(name: str, model, args, xv, yv) -> dict:
         logits, radius = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts]).float()
         row = dict(model=name, bound=bound.bound, defect=bound.defect)
     row["solver_steps"] = steps  # the most gradient evaluations an AttLip block's certified solve took
+    row["branches_in_use"] = branches_in_use(model)
     correct = logits.argmax(1) == yv
     row.update(clean=100 * correct.float().mean().item(),
                median_radius_correct=float(radius[correct].median()) if correct.any() else 0.0)
@@ -264,10 +274,10 @@ COLUMNS = ["clean", *(f"certified@{e}" for e in EPS), *(f"attacked@{e}" for e in
 
 def table(rows) -> str:
     """One line per model: each accuracy as the mean over its seeds (with the standard deviation when there are
-    several), the bound and the lower bound of the first seed's run."""
+    several), the bound and the lower bound of the first seed's run, and each seed's residual branches in use."""
     head = ("| model | seeds | clean | " + " | ".join(f"cert. {e}" for e in EPS) + " | "
-            + " | ".join(f"PGD {e}" for e in EPS) + " | bound L | measured lower | L / lower |")
-    lines = [head, "|" + " --- |" * (6 + 2 * len(EPS))]
+            + " | ".join(f"PGD {e}" for e in EPS) + " | bound L | measured lower | L / lower | branches in use |")
+    lines = [head, "|" + " --- |" * (7 + 2 * len(EPS))]
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
         cells = []
@@ -276,7 +286,8 @@ def table(rows) -> str:
             cells.append(f"{values.mean():.1f}" + (f" ± {values.std(ddof=1):.1f}" if len(values) > 1 else ""))
         first = mine[0]
         lines.append(f"| {name} | {len(mine)} | " + " | ".join(cells)
-                     + f" | {first['bound']:.4f} | {first['measured_lower']:.4f} | {first['bound_over_lower']:.2f} |")
+                     + f" | {first['bound']:.4f} | {first['measured_lower']:.4f} | {first['bound_over_lower']:.2f} | "
+                     + ", ".join(f"{a}/{b}" for a, b in (r["branches_in_use"] for r in mine)) + " |")
     return "\n".join(lines)
 
 

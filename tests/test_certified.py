@@ -573,14 +573,26 @@ def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import certified
 
-    def row(model, seed, value):
-        r = dict(model=model, seed=seed, bound=1.0, measured_lower=0.5, bound_over_lower=2.0)
+    def row(model, seed, value, in_use):
+        r = dict(model=model, seed=seed, bound=1.0, measured_lower=0.5, bound_over_lower=2.0, branches_in_use=in_use)
         r.update({c: value for c in certified.COLUMNS})
         return r
 
-    lines = certified.table([row("A", 0, 90.0), row("A", 1, 92.0), row("B", 0, 80.0)]).splitlines()
+    lines = certified.table([row("A", 0, 90.0, [3, 8]), row("A", 1, 92.0, [0, 8]),
+                             row("B", 0, 80.0, [0, 0])]).splitlines()
     assert lines[2].startswith("| A | 2 | 91.0 ± 1.4 | 91.0 ± 1.4 |")  # mean ± sample standard deviation
+    assert lines[2].endswith("| 3/8, 0/8 |")  # per seed: residual branches whose alpha is not all zero
     assert lines[3].startswith("| B | 1 | 80.0 | 80.0 |") and "±" not in lines[3]
+    model = certifiable("lipsformer_swin_t")
+    with torch.no_grad():
+        model.stages[0].blocks[0].res_attn.alpha.zero_()
+    total = sum(isinstance(m, ConvexResidual) for m in model.modules())  # attention, MLP and conv-block branches
+    assert total > 2 * len(model.stages) and certified.branches_in_use(model) == [total - 1, total]
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, ConvexResidual):
+                m.alpha.zero_()
+    assert certified.branches_in_use(model) == [0, total]
     for bad in (["--jobs", "0"], ["--set", "seed=3"]):
         with pytest.raises(SystemExit):
             certified.main(bad)
