@@ -88,7 +88,8 @@ def time_spent_in(spans: dict):
             setattr(module, name, saved[key, name])
 
 
-def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int, target: float) -> dict:
+def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int,
+                 lipschitz_target: float) -> dict:
     torch.manual_seed(0)
     plain = timm.create_model(plain_name, img_size=img_size)
     cert = timm.create_model(cert_name, img_size=img_size)
@@ -115,7 +116,7 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
         steps["plain"]()
 
     def keep():
-        keep_bound(trained["cert"], target)
+        keep_bound(trained["cert"], lipschitz_target)
 
     def cert_train():
         trained["cert"].train()
@@ -142,7 +143,7 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
                    normalized_divisor_s=spans["divisor"],
                    rest_s=total - spans["solve"] - spans["check"] - spans["divisor"])
     return dict(plain=plain_name, cert=cert_name, batch=batch, img_size=img_size, rounds=rounds,
-                threads=torch.get_num_threads(), bound_once_s=bound_s, defect=L.defect, lipschitz=L.bound,
+                threads=torch.get_num_threads(), lipschitz_target=lipschitz_target, bound_once_s=bound_s, defect=L.defect, lipschitz=L.bound,
                 radius_cost=2 * L.defect / L.bound, **{f"{k}_s": v for k, v in med.items()},
                 infer_ratio=med["cert_infer"] / med["plain_infer"], train_ratio=med["cert_train"] / med["plain_train"],
                 profile=profile,
