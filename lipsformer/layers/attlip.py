@@ -261,7 +261,7 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
             floor = float(rounding.max())
             why = (f"the rounding of the output to {x.dtype} alone is {floor:.3g}: raise attlip_tol above it"
                    if floor > tol / 2 else
-                   f"raise the cap (solve_to_tolerance(max_steps=...)) or attlip_tol")
+                   "raise the cap (solve_to_tolerance(max_steps=...)) or attlip_tol")
             raise SolverToleranceError(
                 f"AttLip's proximal solve left a window's residual at {worst:.3g} > tol {tol:g} after {steps} "
                 f"gradient evaluations (hard cap {max_steps}; checked in float64, rounding to {x.dtype} included); "

@@ -62,15 +62,20 @@ def _lanczos(w: torch.Tensor, rtol: float = 1e-5, check_every: int = 4) -> float
     return top
 
 
+def _tall(weight: torch.Tensor):
+    """``weight`` viewed as (out, in * kh * kw), transposed when wider than tall: ``(w, tall)`` with ``w`` (m, n), n
+    the smaller side, whose Gram matrix ``w^T w`` (n, n) is the smaller one; ``tall`` says no transpose was made."""
+    w = weight.flatten(1)
+    tall = w.shape[0] >= w.shape[1]
+    return (w if tall else w.T), tall
+
+
 def gram_norm(weight: torch.Tensor) -> torch.Tensor:
     """The largest singular value of ``weight`` viewed as (out, in * kh * kw), as a float64 0-d tensor that autograd
     follows: the square root of the top eigenvalue of the smaller Gram matrix (``eigvalsh``, exact to float64
     rounding). The certified route of :func:`largest_singular_value`, and the divisor of the normalised layers
     (:mod:`lipsformer.layers.normalized`), so that a divided matrix reads back as norm 1."""
-    w = weight.flatten(1)
-    if w.shape[0] < w.shape[1]:
-        w = w.T  # (m, n) with n the smaller side
-    w = w.to(torch.float64)
+    w = _tall(weight)[0].to(torch.float64)
     return torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0).sqrt()
 
 
@@ -88,10 +93,7 @@ def gram_norm_upper(weight: torch.Tensor) -> float:
     ``sigma_max(w)^2 <= lambda_hat (1 + 4 n u) + gamma_m ||w||_F^2``, and the square root of that is returned
     (rounded up). About 1e-13 relative above the exact value at the zoo's sizes: a certificate that never rests on
     the eigensolver being exact."""
-    w = weight.detach().flatten(1)
-    if w.shape[0] < w.shape[1]:
-        w = w.T
-    w = w.to(torch.float64)
+    w = _tall(weight.detach())[0].to(torch.float64)
     m, n = w.shape
     u = UNIT_ROUNDOFF64
     gamma = m * u / (1 - m * u)
@@ -105,9 +107,7 @@ def top_singular_triple(weight: torch.Tensor):
     """``(sigma, u, v)``: the largest singular value of ``weight`` viewed as (out, in * kh * kw) and its left and
     right singular vectors, float64, from ``eigh`` of the smaller Gram matrix (the route of :func:`gram_norm`, with
     its eigenvector); ``u^T W v = sigma``. Outside the graph: the eval-mode divisor of the normalised layers."""
-    w = weight.detach().flatten(1).to(torch.float64)
-    tall = w.shape[0] >= w.shape[1]
-    a = w if tall else w.T  # (m, n) with n the smaller side
+    a, tall = _tall(weight.detach().to(torch.float64))
     values, vectors = torch.linalg.eigh(a.T @ a)
     sigma = values[-1].clamp_min(0).sqrt()
     small = vectors[:, -1]
@@ -127,9 +127,7 @@ def largest_singular_value(weight: torch.Tensor, certified: bool = True, iters: 
     float32, stopped at a change below 1e-5 between checks), an estimate within about 1e-6 relative of the exact
     value (tested to 1e-4), cheaper for large weights.
     """
-    w = weight.detach().flatten(1)
-    if w.shape[0] < w.shape[1]:
-        w = w.T  # (m, n) with n the smaller side
+    w = _tall(weight.detach())[0]
     if not certified and w.shape[1] > SMALL_DIM:
         return _lanczos(w.float()) ** 0.5  # float32 products: half the memory traffic, error ~1e-7
     if w.shape[1] <= EXACT_MAX_DIM:
