@@ -354,6 +354,18 @@ def test_normalized_linear_divides_by_its_norm_inside_the_graph():
     lin(x).pow(2).sum().backward()
     assert abs(float((lin.raw_weight.grad * lin.raw_weight.detach()).sum())) < 1e-4 * float(lin.raw_weight.grad.norm())
     assert module_bound(lin).lip == pytest.approx(1.0, abs=1e-6)
+    # and it is the exact gradient: autograd back through the Gram matrix's eigendecomposition gives the same
+    for layer, inputs in _normalized_pair():
+        layer.train()
+        w = layer.raw_weight
+        layer(inputs).sin().sum().backward()
+        ref = w.detach().clone().requires_grad_()
+        tall = ref.flatten(1).double().T if w.shape[0] < w.flatten(1).shape[1] else ref.flatten(1).double()
+        sigma = torch.linalg.eigvalsh(tall.T @ tall)[-1].sqrt()
+        out = (torch.nn.functional.linear(inputs, ref / sigma.float(), layer.bias) if ref.ndim == 2 else
+               torch.nn.functional.conv2d(inputs, ref / sigma.float(), layer.bias, stride=2))
+        out.sin().sum().backward()
+        assert torch.allclose(w.grad, ref.grad, rtol=1e-4, atol=1e-6)
     init_weights(lin, "xavier")  # init writes the parameter, not a temporary
     assert not torch.equal(lin.raw_weight, plain.weight)
     conv = NormalizedConv2d(3, 8, 2, stride=2)

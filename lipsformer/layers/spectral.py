@@ -70,15 +70,6 @@ def _tall(weight: torch.Tensor):
     return (w if tall else w.T), tall
 
 
-def gram_norm(weight: torch.Tensor) -> torch.Tensor:
-    """The largest singular value of ``weight`` viewed as (out, in * kh * kw), as a float64 0-d tensor that autograd
-    follows: the square root of the top eigenvalue of the smaller Gram matrix (``eigvalsh``, exact to float64
-    rounding). The certified route of :func:`largest_singular_value`, and the divisor of the normalised layers
-    (:mod:`lipsformer.layers.normalized`), so that a divided matrix reads back as norm 1."""
-    w = _tall(weight)[0].to(torch.float64)
-    return torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0).sqrt()
-
-
 UNIT_ROUNDOFF64 = 2.0 ** -53
 
 
@@ -105,8 +96,9 @@ def gram_norm_upper(weight: torch.Tensor) -> float:
 @torch.no_grad()
 def top_singular_triple(weight: torch.Tensor):
     """``(sigma, u, v)``: the largest singular value of ``weight`` viewed as (out, in * kh * kw) and its left and
-    right singular vectors, float64, from ``eigh`` of the smaller Gram matrix (the route of :func:`gram_norm`, with
-    its eigenvector); ``u^T W v = sigma``. Outside the graph: the eval-mode divisor of the normalised layers."""
+    right singular vectors, float64, from ``eigh`` of the smaller Gram matrix (the route of :func:`gram_norm_upper`,
+    with its eigenvector); ``u^T W v = sigma``. Outside the graph: the divisor of the normalised layers
+    (:mod:`lipsformer.layers.normalized`, which gives it its exact gradient ``u v^T``)."""
     a, tall = _tall(weight.detach().to(torch.float64))
     values, vectors = torch.linalg.eigh(a.T @ a)
     sigma = values[-1].clamp_min(0).sqrt()
