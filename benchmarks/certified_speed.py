@@ -14,6 +14,9 @@ For each pair (plain, certifiable), each round times, in this order:
   models, so that the inference models' weights, and the certifiable one's cached divisors, stay as at evaluation);
   the certifiable step also keeps the Lipschitz bound (``keep_bound`` at ``--lipschitz-target``, as train.py does
   after every step with ``configs/lipsformer_swin_t_cert.yaml``'s ``lipschitz_target``; its time is printed apart).
+  The certifiable step is timed at each AttLip step count of ``--train-steps`` (default: the recipe's
+  ``attlip_train_steps`` schedule, whose phases are equal spans of epochs), and the training ratio is the mean over
+  the schedule's phases: what an epoch of the recipe costs on average. Each count's own ratio is printed too.
 
 Each figure is the median over ``--rounds`` rounds (one warm-up call each first); the ratios are certifiable /
 plain. Then one certified forward is profiled: the time inside the AttLip solves (split into the solve and its
@@ -41,11 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 import lipsformer  # noqa: E402,F401  (registers the models)
 from lipsformer.layers import attlip  # noqa: E402
+from lipsformer.engine.config import load_config  # noqa: E402
 from lipsformer.layers.attlip import AttLip  # noqa: E402
 from lipsformer.lipschitz.certify import pixel_lipschitz, predict_certified  # noqa: E402
 from lipsformer.lipschitz.constraints import keep_bound  # noqa: E402
 
 PAIRS = ("lipsformer_swin_t:lipsformer_swin_t_cert", "lipsformer_cswin_t:lipsformer_cswin_t_cert")
+RECIPE = ROOT / "configs" / "lipsformer_swin_t_cert.yaml"  # its lipschitz_target and attlip_train_steps
 
 
 def timed(fn):
@@ -68,7 +73,7 @@ def time_spent_in(spans: dict):
     spectral divisors, by wrapping those functions for the duration."""
     normalized = lipsformer.layers.normalized
     originals = {("solve", "_bb_solve"): attlip, ("check", "prox_residual64"): attlip,
-                 ("divisor", "gram_norm"): normalized, ("divisor", "top_singular_triple"): normalized}
+                 ("divisor", "top_singular_triple"): normalized}
     saved = {}
     for (key, name), module in originals.items():
         fn = getattr(module, name)
@@ -89,7 +94,7 @@ def time_spent_in(spans: dict):
 
 
 def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rounds: int,
-                 lipschitz_target: float) -> dict:
+                 lipschitz_target: float, train_steps: list) -> dict:
     torch.manual_seed(0)
     plain = timm.create_model(plain_name, img_size=img_size)
     cert = timm.create_model(cert_name, img_size=img_size)
@@ -118,12 +123,19 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
     def keep():
         keep_bound(trained["cert"], lipschitz_target)
 
-    def cert_train():
-        trained["cert"].train()
-        steps["cert"]()
-        times["keep_bound"].append(timed(keep))
+    def cert_train(k: int):
+        def run():
+            trained["cert"].train()
+            for m in trained["cert"].modules():
+                if isinstance(m, AttLip):
+                    m.train_steps = k
+            steps["cert"]()
+            times["keep_bound"].append(timed(keep))
+        return run
 
-    runs = dict(plain_infer=plain_infer, cert_infer=cert_infer, plain_train=plain_train, cert_train=cert_train)
+    counts = sorted(set(train_steps))
+    runs = dict(plain_infer=plain_infer, cert_infer=cert_infer, plain_train=plain_train,
+                **{f"cert_train_{k}": cert_train(k) for k in counts})
     times = defaultdict(list)
     for fn in runs.values():  # warm-up
         fn()
@@ -134,6 +146,8 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
         print(f"  {cert_name} round {r + 1}/{rounds}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
               flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
+    cert_train_s = {k: med[f"cert_train_{k}"] for k in counts}
+    schedule_s = statistics.mean(cert_train_s[k] for k in train_steps)  # equal phases
 
     spans = defaultdict(float)
     with time_spent_in(spans):
@@ -144,8 +158,11 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
                    rest_s=total - spans["solve"] - spans["check"] - spans["divisor"])
     return dict(plain=plain_name, cert=cert_name, batch=batch, img_size=img_size, rounds=rounds,
                 threads=torch.get_num_threads(), lipschitz_target=lipschitz_target, bound_once_s=bound_s, defect=L.defect, lipschitz=L.bound,
-                radius_cost=2 * L.defect / L.bound, **{f"{k}_s": v for k, v in med.items()},
-                infer_ratio=med["cert_infer"] / med["plain_infer"], train_ratio=med["cert_train"] / med["plain_train"],
+                radius_cost=2 * L.defect / L.bound, plain_infer_s=med["plain_infer"], cert_infer_s=med["cert_infer"],
+                plain_train_s=med["plain_train"], train_steps=list(train_steps), cert_train_s=schedule_s,
+                cert_train_by_steps_s={str(k): v for k, v in cert_train_s.items()}, keep_bound_s=med["keep_bound"],
+                infer_ratio=med["cert_infer"] / med["plain_infer"], train_ratio=schedule_s / med["plain_train"],
+                train_ratio_by_steps={str(k): v / med["plain_train"] for k, v in cert_train_s.items()},
                 profile=profile,
                 solver_steps=[dict(block=n, steps=s.steps, mean_steps=round(s.mean_steps, 2),
                                    float64_windows=s.float64_windows) for n, s in blocks])
@@ -157,11 +174,19 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--lipschitz-target", type=float, default=1.01,
-                        help="keep_bound's target in the certifiable training step (the recipe's lipschitz_target)")
+    recipe = load_config(RECIPE)
+    parser.add_argument("--lipschitz-target", type=float, default=recipe.lipschitz_target,
+                        help="keep_bound's target in the certifiable training step (default: the recipe's "
+                             "lipschitz_target)")
+    parser.add_argument("--train-steps", type=int, nargs="+", default=recipe.attlip_train_steps,
+                        metavar="K", help="AttLip steps in the certifiable training step, one phase each of the "
+                                          "schedule the training ratio averages (default: the recipe's "
+                                          "attlip_train_steps)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if min(args.train_steps) < 1:
+        parser.error(f"--train-steps takes AttLip step counts >= 1, got {args.train_steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
@@ -170,9 +195,10 @@ def main(argv=None):
         if not sep or not timm.is_model(plain_name) or not timm.is_model(cert_name):
             parser.error(f"--pairs takes PLAIN:CERT of registered models, got {pair!r}")
         rows.append(measure_pair(plain_name, cert_name, args.batch, args.img_size, args.rounds,
-                                 args.lipschitz_target))
+                                 args.lipschitz_target, args.train_steps))
     print(f"\nbatch {args.batch} at {args.img_size}px, {torch.get_num_threads()} threads, medians of {args.rounds} "
-          f"interleaved rounds (certifiable / plain)\n")
+          f"interleaved rounds (certifiable / plain); the certifiable train step averaged over AttLip step phases "
+          f"{args.train_steps}\n")
     print("| certifiable | plain | certified inference | ratio | train step | ratio | D (solver defect) | "
           "radius cost 2D/L |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -186,6 +212,9 @@ def main(argv=None):
               f" + its float64 check {p['attlip_float64_check_s']:.2f} s + normalised divisors "
               f"{p['normalized_divisor_s']:.2f} s + the rest {p['rest_s']:.2f} s; the bound, once: "
               f"{r['bound_once_s']:.2f} s; keep_bound in each training step {r['keep_bound_s']:.2f} s")
+        print("  train step by AttLip steps: " + ", ".join(
+            f"{k}: {r['cert_train_by_steps_s'][k]:.2f} s ({r['train_ratio_by_steps'][k]:.2f}x)"
+            for k in r["cert_train_by_steps_s"]))
         print("  gradient evaluations per AttLip block (slowest window / mean): " + ", ".join(
             f"{s['steps']}/{s['mean_steps']:g}" + (f" ({s['float64_windows']} in float64)" if s["float64_windows"]
                                                    else "") for s in r["solver_steps"]))

@@ -85,11 +85,16 @@ def test_certified_speed_prints_both_ratios_the_profile_and_the_solver_steps(tmp
     out = tmp_path / "cert.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "certified_speed.py"), "--pairs",
                            "lipsformer_cswin_t:lipsformer_cswin_t_cert", "--batch", "1", "--img-size", "224",
-                           "--rounds", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+                           "--rounds", "1", "--train-steps", "1", "2", "2", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [row] = json.loads(out.read_text())["rows"]
     assert row["infer_ratio"] == pytest.approx(row["cert_infer_s"] / row["plain_infer_s"])
+    by_steps = row["cert_train_by_steps_s"]  # each count timed once; the schedule [1, 2, 2] averages its phases
+    assert set(by_steps) == {"1", "2"} and row["train_steps"] == [1, 2, 2]
+    assert row["cert_train_s"] == pytest.approx((by_steps["1"] + 2 * by_steps["2"]) / 3)
     assert row["train_ratio"] == pytest.approx(row["cert_train_s"] / row["plain_train_s"])
+    assert row["train_ratio_by_steps"]["1"] == pytest.approx(by_steps["1"] / row["plain_train_s"])
     assert 0 < row["keep_bound_s"] < row["cert_train_s"] and row["lipschitz_target"] == 1.01  # the recipe's keeping
     assert row["defect"] > 0 and row["radius_cost"] == pytest.approx(2 * row["defect"] / row["lipschitz"])
     p = row["profile"]
@@ -100,3 +105,11 @@ def test_certified_speed_prints_both_ratios_the_profile_and_the_solver_steps(tmp
     assert [s["block"] for s in row["solver_steps"]] == [n for n, m in model.named_modules() if isinstance(m, AttLip)]
     assert all(1 <= s["mean_steps"] <= s["steps"] for s in row["solver_steps"])
     assert "lipsformer_cswin_t_cert" in proc.stdout and "gradient evaluations per AttLip block" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--train-steps", "0"], ["--pairs", "lipsformer_swin_t"]])
+def test_certified_speed_refuses_settings_it_cannot_time_in_one_line(args, capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_script("benchmarks/certified_speed.py").main(args)
+    assert stop.value.code == 2
+    assert f"error: {args[0]} takes" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -71,7 +71,8 @@ def shrunk(path: Path, data: Path, out: Path, *extra: str) -> list:
     """train.py arguments for ``path`` with only the model, image size, batch, epochs and worker count shrunk
     (and bf16 off where the machine has no bf16 arithmetic)."""
     cfg = load_config(path)
-    sets = tiny_model(path) + ["batch_size=4", "global_batch=8", "epochs=1", f"workers={min(cfg.workers, 1)}"]
+    epochs = len(cfg.attlip_train_steps or [1])  # one epoch per phase of an AttLip step schedule: all of it runs
+    sets = tiny_model(path) + ["batch_size=4", "global_batch=8", f"epochs={epochs}", f"workers={min(cfg.workers, 1)}"]
     if cfg.mixed_precision == "bf16" and not NATIVE_BF16:
         sets.append("mixed_precision=no")  # the word, as users type it (YAML would read a boolean)
     return ["--config", str(path), "--data-dir", str(data), "--output-dir", str(out), "--set", *sets, *extra]
@@ -113,8 +114,11 @@ def test_shipped_config_trains_and_evaluates_as_shipped(path, tmp_path, capfd):
     _features_kept(path, run)
     cfg = load_config(run / "config.yaml")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    epoch = [r for r in rows if r["kind"] == "epoch"][-1]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    epoch = epochs[-1]
     assert epoch["train_samples"] == 16 and epoch["bad_samples"] == 0 and epoch["val_count"] == 16
+    if cfg.attlip_train_steps:  # the whole schedule ran, one phase per epoch
+        assert [r["attlip_train_steps"] for r in epochs] == cfg.attlip_train_steps
     assert (run / "last.safetensors").exists()
     assert (run / "last_ema.safetensors").exists() == bool(cfg.ema_decay)
 
