@@ -18,7 +18,7 @@ from lipsformer.data import EvalDataset, eval_samples
 from lipsformer.engine.evaluate import evaluate_dataset, score
 from lipsformer.weights import export
 
-from conftest import TINY, load_script
+from conftest import TINY, load_script, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -221,17 +221,20 @@ def test_unreadable_images_are_skipped_counted_and_limited_as_in_training(tmp_pa
                          workers=0, max_bad_fraction=0.1)
 
 
-def test_eval_cli_reports_unreadable_images_and_refuses_fp16_on_cpu(tmp_path):
+def test_eval_cli_reports_unreadable_images_and_refuses_fp16_on_cpu(tmp_path, capfd):
     model = timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"])
     export(model, tmp_path / "weights")
     for c in range(4):
         write_image(tmp_path / "v2" / str(c) / "a.png", c)
     (tmp_path / "v2" / "2" / "a.png").write_bytes(b"not an image")
+    main = load_script("eval.py").main
 
-    def run(*extra):
-        return subprocess.run([PY, str(ROOT / "eval.py"), "--checkpoint", str(tmp_path / "weights"), "--data-dir",
-                               str(tmp_path / "v2"), "--dataset", "imagenet_v2", "--workers", "0", *extra],
-                              capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    def run(*extra):  # eval.py's main in this process (as `python eval.py` calls it): exit code, stdout, stderr
+        code = main(["--checkpoint", str(tmp_path / "weights"), "--data-dir", str(tmp_path / "v2"), "--dataset",
+                     "imagenet_v2", "--workers", "0", *extra])
+        reset_accelerate()
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess("eval.py", code, out, err)
 
     ok = run("--max-bad-fraction", "0.25", "--output", str(tmp_path / "r.json"), "--predictions",
              str(tmp_path / "p.csv"))
