@@ -193,11 +193,11 @@ def test_evaluate_model_in_bf16_and_its_argument_checks(tmp_path):
         evaluate_model("lipsformer_cswin_t", data, "imagenet_v2", pretrained=True, use_ema=True)
 
 
-def test_eval_cli_rejects_bad_input_with_a_message(tmp_path):
-    proc = subprocess.run([PY, str(ROOT / "eval.py"), "--checkpoint", str(tmp_path / "missing.safetensors"),
-                           "--model", "lipsformer_swin_t", "--data-dir", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2 and "error:" in proc.stderr and proc.stderr.count("\n") <= 2
+def test_eval_cli_rejects_bad_input_with_a_message(tmp_path, capfd):
+    code = load_script("eval.py").main(["--checkpoint", str(tmp_path / "missing.safetensors"), "--model",
+                                        "lipsformer_swin_t", "--data-dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert code == 2 and "error:" in err and err.count("\n") <= 2
 
 
 # -- unreadable images: one policy with training ------------------------------------------------------
