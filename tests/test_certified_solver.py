@@ -151,6 +151,37 @@ def test_spectral_norm_bound_is_an_upper_bound_with_its_rounding_charged():
     assert float(top_singular_triple(layer.weight)[0]) < bound <= 1.0 + 1e-6
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_normalised_layer_bound_holds_for_the_matrix_each_mode_divides_by(kind):
+    """A normalised layer's bound is at least the exact norm of the matrix its forward uses, in training (exact
+    divisor), in eval mode (cached divisor, also when a write the cache cannot see left it stale) and with a power
+    iterate that lags; and within 1e-6 of 1 where the divisor is exact."""
+    from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear
+    from lipsformer.lipschitz.bounds import module_bound
+
+    def used(layer) -> float:  # the float64 norm of the float32 matrix the forward multiplies by
+        return float(torch.linalg.matrix_norm(layer.weight.detach().flatten(1).double(), ord=2))
+
+    torch.manual_seed(0)
+    make = (lambda p: NormalizedLinear(48, 40, power_iteration=p)) if kind == "linear" else \
+        (lambda p: NormalizedConv2d(6, 16, 2, stride=2, power_iteration=p))
+    layer = make(False)
+    for mode in (True, False):
+        layer.train(mode)
+        bound = module_bound(layer, (8, 8)).lip
+        assert used(layer) <= bound <= 1.0 + 1e-6
+    with torch.no_grad():
+        layer.raw_weight.data[0].mul_(3.0)  # unseen by the eval cache (documented): the map is no longer norm 1
+    bound = module_bound(layer, (8, 8)).lip
+    assert used(layer) > 1.5 and used(layer) <= bound <= used(layer) * (1 + 1e-6)
+    power = make(True).train()
+    power(torch.randn(2, 48) if kind == "linear" else torch.randn(2, 6, 8, 8))  # first iterate: the exact vector
+    with torch.no_grad():
+        power.raw_weight.add_(torch.randn_like(power.raw_weight))  # moves the top direction: one iteration lags
+    bound = module_bound(power, (8, 8)).lip
+    assert used(power) > 1.0 + 1e-3 and used(power) <= bound <= used(power) * (1 + 1e-6)
+
+
 def test_certify_dataset_reports_the_solver_steps_of_every_attlip_block(fresh_accelerate):
     from accelerate import Accelerator
 

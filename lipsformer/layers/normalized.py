@@ -12,13 +12,14 @@ The normalised weight *is* the module's ``weight``: every reader (``forward``, f
 (``raw_weight``, saved as ``weight`` so that state dicts keep ``nn.Linear``'s keys) is free; its scale is
 irrelevant. Writes to ``weight`` in place would change a temporary: write to ``raw_weight``.
 """
+import math
 from typing import Dict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spectral import top_singular_triple
+from .spectral import UNIT_ROUNDOFF64, gram_norm_upper, top_singular_triple
 
 # ``linear=`` choice -> whether its normalised layers train with power iteration (None: plain layers)
 LINEARS = {"plain": None, "normalized": False, "normalized_power": True}
@@ -125,6 +126,28 @@ class _RawWeight:
             cached = (key, w.detach(), top_singular_triple(w))
             self.__dict__["_eval_divisor"] = cached
         return _divisor(w, cached[2])
+
+    @torch.no_grad()
+    def certified_norm(self) -> float:
+        """A certified upper bound on the largest singular value of ``weight`` as this mode's forward computes it,
+        ``fl(W / d)`` with ``d`` the divisor it divides by (exact, cached, or the power iterate's, which may lag):
+        ``(upper(W) + u ||W||_F) / d``, with ``upper`` :func:`~lipsformer.layers.spectral.gram_norm_upper`'s certified
+        bound on the raw weight and u the weight dtype's unit roundoff (each entry is rounded once in the division:
+        ``fl(W / d) = W / d + E`` with ``|E_ij| <= u |W_ij| / d``, and ``||E||_2 <= ||E||_F``), rounded up. One
+        eigendecomposition of the raw weight's Gram matrix (in exact training mode, the one that also gives the
+        divisor) instead of one for the divisor and one for the divided matrix; about 1e-7 above 1 in float32."""
+        w = self.raw_weight
+        if self.training and not self.power_iteration:
+            *triple, upper = top_singular_triple(w, upper=True)
+            d = _divisor(w, triple)
+        else:
+            d = self._power_divisor(w) if self.training else self._cached_divisor(w)
+            upper = gram_norm_upper(w)
+        a = w.detach().flatten(1).to(torch.float64)
+        f64 = UNIT_ROUNDOFF64
+        frob = float(a.pow(2).sum()) * (1 + a.numel() * f64)  # the float64 sum's rounding charged
+        num = (upper + torch.finfo(w.dtype).eps / 2 * math.sqrt(frob)) * (1 + 4 * f64)
+        return math.nextafter(num / float(d) * (1 + f64), math.inf)
 
     def forget_divisor(self) -> None:
         """Drop the eval-mode divisor: the next eval forward computes it again."""

@@ -85,27 +85,35 @@ def gram_norm_upper(weight: torch.Tensor) -> float:
     (rounded up). About 1e-13 relative above the exact value at the zoo's sizes: a certificate that never rests on
     the eigensolver being exact."""
     w = _tall(weight.detach())[0].to(torch.float64)
+    return _upper_from_top(float(torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0)), w)
+
+
+def _upper_from_top(top: float, w: torch.Tensor) -> float:
+    """:func:`gram_norm_upper`'s bound from ``top``, the computed top eigenvalue of ``fl(w^T w)``, ``w`` (m, n)
+    float64 with n the smaller side (by any backward-stable symmetric eigensolver: ``eigvalsh`` or ``eigh``)."""
     m, n = w.shape
     u = UNIT_ROUNDOFF64
     gamma = m * u / (1 - m * u)
-    top = float(torch.linalg.eigvalsh(w.T @ w)[-1].clamp_min(0))
     bound = top * (1 + 4 * n * u) + gamma * float(w.pow(2).sum()) * (1 + 2 * u)
     return math.nextafter(math.sqrt(bound) * (1 + u), math.inf)
 
 
 @torch.no_grad()
-def top_singular_triple(weight: torch.Tensor):
+def top_singular_triple(weight: torch.Tensor, upper: bool = False):
     """``(sigma, u, v)``: the largest singular value of ``weight`` viewed as (out, in * kh * kw) and its left and
     right singular vectors, float64, from ``eigh`` of the smaller Gram matrix (the route of :func:`gram_norm_upper`,
     with its eigenvector); ``u^T W v = sigma``. Outside the graph: the divisor of the normalised layers
-    (:mod:`lipsformer.layers.normalized`, which gives it its exact gradient ``u v^T``)."""
+    (:mod:`lipsformer.layers.normalized`, which gives it its exact gradient ``u v^T``). ``upper=True`` appends
+    :func:`gram_norm_upper`'s certified bound, from the same eigendecomposition."""
     a, tall = _tall(weight.detach().to(torch.float64))
     values, vectors = torch.linalg.eigh(a.T @ a)
-    sigma = values[-1].clamp_min(0).sqrt()
+    top = values[-1].clamp_min(0)
+    sigma = top.sqrt()
     small = vectors[:, -1]
     large = a @ small
     large = large / large.norm().clamp_min(torch.finfo(torch.float64).tiny)
-    return (sigma, large, small) if tall else (sigma, small, large)
+    triple = (sigma, large, small) if tall else (sigma, small, large)
+    return (*triple, _upper_from_top(float(top), a)) if upper else triple
 
 
 @torch.no_grad()

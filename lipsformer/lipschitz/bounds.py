@@ -221,17 +221,13 @@ def conv2d_bound(conv: nn.Conv2d, hw: HW) -> Bound:
     return Bound(conv_bound(conv, hw))
 
 
-@register_bound(NormalizedLinear)
-def normalized_linear_bound(linear: NormalizedLinear, hw: HW) -> Bound:
-    """A spectrally normalised Linear: the largest singular value of the matrix its forward uses (its ``weight``,
-    the parameter divided by its norm), computed from the weights, not assumed 1."""
-    return Bound(matrix_norm(linear.weight))
-
-
-@register_bound(NormalizedConv2d)
-def normalized_conv2d_bound(conv: NormalizedConv2d, hw: HW) -> Bound:
-    """A normalised non-overlapping Conv2d: :func:`conv_bound` of the kernel its forward uses."""
-    return Bound(conv_bound(conv, hw))
+@register_bound(NormalizedLinear, NormalizedConv2d)
+def normalized_bound(layer, hw: HW) -> Bound:
+    """A spectrally normalised Linear, or a normalised Conv2d (non-overlapping, one group: its operator norm is its
+    reshaped kernel's): a certified upper bound on the largest singular value of the matrix its forward uses (the
+    parameter divided by its divisor, that division's rounding included), computed from the weights, not assumed
+    1 (:meth:`~lipsformer.layers.normalized._RawWeight.certified_norm`)."""
+    return Bound(layer.certified_norm())
 
 
 @register_rows(nn.Identity, nn.Dropout, nn.Flatten)
