@@ -87,3 +87,61 @@ def test_attlip_in_both_families_uses_the_configured_solver():
         model(x).sum().backward()
         assert layer.weight.grad is not None
     assert [m.windows for m in mixers] == [[(8, 1), (1, 8)], [(4, 2), (2, 4)], [(2, 2)], [(2, 2)], [(1, 1)]]
+
+
+def literal_descent(x, weight, steps, tol=0.0, eta=1.0, beta=0.5, c=1e-4):
+    """AttLip Algorithms 1 and 2 as printed, on y, one group at a time: the reference for the row-space solver."""
+    outs = []
+    for x0 in x:
+        y, lam = x0, 1.0
+        for _ in range(steps):
+            g = attlip_grad(y, weight, H) + (y - x0) / eta
+            g_sq = float(g.detach().pow(2).sum())
+            if g_sq ** 0.5 <= tol:
+                break
+            def phi(t):
+                with torch.no_grad():
+                    return float(attlip_potential(t, weight, H) + (t - x0).pow(2).sum() / (2 * eta))
+
+            f_y, lam = phi(y.detach()), min(lam / beta, 1.0)
+            for _ in range(20):
+                if phi((y - lam * g).detach()) <= f_y - c * lam * g_sq:
+                    break
+                lam *= beta
+            y = y - lam * g
+        outs.append(y)
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 20])
+def test_descent_takes_the_iterates_of_algorithms_1_and_2_with_their_gradients(weight, steps):
+    """The solver of training and plain evaluation iterates in the weight's row space, with the potential read off
+    its gradient's logits: the same iterates, and the same gradients through them, as the algorithm run on y."""
+    x = tokens(batch=3, scale=3.0).requires_grad_()
+    w = weight.clone().requires_grad_()
+    ours, ref = attlip_prox(x, w, H, steps=steps, tol=0.0), literal_descent(x, w, steps)
+    assert (ours - ref).abs().max() < 1e-12 and (ours - x).abs().max() > 0.1
+    probe = torch.randn_like(x)
+    grads = [torch.autograd.grad((y * probe).sum(), (x, w)) for y in (ours, ref)]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_groups_are_solved_independently_in_chunks_and_stop_at_their_own_tolerance(weight, monkeypatch):
+    """A group's output does not depend on the batch around it: chunked as a large batch is (forced here), the same
+    forward and backward; a group that meets ``tol`` stops there while the others go on."""
+    from lipsformer.layers import attlip
+    x = tokens(batch=5, scale=3.0)
+    x[2] *= 0.01  # its residual falls below 0.1 after three steps, the others' stay above it for six
+    whole = attlip_prox(x, weight, H, steps=6, tol=0.1)
+    assert torch.allclose(whole, literal_descent(x, weight, 6, tol=0.1), atol=1e-12)
+    assert torch.allclose(whole[2], literal_descent(x[2:3], weight, 3)[0], atol=1e-12)
+    assert (whole[2] - literal_descent(x[2:3], weight, 6)[0]).abs().max() > 1e-4
+    monkeypatch.setattr(attlip, "CHUNK_ELEMENTS", 2 * N * C)  # chunks of two groups
+    xs = x.clone().requires_grad_()
+    chunked = attlip_prox(xs, weight, H, steps=6, tol=0.1)
+    assert torch.allclose(chunked, whole, atol=1e-12)
+    (grad,) = torch.autograd.grad(chunked.pow(2).sum(), xs)
+    xr = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(literal_descent(xr, weight, 6, tol=0.1).pow(2).sum(), xr)
+    assert torch.allclose(grad, ref, atol=1e-10)

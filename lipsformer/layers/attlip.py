@@ -26,34 +26,56 @@ def _heads(v: torch.Tensor, heads: int) -> torch.Tensor:
     return v.unflatten(-1, (heads, v.shape[-1] // heads)).transpose(-3, -2)
 
 
-def _scores(v: torch.Tensor) -> torch.Tensor:
-    """Scores S (..., H, N, N) of the potential from per-head projected tokens v (..., H, N, d_h)."""
-    u = v.pow(2).sum(-1)
-    return (2 * v @ v.transpose(-1, -2) + u.unsqueeze(-1) + u.unsqueeze(-2)) / math.sqrt(v.shape[-1])
+def _logits(v: torch.Tensor, heads: int):
+    """From projected tokens ``v = x W^T`` (..., N, D): the per-head tokens ``vh`` (L * H, N, d_h) (L the leading
+    indices flattened), ``|w_i|^2`` and the logits ``2 w_i.w_j + |w_j|^2`` (L * H, N, N) with ``w = vh / d_h^(1/4)``:
+    the score ``S_ij = ||v_i + v_j||^2 / sqrt(d_h)`` less its row term ``|w_i|^2``, one batched product."""
+    n, d = v.shape[-2:]
+    d_h = d // heads
+    vh = _heads(v, heads).reshape(-1, n, d_h)
+    w = vh * d_h ** -0.25
+    sq = w.pow(2).sum(-1)
+    return vh, sq, torch.baddbmm(sq.unsqueeze(-2), w, w.transpose(-1, -2), alpha=2.0)
+
+
+def _lse_potential(logits: torch.Tensor, sq: torch.Tensor, lead: torch.Size, heads: int) -> torch.Tensor:
+    """f = sum_h 1/2 sum_i LSE_j(S_ij) per leading index, from :func:`_logits`' logits and row terms (the
+    log-sum-exp shifted by the row maximum, exponentiated in place: half the time of ``torch.logsumexp`` here)."""
+    top = logits.detach().amax(-1, keepdim=True)
+    lse = (logits - top).exp_().sum(-1).log_() + top.squeeze(-1)
+    return 0.5 * (lse + sq).sum(-1).view(*lead, heads).sum(-1)
+
+
+def _potential(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """f per leading index from projected tokens ``v = x W^T`` (..., N, D)."""
+    _, sq, logits = _logits(v, heads)
+    return _lse_potential(logits, sq, v.shape[:-2], heads)
 
 
 def attlip_potential(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
     """f(x) of Theorem 4 for tokens ``x`` (..., N, C); one value per leading index."""
-    s = _scores(_heads(x @ weight.T, heads))
-    return 0.5 * torch.logsumexp(s, dim=-1).sum((-1, -2))
+    return _potential(x @ weight.T, heads)
 
 
-def _grad_coefficients(v: torch.Tensor, heads: int) -> torch.Tensor:
+def _grad_coefficients(v: torch.Tensor, heads: int, potential: bool = False):
     """For projected tokens ``v = x W^T`` (..., N, D), the ``Y`` (..., N, D) with ``grad f(x) = Y W``: the gradient
-    in the weight's row space, where the certified solver iterates.
+    in the weight's row space, where the solvers iterate. ``potential=True`` also returns f(x) per leading index,
+    from the same logits and without gradient tracking (what Armijo's test compares against).
 
     The row softmax of S drops S's row term ``|v_i|^2 / sqrt(d_h)`` (constant along a row), so with
     ``w = v / d_h^(1/4)`` the logits are ``2 w_i.w_j + |w_j|^2``, one batched product; the mix is ``(a + a^T) v``
     as two products and the self term is added in place: few passes over the (N, N) scores, which bound the cost
     at Swin's small windows."""
-    lead, (n, d) = v.shape[:-2], v.shape[-2:]
-    d_h = d // heads
-    vh = _heads(v, heads).reshape(-1, n, d_h)  # (B * H, N, d_h)
-    w = vh * d_h ** -0.25
-    a = torch.baddbmm(w.pow(2).sum(-1).unsqueeze(-2), w, w.transpose(-1, -2), alpha=2.0).softmax(-1)
+    lead, d_h = v.shape[:-2], v.shape[-1] // heads
+    vh, sq, logits = _logits(v, heads)
+    a = logits.softmax(-1)
     y = torch.baddbmm(torch.bmm(a, vh), a.transpose(-1, -2), vh)  # (a + a^T) v
     y = y.addcmul(a.sum(-2).add(1.0).unsqueeze(-1), vh).mul(d_h ** -0.5)  # + (1 + sum_i a_ik) v_k, / sqrt(d_h)
-    return y.unflatten(0, (*lead, heads)).transpose(-3, -2).flatten(-2)
+    y = y.unflatten(0, (*lead, heads)).transpose(-3, -2).flatten(-2)
+    if not potential:
+        return y
+    with torch.no_grad():
+        return y, _lse_potential(logits, sq, lead, heads)
 
 
 def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -98,15 +120,24 @@ def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, head
 def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
                 tol: float = DEFAULT_TOL, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
                 step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
-    """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index: at
-    most ``steps`` steps, stopping once every group's residual is at most ``tol`` (training and plain evaluation).
+    """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index (a group
+    of tokens): at most ``steps`` steps, each group stopping once its residual is at most ``tol`` (training and plain
+    evaluation).
 
     The step sizes are chosen without gradient tracking, so the output stays differentiable through the
-    (unrolled) descent steps, as in training with a few steps. ``callback(k, y_k, g_k)``, if given, sees each
-    iterate and the subproblem's gradient there (k = 0 is the input; AttLip Fig. 1 plots ``||g_k||``).
-    Certified inference uses :func:`attlip_prox_certified` instead.
+    (unrolled) descent steps, as in training with a few steps. The groups are independent and are solved in
+    cache-sized chunks (:data:`CHUNK_ELEMENTS`), forward and backward. ``callback(k, y_k, g_k)``, if given, sees
+    each iterate and the subproblem's gradient there, all groups at once (k = 0 is the input; AttLip Fig. 1 plots
+    ``||g_k||``). Certified inference uses :func:`attlip_prox_certified` instead.
     """
-    return _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback)
+    gram = weight @ weight.T
+
+    def descend(part, callback=None):
+        return _descend(part, weight, gram, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback)
+
+    if callback is not None or x.dim() < 3:
+        return descend(x, callback)
+    return _in_chunks(descend, x.reshape(-1, *x.shape[-2:])).reshape(x.shape)
 
 
 # gradient evaluations of the certified solve's first pass in the input's dtype; a window that has not met its
@@ -269,37 +300,51 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
         stats = SolveStats(steps, float(taken.double().mean()) if taken.numel() else 0.0, worst, tol,
                            int(stalled.sum()))
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        unrolled = _descend(x, weight, heads, eta, grad_steps, 0.0, 0.5, 1e-4, 20, 1.0, None)
+        unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=0.0)
         y = y + (unrolled - unrolled.detach())
     return y, stats
 
 
-def _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
-    """Algorithms 1 and 2: at most ``steps`` Armijo gradient steps, stopping once every group's residual <= tol."""
-    x0 = x
-    y = x
+def _descend(x, weight, gram, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
+    """Algorithms 1 and 2: at most ``steps`` Armijo gradient steps, each group (leading index) stopping once its
+    residual is at most ``tol``; ``gram`` is ``W W^T``.
 
-    def phi(z):
-        return attlip_potential(z, weight, heads) + (z - x0).pow(2).sum((-1, -2)) / (2 * eta)
-
-    lam = torch.full(x.shape[:-2], step_init, dtype=x.dtype, device=x.device)
+    The iterates are those of gradient descent on ``y`` (AttLip Algorithm 1), computed in the weight's row space
+    as the certified solve does (:func:`_bb_solve_windows`): with ``y = x + z W``, ``grad phi(y) = u W`` for
+    ``u = Y + z / eta``, ``v = y W^T = x W^T + z G`` (``G = W W^T``), ``||grad phi||^2 = <u, u G>`` and
+    ``||y - x||^2 = <z, z G>``. So a step costs one (N, D) x (D, D) product, the potential at ``y`` comes from the
+    logits its gradient already formed, and each of Armijo's trial points ``y - lam grad`` costs only its logits
+    and their log-sum-exp (``v - lam u G`` is at hand): no token-by-weight product and no second gradient."""
+    if steps < 1:
+        return x
+    v_x = x @ weight.T
+    z, v = torch.zeros_like(v_x), v_x
+    lead = x.shape[:-2]
+    lam = torch.full(lead, step_init, dtype=x.dtype, device=x.device)
     for k in range(steps):
-        g = attlip_grad(y, weight, heads) + (y - x0) / eta
+        coefficients, f_y = _grad_coefficients(v, heads, potential=True)
+        u = coefficients + z / eta
+        u_gram = u @ gram
         if callback is not None:
-            callback(k, y, g)
+            callback(k, x + z @ weight, u @ weight)
         with torch.no_grad():
-            g_sq = g.pow(2).sum((-1, -2))
-            if float(g_sq.max().sqrt()) <= tol:
+            g_sq = _dot(u, u_gram).clamp_min(0)
+            running = g_sq.sqrt() > tol
+            if not bool(running.any()):
                 break
-            f_y = phi(y)
+            phi_y = f_y + _dot(z, v - v_x) / (2 * eta)
             lam = torch.minimum(lam / beta, torch.full_like(lam, step_init))  # let the step grow back
             for _ in range(max_backtracks):
-                bad = phi(y - lam[..., None, None] * g) > f_y - c * lam * g_sq
+                s = lam[..., None, None]
+                z_t, v_t = z - s * u, v - s * u_gram
+                bad = _potential(v_t, heads) + _dot(z_t, v_t - v_x) / (2 * eta) > phi_y - c * lam * g_sq
+                bad &= running
                 if not bad.any():
                     break
                 lam = torch.where(bad, lam * beta, lam)
-        y = y - lam.detach()[..., None, None] * g
-    return y
+        s = torch.where(running, lam, 0.0)[..., None, None]
+        z, v = z - s * u, v - s * u_gram
+    return x + z @ weight
 
 
 class AttLip(nn.Module):
