@@ -396,7 +396,7 @@ def test_eval_divisor_is_computed_once(monkeypatch):
 
     calls = []
     exact = normalized.top_singular_triple
-    monkeypatch.setattr(normalized, "top_singular_triple", lambda w: calls.append(1) or exact(w))
+    monkeypatch.setattr(normalized, "top_singular_triple", lambda w, **kw: calls.append(1) or exact(w, **kw))
     for layer, x in _normalized_pair():
         layer.eval()
         calls.clear()
@@ -404,6 +404,36 @@ def test_eval_divisor_is_computed_once(monkeypatch):
             first, second = layer(x), layer(x)
         assert len(calls) == 1 and torch.equal(first, second)
         assert torch.allclose(first, layer.train()(x), atol=1e-6)  # the train-mode (in-graph) divisor's output
+
+
+def test_training_divisor_is_computed_once_per_weight_change_and_shared_with_bound_keeping(monkeypatch):
+    """In training the exact divisor is computed once per change of the raw weight: the forwards of an accumulation
+    window share it, the bound keeping after an optimizer step computes the one the next forward divides by (which
+    gives a fresh computation's output), and a change of mode drops it."""
+    from lipsformer.layers import normalized
+    from lipsformer.lipschitz.bounds import module_bound
+
+    calls = []
+    exact = normalized.top_singular_triple
+    monkeypatch.setattr(normalized, "top_singular_triple", lambda w, **kw: calls.append(1) or exact(w, **kw))
+    for layer, x in _normalized_pair():
+        layer.train()
+        opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+        calls.clear()
+        for _ in range(2):  # two micro-batches of one accumulation window
+            layer(x).pow(2).sum().backward()
+        assert len(calls) == 1
+        opt.step()
+        assert module_bound(layer, (8, 8)).lip == pytest.approx(1.0, abs=1e-6) and len(calls) == 2
+        out = layer(x)
+        assert len(calls) == 2
+        fresh = copy.deepcopy(layer)
+        fresh.forget_divisor()
+        assert torch.equal(out, fresh(x)) and len(calls) == 3
+        layer.eval()
+        layer.train()
+        layer(x)
+        assert len(calls) == 4
 
 
 def _change(layer, x, how):

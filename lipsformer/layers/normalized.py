@@ -1,5 +1,5 @@
-"""Spectrally normalised linear maps: the weight divided by its exact largest singular value (in every training
-forward; in eval mode once per change of the weight, see :class:`_RawWeight`), with the exact gradient.
+"""Spectrally normalised linear maps: the weight divided by its exact largest singular value (computed once per
+change of the weight, see :class:`_RawWeight`), with the exact gradient.
 
 Keeping a layer's norm at 1 by projection (rescaling the weight after each optimizer step, as
 :func:`lipsformer.lipschitz.constraints.keep_bound` does) leaves the gradient blind to the constraint: the step
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spectral import UNIT_ROUNDOFF64, gram_norm_upper, top_singular_triple
+from .spectral import UNIT_ROUNDOFF64, top_singular_triple
 
 # ``linear=`` choice -> whether its normalised layers train with power iteration (None: plain layers)
 LINEARS = {"plain": None, "normalized": False, "normalized_power": True}
@@ -42,18 +42,20 @@ def _divisor(w: torch.Tensor, triple) -> torch.Tensor:
 class _RawWeight:
     """The parameter behind a normalised ``weight`` (stored as ``weight`` in ``_parameters`` and state dicts).
 
-    In training the exact divisor is computed in every forward (:func:`_divisor`: its value and its exact gradient).
-    In eval mode (``not self.training``) it is computed once and reused while the raw weight is unchanged (the weights do not move at
-    inference): the cache is keyed on the parameter's storage, version counter (bumped by in-place optimizer steps,
-    ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device, shape and strides, holds an alias of that
-    storage (so a later tensor cannot reuse its address), and is dropped by ``.to()`` / ``.half()`` (``_apply``)
-    and on entering train mode. Only a write that bypasses the version counter while in eval mode
-    (``raw_weight.data.mul_(...)``) is not seen: write under ``torch.no_grad()`` instead, or call
-    :meth:`forget_divisor`. In eval mode the divisor's value is that constant; where the raw weight needs a
-    gradient its gradient is the exact one (``u v^T``, the top singular vectors, straight through), and gradients
-    with respect to the input (attacks) do not involve it."""
+    The exact divisor (the top singular triple, :func:`top_singular_triple`, one eigendecomposition) is computed
+    once per change of the raw weight and reused, in training and in eval mode:
+    at inference the weights do not move, and in training the bound keeping after an optimizer step
+    (:meth:`certified_norm`) computes what the next forward divides by, and the forwards of an accumulation window
+    or a gradient-checkpointing recomputation share it. The cache is keyed on the parameter's storage, version
+    counter (bumped by in-place optimizer steps, ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device,
+    shape and strides, holds an alias of that storage (so a later tensor cannot reuse its address), and is dropped
+    by ``.to()`` / ``.half()`` (``_apply``) and by every change between train and eval mode. Only a write that
+    bypasses the version counter (``raw_weight.data.mul_(...)``) while the mode stays is not seen: write under
+    ``torch.no_grad()`` instead, or call :meth:`forget_divisor`. The divisor's gradient is the exact one
+    (:func:`_divisor`: ``u v^T``, the top singular vectors), and gradients with respect to the input (attacks) do not
+    involve it."""
 
-    _eval_divisor = None  # (storage fingerprint, alias of the raw weight, (sigma, u, v)), eval mode only
+    _exact = None  # (storage fingerprint, alias of the raw weight, (sigma, u, v))
     # training with power iteration (``power_iteration=True``, ``linear="normalized_power"``; opt-in: under Adam at
     # lr 5e-3 on the digits configs one iteration per step lagged the moving top direction, layers reached norm 1.9
     # in training after two steps and bound keeping at 1.01 refused the run): the buffer ``weight_u`` is the vector the next
@@ -80,11 +82,9 @@ class _RawWeight:
         w = self._parameters.get("weight")
         if w is None:  # during nn.Module.__init__, before the parameter is registered
             raise AttributeError("weight")
-        if not self.training:
-            return w / self._cached_divisor(w)
-        if self.power_iteration:
+        if self.training and self.power_iteration:
             return w / self._power_divisor(w)
-        return w / _divisor(w, top_singular_triple(w))
+        return w / _divisor(w, self._exact_triple(w))
 
     def _power_divisor(self, w: torch.Tensor) -> torch.Tensor:
         """Training: ``||W^T u||`` (= u^T W v with v = W^T u / ||W^T u||, both outside the graph), u advanced by one
@@ -118,31 +118,30 @@ class _RawWeight:
         self._start_valid = bool(start.any())
         self.__dict__["_power"] = None
 
-    def _cached_divisor(self, w: torch.Tensor) -> torch.Tensor:
-        """The exact divisor of ``w`` (eval mode), from the cache when ``w`` is the tensor it was computed for."""
+    def _exact_triple(self, w: torch.Tensor, fresh=None):
+        """``(sigma, u, v)`` of ``w`` (:func:`top_singular_triple`), from the cache when ``w`` is the tensor it was
+        computed for; on a miss ``fresh`` (the triple just computed for ``w``), or a new computation, is cached."""
         key = _fingerprint(w)
-        cached = self._eval_divisor
+        cached = self._exact
         if cached is None or cached[0] != key:
-            cached = (key, w.detach(), top_singular_triple(w))
-            self.__dict__["_eval_divisor"] = cached
-        return _divisor(w, cached[2])
+            cached = (key, w.detach(), fresh if fresh is not None else top_singular_triple(w))
+            self.__dict__["_exact"] = cached
+        return cached[2]
 
     @torch.no_grad()
     def certified_norm(self) -> float:
         """A certified upper bound on the largest singular value of ``weight`` as this mode's forward computes it,
         ``fl(W / d)`` with ``d`` the divisor it divides by (exact, cached, or the power iterate's, which may lag):
         ``(upper(W) + u ||W||_F) / d``, with ``upper`` :func:`~lipsformer.layers.spectral.gram_norm_upper`'s certified
-        bound on the raw weight and u the weight dtype's unit roundoff (each entry is rounded once in the division:
-        ``fl(W / d) = W / d + E`` with ``|E_ij| <= u |W_ij| / d``, and ``||E||_2 <= ||E||_F``), rounded up. One
-        eigendecomposition of the raw weight's Gram matrix (in exact training mode, the one that also gives the
-        divisor) instead of one for the divisor and one for the divided matrix; about 1e-7 above 1 in float32."""
+        bound on the raw weight as it is now (never cached: a stale divisor gives a larger bound, not a wrong one)
+        and u the weight dtype's unit roundoff (each entry is rounded once in the division: ``fl(W / d) = W / d + E``
+        with ``|E_ij| <= u |W_ij| / d``, and ``||E||_2 <= ||E||_F``), rounded up; about 1e-7 above 1 in float32. Its
+        one eigendecomposition also gives the exact divisor, cached when none is for this weight: after an optimizer
+        step the bound keeping computes what the next forward divides by."""
         w = self.raw_weight
-        if self.training and not self.power_iteration:
-            *triple, upper = top_singular_triple(w, upper=True)
-            d = _divisor(w, triple)
-        else:
-            d = self._power_divisor(w) if self.training else self._cached_divisor(w)
-            upper = gram_norm_upper(w)
+        *fresh, upper = top_singular_triple(w, upper=True)
+        triple = self._exact_triple(w, tuple(fresh))
+        d = self._power_divisor(w) if self.training and self.power_iteration else _divisor(w, triple)
         a = w.detach().flatten(1).to(torch.float64)
         f64 = UNIT_ROUNDOFF64
         frob = float(a.pow(2).sum()) * (1 + a.numel() * f64)  # the float64 sum's rounding charged
@@ -150,11 +149,11 @@ class _RawWeight:
         return math.nextafter(num / float(d) * (1 + f64), math.inf)
 
     def forget_divisor(self) -> None:
-        """Drop the eval-mode divisor: the next eval forward computes it again."""
-        self.__dict__.pop("_eval_divisor", None)
+        """Drop the cached exact divisor: the next forward computes it again."""
+        self.__dict__.pop("_exact", None)
 
     def train(self, mode: bool = True):
-        if mode:  # a write during training that the version counter misses is not carried into the next eval
+        if mode != self.training:  # a write the version counter missed is not carried across a change of mode
             self.forget_divisor()
         return super().train(mode)
 
