@@ -22,7 +22,11 @@ Each figure is the median over ``--rounds`` rounds (one warm-up call each first)
 plain. Then one certified forward is profiled: the time inside the AttLip solves (split into the solve and its
 float64 check), inside the normalised layers' divisors (cached at evaluation: computed once after a weight
 change), and the rest; and the gradient evaluations each AttLip block
-took (slowest window and mean over windows). Weights are random (no certified weights are published): solver
+took (slowest window and mean over windows). Last, the multiply-adds of one image, as fvcore counts them (one per
+multiply-add of a matrix product): the plain model's and, for the certifiable one, its AttLip solves and their
+float64 checks as the solver counted them in that forward (:class:`~lipsformer.layers.attlip.SolveStats`) plus fvcore's
+count of the rest of it (AttLip replaced by the identity): a floor under the inference ratio that no implementation
+running both models equally fast could go below. Weights are random (no certified weights are published): solver
 steps on trained weights may differ.
 """
 import argparse
@@ -45,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 import lipsformer  # noqa: E402,F401  (registers the models)
 from lipsformer.layers import attlip  # noqa: E402
 from lipsformer.engine.config import load_config  # noqa: E402
+from lipsformer.flops import count_flops  # noqa: E402
 from lipsformer.layers.attlip import AttLip  # noqa: E402
 from lipsformer.lipschitz.certify import pixel_lipschitz, predict_certified  # noqa: E402
 from lipsformer.lipschitz.constraints import keep_bound  # noqa: E402
@@ -65,6 +70,17 @@ def train_step(model, opt, images, target):
         F.cross_entropy(model(images), target).backward()
         opt.step()
     return step
+
+
+@contextmanager
+def attlip_as_identity():
+    """Every AttLip returns its input (fvcore then counts the rest of the model)."""
+    forward = AttLip.forward
+    AttLip.forward = lambda self, x: x
+    try:
+        yield
+    finally:
+        AttLip.forward = forward
 
 
 @contextmanager
@@ -153,6 +169,12 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
     with time_spent_in(spans):
         total = timed(cert_infer)
     blocks = [(name, m.last_solve) for name, m in cert.named_modules() if isinstance(m, AttLip)]
+    size = (3, img_size, img_size)
+    with attlip_as_identity():
+        rest = count_flops(cert, size)
+    macs = dict(plain=count_flops(plain, size) / 1e9, solve=sum(s.multiply_adds for _, s in blocks) / batch / 1e9,
+                check=sum(s.check_multiply_adds for _, s in blocks) / batch / 1e9, rest=rest / 1e9)
+    macs["cert"] = macs["solve"] + macs["check"] + macs["rest"]
     profile = dict(total_s=total, attlip_solve_s=spans["solve"], attlip_float64_check_s=spans["check"],
                    normalized_divisor_s=spans["divisor"],
                    rest_s=total - spans["solve"] - spans["check"] - spans["divisor"])
@@ -163,7 +185,7 @@ def measure_pair(plain_name: str, cert_name: str, batch: int, img_size: int, rou
                 cert_train_by_steps_s={str(k): v for k, v in cert_train_s.items()}, keep_bound_s=med["keep_bound"],
                 infer_ratio=med["cert_infer"] / med["plain_infer"], train_ratio=schedule_s / med["plain_train"],
                 train_ratio_by_steps={str(k): v / med["plain_train"] for k, v in cert_train_s.items()},
-                profile=profile,
+                profile=profile, gmacs_per_image=macs, macs_ratio=macs["cert"] / macs["plain"],
                 solver_steps=[dict(block=n, steps=s.steps, mean_steps=round(s.mean_steps, 2),
                                    float64_windows=s.float64_windows) for n, s in blocks])
 
@@ -215,6 +237,10 @@ def main(argv=None):
         print("  train step by AttLip steps: " + ", ".join(
             f"{k}: {r['cert_train_by_steps_s'][k]:.2f} s ({r['train_ratio_by_steps'][k]:.2f}x)"
             for k in r["cert_train_by_steps_s"]))
+        m = r["gmacs_per_image"]
+        print(f"  multiply-adds per image: {m['cert']:.2f} G = AttLip solves {m['solve']:.2f} G + their float64 "
+              f"checks {m['check']:.2f} G + the rest {m['rest']:.2f} G, vs {m['plain']:.2f} G plain: "
+              f"{r['macs_ratio']:.2f}x")
         print("  gradient evaluations per AttLip block (slowest window / mean): " + ", ".join(
             f"{s['steps']}/{s['mean_steps']:g}" + (f" ({s['float64_windows']} in float64)" if s["float64_windows"]
                                                    else "") for s in r["solver_steps"]))

@@ -104,7 +104,12 @@ def test_certified_speed_prints_both_ratios_the_profile_and_the_solver_steps(tmp
     model = timm.create_model("lipsformer_cswin_t_cert")
     assert [s["block"] for s in row["solver_steps"]] == [n for n, m in model.named_modules() if isinstance(m, AttLip)]
     assert all(1 <= s["mean_steps"] <= s["steps"] for s in row["solver_steps"])
+    macs = row["gmacs_per_image"]  # fvcore's count of the plain model (the README's table), the solver's own count
+    assert macs["plain"] == pytest.approx(4.67, abs=0.005) and min(macs["solve"], macs["check"], macs["rest"]) > 0
+    assert macs["cert"] == pytest.approx(macs["solve"] + macs["check"] + macs["rest"])
+    assert row["macs_ratio"] == pytest.approx(macs["cert"] / macs["plain"])
     assert "lipsformer_cswin_t_cert" in proc.stdout and "gradient evaluations per AttLip block" in proc.stdout
+    assert "multiply-adds per image" in proc.stdout
 
 
 @pytest.mark.parametrize("args", [["--train-steps", "0"], ["--pairs", "lipsformer_swin_t"]])

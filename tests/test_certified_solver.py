@@ -118,6 +118,20 @@ def test_certified_solve_meets_its_tolerance_in_float64_and_says_what_it_took():
         attlip_prox_certified(x, layer.weight, 2, 1.0, 1e-8)  # below what a float32 output can carry
 
 
+@pytest.mark.parametrize("scale", [1.0, 5.0])
+def test_solver_counts_the_multiply_adds_it_makes(scale):
+    """SolveStats' multiply-adds (solve and float64 check) are what the profiler counts in their matrix products,
+    exactly, also when windows finish in float64 (scale 5): benchmarks/certified_speed.py reports them per image."""
+    torch.manual_seed(0)
+    x, w = torch.randn(12, 9, 16) * scale, torch.randn(16, 16) / 4
+    with torch.profiler.profile(with_flops=True) as prof:
+        _, stats = attlip_prox_certified(x, w, 2, 1.0, 1e-5)
+    products = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm")
+    counted = sum(e.flops for e in prof.key_averages() if e.key in products and e.flops) // 2
+    assert (stats.float64_windows > 0) == (scale > 1) and stats.check_multiply_adds > 0
+    assert stats.multiply_adds + stats.check_multiply_adds == counted
+
+
 def test_bf16_forward_never_certifies_more_than_fp32_and_margins_stay_fp32(fresh_accelerate):
     from accelerate import Accelerator
 

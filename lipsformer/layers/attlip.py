@@ -150,14 +150,36 @@ STALLED_AFTER = 8
 
 class SolveStats(NamedTuple):
     """What one certified solve took: gradient evaluations of the slowest window, their mean over windows, the
-    largest verified residual (float64, rounding to the output dtype included), the tolerance it met, and how many
-    windows had to finish in float64."""
+    largest verified residual (float64, rounding to the output dtype included), the tolerance it met, how many
+    windows had to finish in float64, and the multiply-adds of the solve and of its float64 check
+    (:func:`solve_multiply_adds`, counted as fvcore counts a matmul)."""
 
     steps: int
     mean_steps: float
     residual: float
     tol: float
     float64_windows: int = 0
+    multiply_adds: int = 0
+    check_multiply_adds: int = 0
+
+
+def solve_multiply_adds(tokens: int, channels: int, dim: int, evaluations: int, windows: int = 1,
+                        calls: int = 1, resumed: int = 0) -> int:
+    """Multiply-adds of ``calls`` calls of :func:`_bb_solve` on ``windows`` windows in all, of ``tokens`` tokens and
+    ``channels`` channels, with a (``dim``, ``channels``) weight and ``evaluations`` gradient evaluations in all:
+    each evaluation takes the logits and the mix, ``3 N^2 D`` (all heads together), and the product by the Gram
+    matrix, ``N D^2``; each window one projection of its input and one of its output, ``2 N C D``, and one more
+    product by the Gram matrix if it is ``resumed`` from a given ``z``; each call forms the Gram matrix,
+    ``D^2 C``. The elementwise passes (softmax, sums) are not counted, as fvcore does not count them."""
+    n, c, d = tokens, channels, dim
+    return (evaluations * (3 * n * n * d + n * d * d) + windows * 2 * n * c * d + resumed * n * d * d
+            + calls * d * d * c)
+
+
+def check_multiply_adds(tokens: int, channels: int, dim: int, windows: int) -> int:
+    """Multiply-adds of :func:`prox_residual64` on ``windows`` windows: a projection, the logits and mix, and the
+    gradient mapped back, ``3 N^2 D + 2 N C D`` each, in float64."""
+    return windows * (3 * tokens * tokens * dim + 2 * tokens * channels * dim)
 
 
 # windows solved together: about this many tokens x channels at once, so that a solve's working set stays in the
@@ -213,12 +235,13 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
     evaluations each window took (its first one included).
     """
     v_x = x @ weight.T
+    v = v_x if z is None else v_x + z @ gram
     z = torch.zeros_like(v_x) if z is None else z.clone()
     taken = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
     if max_steps < 1:
         return x + z @ weight, z, taken
     live = torch.arange(x.shape[0], device=x.device)
-    zl, v = z, v_x + z @ gram
+    zl = z
 
     def coefficients(v, z):  # u with grad phi = u W, u G, and ||grad phi||^2
         u = _grad_coefficients(v, heads).add_(z, alpha=1 / eta)
@@ -297,8 +320,10 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
                 f"AttLip's proximal solve left a window's residual at {worst:.3g} > tol {tol:g} after {steps} "
                 f"gradient evaluations (hard cap {max_steps}; checked in float64, rounding to {x.dtype} included); "
                 + why)
-        stats = SolveStats(steps, float(taken.double().mean()) if taken.numel() else 0.0, worst, tol,
-                           int(stalled.sum()))
+        (n, c), d, windows, again = x.shape[-2:], weight.shape[0], taken.numel(), int(stalled.sum())
+        stats = SolveStats(steps, float(taken.double().mean()) if windows else 0.0, worst, tol, again,
+                           solve_multiply_adds(n, c, d, int(taken.sum()), windows + again, 1 + bool(again), again),
+                           check_multiply_adds(n, c, d, windows + again))
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=0.0)
         y = y + (unrolled - unrolled.detach())
