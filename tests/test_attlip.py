@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lipsformer.layers.attlip import AttLip, attlip_grad, attlip_potential, attlip_prox
+from lipsformer.layers.attlip import AttLip, attlip_grad, attlip_potential, attlip_prox, attlip_solve
 from lipsformer.lipschitz import maximize_difference_quotient
 
 N, C, H = 6, 8, 2
@@ -64,8 +64,23 @@ def test_module_uses_fewer_steps_while_training_and_is_differentiable():
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
     one = attlip_prox(x, layer.weight.detach(), H, steps=1)
     assert torch.allclose(layer(x).detach(), one)
-    layer.eval()
-    assert torch.allclose(layer(x).detach(), attlip_prox(x, layer.weight.detach(), H, steps=20))
+    layer.eval()  # evaluation: Barzilai-Borwein steps to tol (the certified solve's), at most eval_steps of them
+    w = layer.weight.detach()
+    with torch.no_grad():
+        out = layer(x)
+    assert torch.equal(out, attlip_solve(x, w, H, 1.0, layer.tol, 20))
+    exact = attlip_prox(x, w, H, steps=500, tol=1e-12)
+
+    def error(y):
+        return float((y - exact).flatten(1).norm(dim=1).max())
+
+    assert error(out) < error(attlip_prox(x, w, H, steps=20)) / 3  # closer than Armijo's 20 steps
+    layer.eval_steps = 100  # enough here to meet tol: then within eta * tol (Proposition 3 (1))
+    with torch.no_grad():
+        assert error(layer(x)) <= layer.eta * layer.tol
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()  # gradients at evaluation: those of the unrolled Armijo steps
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
     with pytest.raises(ValueError, match="eta must be positive"):
         AttLip(C, eta=0)
 

@@ -563,7 +563,7 @@ def test_normalized_model_bound_holds_and_keeping_leaves_it_alone(name):
 
 def test_attlip_prox_mixer_returns_the_proximal_point():
     from lipsformer.layers import AttLipMixer, ConvexResidual
-    from lipsformer.layers.attlip import attlip_prox
+    from lipsformer.layers.attlip import attlip_solve
     from lipsformer.lipschitz import maximize_difference_quotient
     from lipsformer.lipschitz.bounds import module_bound
 
@@ -573,7 +573,8 @@ def test_attlip_prox_mixer_returns_the_proximal_point():
     prox.load_state_dict(delta.state_dict())
     x = 3 * torch.randn(2, 4, 4, 8)
     tokens = x.reshape(2, 16, 8)
-    expected = attlip_prox(tokens, prox.branches[0].weight, 2, steps=30).reshape(2, 4, 4, 8)
+    layer = prox.branches[0]
+    expected = attlip_solve(tokens, layer.weight, 2, layer.eta, layer.tol, 30).reshape(2, 4, 4, 8)
     assert torch.allclose(prox(x), expected, atol=1e-5)
     assert torch.allclose(delta(x), expected - x, atol=1e-5)
     assert not torch.allclose(prox(x), delta(x), atol=1e-2)

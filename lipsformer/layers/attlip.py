@@ -280,6 +280,29 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
     return x + z @ weight, z, taken
 
 
+def _straight_through(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float,
+                      grad_steps: int) -> torch.Tensor:
+    """``y`` (a solve's output, no graph) carrying, where gradients are needed (attacks, Jacobian estimates), those
+    of ``grad_steps`` unrolled Armijo steps (:func:`attlip_prox`), which do not change its value."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=0.0)
+        y = y + (unrolled - unrolled.detach())
+    return y
+
+
+def attlip_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
+                 grad_steps: Optional[int] = None) -> torch.Tensor:
+    """prox_{eta f}(x) at evaluation: the certified solve's Barzilai-Borwein steps (:func:`_bb_solve`), each window
+    stopping once its residual is at most ``tol`` (or stalled at its dtype's rounding), at most ``max_steps``
+    gradient evaluations, in ``x``'s dtype and not verified (:func:`attlip_prox_certified` checks, and refuses
+    rather than stopping early). Gradients, where needed, are those of ``grad_steps`` (default ``max_steps``)
+    unrolled Armijo steps. Solved to ``tol`` it gives the certified forward's outputs up to float32 rounding, in
+    far fewer evaluations than Armijo's steps (which also evaluate the potential at every trial)."""
+    with torch.no_grad():
+        y = _bb_solve(x.detach(), weight.detach().to(x.dtype), heads, eta, tol, max_steps)[0]
+    return _straight_through(y, x, weight, heads, eta, max_steps if grad_steps is None else grad_steps)
+
+
 def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
                           max_steps: int = 1000, grad_steps: int = 20) -> Tuple[torch.Tensor, SolveStats]:
     """prox_{eta f}(x) to a verified tolerance, for certified inference: every window's residual
@@ -324,10 +347,7 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
         stats = SolveStats(steps, float(taken.double().mean()) if windows else 0.0, worst, tol, again,
                            solve_multiply_adds(n, c, d, int(taken.sum()), windows + again, 1 + bool(again), again),
                            check_multiply_adds(n, c, d, windows + again))
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=0.0)
-        y = y + (unrolled - unrolled.detach())
-    return y, stats
+    return _straight_through(y, x, weight, heads, eta, grad_steps), stats
 
 
 def _descend(x, weight, gram, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
@@ -378,8 +398,13 @@ class AttLip(nn.Module):
     Args:
         dim: channels C. heads: number of heads H (C divisible by H).
         eta: proximal step (any eta > 0 keeps the block 1-Lipschitz; the paper uses 1).
-        train_steps / eval_steps: descent steps while training / at evaluation (paper: 1-3 / 20).
+        train_steps / eval_steps: descent steps while training (Armijo, :func:`attlip_prox`) / gradient evaluations
+            at most at evaluation (:func:`attlip_solve`) (paper: 1-3 / 20).
         tol: stop when the subproblem's gradient norm is below this.
+
+    Certified inference (:func:`solve_to_tolerance`) solves to ``tol`` with a hard cap and verifies
+    (:func:`attlip_prox_certified`); plain evaluation takes the same steps without the check, so its outputs are
+    the certified forward's (up to float32 rounding) once ``eval_steps`` suffice.
     """
 
     def __init__(self, dim: int, heads: int = 1, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
@@ -400,8 +425,9 @@ class AttLip(nn.Module):
             y, self.last_solve = attlip_prox_certified(x, self.weight, self.heads, self.eta, self.tol,
                                                        self.solve_cap, grad_steps=self.eval_steps)
             return y
-        steps = self.train_steps if self.training else self.eval_steps
-        return attlip_prox(x, self.weight, self.heads, self.eta, steps, self.tol)
+        if self.training:
+            return attlip_prox(x, self.weight, self.heads, self.eta, self.train_steps, self.tol)
+        return attlip_solve(x, self.weight, self.heads, self.eta, self.tol, self.eval_steps)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, eta={self.eta}, steps={self.train_steps}/{self.eval_steps}"
