@@ -7,8 +7,10 @@ For tokens ``x`` (N, C) and per-head projections ``W^h`` (d_h, C) the potential 
 
 (the score of Algorithm 4), and the block's output is :math:`\\mathrm{prox}_{\\eta f}(x) =
 \\arg\\min_y f(y) + \\|y - x\\|^2 / 2\\eta`, which is firmly non-expansive, hence 1-Lipschitz for any eta and any
-weights. The proximal problem is solved by gradient descent with Armijo backtracking (Algorithms 1 and 2);
-fewer steps while training, more at evaluation (the paper trains with 1-3 and evaluates with 20).
+weights. The proximal problem is solved by gradient descent: in training with a few Armijo steps (Algorithms 1
+and 2, unrolled: the paper trains with 1-3), at evaluation with Barzilai-Borwein steps until each window's residual
+is at most ``tol`` (:func:`attlip_solve`; the paper evaluates with 20 Armijo steps), and in certified inference
+with the same steps, verified in float64, to a tolerance the certificate charges (:func:`attlip_prox_certified`).
 """
 import contextlib
 import math
@@ -121,14 +123,14 @@ def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 
                 tol: float = DEFAULT_TOL, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
                 step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
     """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index (a group
-    of tokens): at most ``steps`` steps, each group stopping once its residual is at most ``tol`` (training and plain
-    evaluation).
+    of tokens): at most ``steps`` steps, each group stopping once its residual is at most ``tol`` (training, and the
+    gradients of evaluation's solves).
 
     The step sizes are chosen without gradient tracking, so the output stays differentiable through the
     (unrolled) descent steps, as in training with a few steps. The groups are independent and are solved in
     cache-sized chunks (:data:`CHUNK_ELEMENTS`), forward and backward. ``callback(k, y_k, g_k)``, if given, sees
     each iterate and the subproblem's gradient there, all groups at once (k = 0 is the input; AttLip Fig. 1 plots
-    ``||g_k||``). Certified inference uses :func:`attlip_prox_certified` instead.
+    ``||g_k||``). Evaluation uses :func:`attlip_solve`, certified inference :func:`attlip_prox_certified`.
     """
     gram = weight @ weight.T
 

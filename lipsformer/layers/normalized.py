@@ -43,10 +43,10 @@ class _RawWeight:
     """The parameter behind a normalised ``weight`` (stored as ``weight`` in ``_parameters`` and state dicts).
 
     The exact divisor (the top singular triple, :func:`top_singular_triple`, one eigendecomposition) is computed
-    once per change of the raw weight and reused, in training and in eval mode:
-    at inference the weights do not move, and in training the bound keeping after an optimizer step
-    (:meth:`certified_norm`) computes what the next forward divides by, and the forwards of an accumulation window
-    or a gradient-checkpointing recomputation share it. The cache is keyed on the parameter's storage, version
+    once per change of the raw weight and reused, in training and in eval mode: at inference the weights do not
+    move, and in training the bound keeping after an optimizer step (:meth:`certified_norm`) computes what the next
+    forward divides by, and the forwards of an accumulation window or a gradient-checkpointing recomputation share
+    it. The cache is keyed on the parameter's storage, version
     counter (bumped by in-place optimizer steps, ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device,
     shape and strides, holds an alias of that storage (so a later tensor cannot reuse its address), and is dropped
     by ``.to()`` / ``.half()`` (``_apply``) and by every change between train and eval mode. Only a write that
