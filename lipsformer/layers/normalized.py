@@ -46,12 +46,11 @@ class _RawWeight:
     once per change of the raw weight and reused, in training and in eval mode: at inference the weights do not
     move, and in training the bound keeping after an optimizer step (:meth:`certified_norm`) computes what the next
     forward divides by, and the forwards of an accumulation window or a gradient-checkpointing recomputation share
-    it. The cache is keyed on the parameter's storage, version
-    counter (bumped by in-place optimizer steps, ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device,
-    shape and strides, holds an alias of that storage (so a later tensor cannot reuse its address), and is dropped
-    by ``.to()`` / ``.half()`` (``_apply``) and by every change between train and eval mode. Only a write that
-    bypasses the version counter (``raw_weight.data.mul_(...)``) while the mode stays is not seen: write under
-    ``torch.no_grad()`` instead, or call :meth:`forget_divisor`. The divisor's gradient is the exact one
+    it. The cache is keyed on the parameter's storage, version counter (bumped by in-place optimizer steps,
+    ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device, shape, strides and a checksum of its values
+    (:func:`_fingerprint`: writes that bypass the version counter are seen too), holds an alias of that storage, and
+    is dropped by ``.to()`` / ``.half()`` (``_apply``) and by every change between train and eval mode;
+    :meth:`certified_norm` replaces it with the triple it computes. The divisor's gradient is the exact one
     (:func:`_divisor`: ``u v^T``, the top singular vectors), and gradients with respect to the input (attacks) do not
     involve it."""
 
@@ -119,11 +118,11 @@ class _RawWeight:
         self.__dict__["_power"] = None
 
     def _exact_triple(self, w: torch.Tensor, fresh=None):
-        """``(sigma, u, v)`` of ``w`` (:func:`top_singular_triple`), from the cache when ``w`` is the tensor it was
-        computed for; on a miss ``fresh`` (the triple just computed for ``w``), or a new computation, is cached."""
+        """``(sigma, u, v)`` of ``w`` (:func:`top_singular_triple`), from the cache when ``w`` holds the values it
+        was computed for; ``fresh`` (a triple just computed for ``w``) replaces the cache whatever it holds."""
         key = _fingerprint(w)
         cached = self._exact
-        if cached is None or cached[0] != key:
+        if fresh is not None or cached is None or cached[0] != key:
             cached = (key, w.detach(), fresh if fresh is not None else top_singular_triple(w))
             self.__dict__["_exact"] = cached
         return cached[2]
@@ -131,13 +130,14 @@ class _RawWeight:
     @torch.no_grad()
     def certified_norm(self) -> float:
         """A certified upper bound on the largest singular value of ``weight`` as this mode's forward computes it,
-        ``fl(W / d)`` with ``d`` the divisor it divides by (exact, cached, or the power iterate's, which may lag):
+        ``fl(W / d)`` with ``d`` the divisor it divides by (the exact one, or the power iterate's, which may lag):
         ``(upper(W) + u ||W||_F) / d``, with ``upper`` :func:`~lipsformer.layers.spectral.gram_norm_upper`'s certified
-        bound on the raw weight as it is now (never cached: a stale divisor gives a larger bound, not a wrong one)
-        and u the weight dtype's unit roundoff (each entry is rounded once in the division: ``fl(W / d) = W / d + E``
-        with ``|E_ij| <= u |W_ij| / d``, and ``||E||_2 <= ||E||_F``), rounded up; about 1e-7 above 1 in float32. Its
-        one eigendecomposition also gives the exact divisor, cached when none is for this weight: after an optimizer
-        step the bound keeping computes what the next forward divides by."""
+        bound on the raw weight as it is now (never cached) and u the weight dtype's unit roundoff (each entry is
+        rounded once in the division: ``fl(W / d) = W / d + E`` with ``|E_ij| <= u |W_ij| / d``, and
+        ``||E||_2 <= ||E||_F``), rounded up: ``1 + u ||W||_F / ||W||_2`` in float32 with the exact divisor, 1e-7 to
+        2e-6 above 1 at the zoo's sizes. Its one eigendecomposition also gives the exact divisor, which replaces the
+        cached one: the forwards after it divide by what this bound was computed for (and after an optimizer step,
+        the bound keeping computes what the next forward divides by)."""
         w = self.raw_weight
         *fresh, upper = top_singular_triple(w, upper=True)
         triple = self._exact_triple(w, tuple(fresh))
@@ -176,12 +176,17 @@ class _RawWeight:
 
 
 def _fingerprint(w: torch.Tensor) -> tuple:
-    """What identifies ``w``'s values without reading them: storage, version counter (bumped by in-place writes
-    under autograd's watch: optimizer steps, ``load_state_dict``), dtype, device, shape, strides."""
+    """What identifies ``w``'s values: storage, version counter (bumped by in-place writes under autograd's watch:
+    optimizer steps, ``load_state_dict``), dtype, device, shape, strides, and a checksum of the values (their sum
+    and norm, one host sync) for the writes the version counter misses: ``.data`` edits, optimizers that write
+    through it, FSDP2's all-gathers into storage whose version counter it preserves."""
     try:
-        return (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), w.stride())
+        ptr = w.data_ptr()
     except RuntimeError:  # a tensor without storage of its own (a DTensor shard): never equal
         return (object(),)
+    with torch.no_grad():
+        checksum = tuple(torch.stack([w.sum(), w.norm()]).tolist())
+    return (ptr, w._version, w.dtype, w.device, tuple(w.shape), w.stride(), checksum)
 
 
 @torch.no_grad()
