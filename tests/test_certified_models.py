@@ -46,3 +46,22 @@ def test_certified_model_bounds_and_certifies_a_batch_in_one_call(name):
     logits, pred, radius = predict_certified(model, (torch.rand(6, 3, 32, 32) - mean) / std)
     assert logits.shape == (6, 5) and torch.isfinite(logits).all() and torch.equal(pred, logits.argmax(-1))
     assert (radius >= 0).all() and (radius > 0).any()
+
+
+def test_predict_certified_bounds_the_evaluation_map_whatever_mode_it_finds_the_model_in():
+    """The bound is taken after the switch to eval mode, so it is the bound of the map the certified forward
+    computes: a model left in train mode with power-iteration divisors (whose training-mode bound differs)
+    certifies exactly what it certifies in eval mode."""
+    name = "lipsformer_swin_t_cert"
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=32, embed_dim=16, depths=(1, 1, 1, 1), num_classes=5,
+                              linear="normalized_power", **SMALL[family(name)])
+    images = torch.rand(4, 3, 32, 32) - 0.5
+    model.train()(images)  # the first power iterates: exact vectors
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # the iterates now lag: the training-mode bound exceeds 1
+    model.train()
+    assert lipschitz_report(model).bound > 1.0 + 1e-3
+    from_train = predict_certified(model, images)[2]
+    assert torch.equal(from_train, predict_certified(model.eval(), images)[2])

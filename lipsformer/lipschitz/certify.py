@@ -107,9 +107,9 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
     if any(torch.finfo(d).bits < 32 for d in dtypes):
         raise NoBoundError(f"certificates need float32 margins; the model's weights are {sorted(map(str, dtypes))}: "
                            f"load it in float32 (autocast for the rest of evaluation is fine)")
+    bare.eval()  # first: the bound is the eval-mode map's, its divisors the ones the forward below divides by
     L = pixel_lipschitz(bare) if lipschitz is None else lipschitz
     forward = getattr(bare, "_original_forward", bare.forward)  # Accelerate keeps the forward before autocast
-    bare.eval()
     with torch.no_grad(), torch.autocast(images.device.type, enabled=False), solve_to_tolerance(bare, max_steps):
         logits = forward(images.float()).float()
     return logits, logits.argmax(-1), certified_radius(logits, L)
