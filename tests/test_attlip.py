@@ -17,6 +17,18 @@ def tokens(seed=0, batch=2, scale=1.0):
     return scale * torch.randn(batch, N, C, dtype=torch.double, generator=torch.Generator().manual_seed(seed))
 
 
+def test_potential_is_theorem_4s_sum_of_log_sum_exps(weight):
+    """f(x) = sum_h 1/2 sum_i LSE_j(||W^h (x_i + x_j)||^2 / sqrt(d_h)), written out here term by term."""
+    x = tokens()
+    d = C // H
+    expected = torch.zeros(x.shape[0], dtype=x.dtype)
+    for h in range(H):
+        v = x @ weight[h * d:(h + 1) * d].T
+        scores = (v.unsqueeze(-2) + v.unsqueeze(-3)).pow(2).sum(-1) / d ** 0.5
+        expected += 0.5 * torch.logsumexp(scores, dim=-1).sum(-1)
+    assert torch.allclose(attlip_potential(x, weight, H), expected, rtol=1e-13, atol=0)
+
+
 def test_closed_form_gradient_is_the_potentials_gradient(weight):
     x = tokens().requires_grad_()
     (auto,) = torch.autograd.grad(attlip_potential(x, weight, H).sum(), x)

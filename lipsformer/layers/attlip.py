@@ -18,6 +18,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from timm.layers import register_notrace_module
+from torch.autograd import forward_ad
 from torch import nn
 
 from .windows import pad_to_multiple, window_partition, window_reverse
@@ -282,27 +283,37 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
     return x + z @ weight, z, taken
 
 
+def _differentiated(*tensors: torch.Tensor) -> bool:
+    """Whether a derivative may be taken through ``tensors``: autograd records (one requires grad), a torch.func
+    transform is active (``jvp`` / ``vjp`` in :mod:`lipsformer.lipschitz.estimate`, where no tensor need require
+    grad), or one is a forward-mode dual tensor."""
+    return (torch._C._are_functorch_transforms_active()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            or any(forward_ad.unpack_dual(t).tangent is not None for t in tensors))
+
+
 def _straight_through(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float,
-                      grad_steps: int) -> torch.Tensor:
-    """``y`` (a solve's output, no graph) carrying, where gradients are needed (attacks, Jacobian estimates), those
-    of ``grad_steps`` unrolled Armijo steps (:func:`attlip_prox`), which do not change its value."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=0.0)
+                      grad_steps: int, tol: float = 0.0) -> torch.Tensor:
+    """``y`` (a solve's output, computed without derivatives) carrying, where derivatives are taken (attacks,
+    Jacobian estimates), those of at most ``grad_steps`` unrolled Armijo steps (:func:`attlip_prox`, stopping at
+    ``tol``), which do not change its value: the derivatives of an approximation of the prox, not of the solve."""
+    if _differentiated(x, weight):
+        unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=tol)
         y = y + (unrolled - unrolled.detach())
     return y
 
 
-def attlip_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
-                 grad_steps: Optional[int] = None) -> torch.Tensor:
-    """prox_{eta f}(x) at evaluation: the certified solve's Barzilai-Borwein steps (:func:`_bb_solve`), each window
-    stopping once its residual is at most ``tol`` (or stalled at its dtype's rounding), at most ``max_steps``
-    gradient evaluations, in ``x``'s dtype and not verified (:func:`attlip_prox_certified` checks, and refuses
-    rather than stopping early). Gradients, where needed, are those of ``grad_steps`` (default ``max_steps``)
-    unrolled Armijo steps. Solved to ``tol`` it gives the certified forward's outputs up to float32 rounding, in
-    far fewer evaluations than Armijo's steps (which also evaluate the potential at every trial)."""
+def attlip_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
+                 max_steps: int) -> torch.Tensor:
+    """prox_{eta f}(x) at evaluation: the first pass of the certified solve (:func:`attlip_prox_certified`), its
+    Barzilai-Borwein steps in ``x``'s dtype with each window stopping once its residual is at most ``tol / 2`` (or
+    stalled at the dtype's rounding), here capped at ``max_steps`` gradient evaluations and not checked in float64.
+    Where the certified solve needs neither more evaluations nor a float64 finish, the outputs are its outputs, bit
+    for bit, in far fewer evaluations than Armijo's steps (which also evaluate the potential at every trial).
+    Derivatives, where taken, are those of at most ``max_steps`` unrolled Armijo steps stopping at ``tol``."""
     with torch.no_grad():
-        y = _bb_solve(x.detach(), weight.detach().to(x.dtype), heads, eta, tol, max_steps)[0]
-    return _straight_through(y, x, weight, heads, eta, max_steps if grad_steps is None else grad_steps)
+        y = _bb_solve(x.detach(), weight.detach().to(x.dtype), heads, eta, tol / 2, max_steps)[0]
+    return _straight_through(y, x, weight, heads, eta, max_steps, tol)
 
 
 def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
@@ -405,8 +416,8 @@ class AttLip(nn.Module):
         tol: stop when the subproblem's gradient norm is below this.
 
     Certified inference (:func:`solve_to_tolerance`) solves to ``tol`` with a hard cap and verifies
-    (:func:`attlip_prox_certified`); plain evaluation takes the same steps without the check, so its outputs are
-    the certified forward's (up to float32 rounding) once ``eval_steps`` suffice.
+    (:func:`attlip_prox_certified`); plain evaluation takes the same first pass without the check, so its outputs
+    are the certified forward's wherever ``eval_steps`` suffice and no window needs a float64 finish.
     """
 
     def __init__(self, dim: int, heads: int = 1, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,

@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from .attention import ATTENTIONS, AttentionKernel
-from .attlip import DEFAULT_TOL, AttLipMixer
+from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, AttLipMixer
 from .conv_blocks import ACTS, CONV_BLOCKS, create_act
 from .init import INITS
 from .norm import NORMS
@@ -30,6 +30,8 @@ CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks
 # (a family's own defaults, e.g. CSwin's tau, stay under them); keyword arguments still replace any of them.
 CERTIFIABLE = MappingProxyType(dict(
     attn="attlip",          # AttLip Thm 4: 1-Lipschitz for any weights
+    attlip_steps=(2, FIRST_PASS_STEPS),  # evaluation takes the certified solve's first pass, as many evaluations as
+                            # it may: plain evaluation (train.py's validation, eval.py) gives the certified outputs
     norm="none",            # CenterNorm would add D/(D-1) max|gamma| per norm
     residual="convex",      # (1 - a) x + a f(x), a in [0, 1]: 1-Lipschitz when f is
     act="groupsort",        # 1-Lipschitz, gradient-norm preserving (GELU: 1.1289)
