@@ -5,8 +5,8 @@
 (a) Kim et al. Theorem 3.1: maximising the Jacobian norm of dot-product attention (one token pinned at 0, as in the
     proof) grows without limit, while Kim's tied L2 attention stays under its Theorem 3.2 bound.
 (b) AttLip Table 1 (d = 512, H = 8): the measured Lipschitz constant (PGD on the difference quotient in an l2 ball
-    of radius 1) of AttLip (at most 20 gradient evaluations at evaluation) stays at or under 1, tied L2 attention's stays far under its bound,
-    and that bound grows with N.
+    of radius 1) of AttLip as evaluated (at most 20 gradient evaluations) stays at or under 1, tied L2 attention's
+    stays far under its bound, and that bound grows with N.
 Writes lipschitz_attention.json and prints both tables.
 """
 import argparse

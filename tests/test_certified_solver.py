@@ -4,8 +4,9 @@ import pytest
 import timm
 import torch
 
+from lipsformer.layers import attlip
 from lipsformer.layers.attlip import (AttLip, SolverToleranceError, attlip_grad, attlip_prox, attlip_prox_certified,
-                                     prox_residual64, solve_to_tolerance)
+                                     attlip_solve, prox_residual64, solve_to_tolerance)
 from lipsformer.lipschitz.certify import logit_margin, normalization, pgd_l2, pixel_lipschitz, predict_certified
 from lipsformer.lipschitz.constraints import keep_bound
 
@@ -116,6 +117,21 @@ def test_certified_solve_meets_its_tolerance_in_float64_and_says_what_it_took():
     assert layer.last_solve.steps > 1 and layer.last_solve.residual <= layer.tol
     with pytest.raises(SolverToleranceError, match="rounding of the output to torch.float32 alone"):
         attlip_prox_certified(x, layer.weight, 2, 1.0, 1e-8)  # below what a float32 output can carry
+
+
+def test_a_solve_whose_first_step_overshoots_comes_back_and_meets_its_tolerance(monkeypatch):
+    """On 256 tokens the first Barzilai-Borwein step (eta / 2) takes the residual from 192 to thousands; without
+    undoing it the solve 'stalled' there and plain evaluation returned that point (AttLip Table 1's N = 1024 then
+    measured a Lipschitz constant of 19233). Undone and retried shorter, it meets its tolerance."""
+    torch.manual_seed(0)
+    w, x = torch.randn(32, 32) / 32 ** 0.5, torch.randn(1, 256, 32)
+    start = float(prox_residual64(x, x, w, 1, 1.0))
+    y = attlip_solve(x, w, 1, 1.0, 1e-4, 100)
+    assert float(prox_residual64(y, x, w, 1, 1.0)) <= 1e-4
+    y, stats = attlip_prox_certified(x, w, 1, 1.0, 1e-4)
+    assert stats.float64_windows == 0 and stats.residual <= 1e-4
+    monkeypatch.setattr(attlip, "OVERSHOOT", float("inf"))  # the step kept: the case exercises the safeguard
+    assert float(prox_residual64(attlip_solve(x, w, 1, 1.0, 1e-4, 100), x, w, 1, 1.0)) > start
 
 
 @pytest.mark.parametrize("scale", [1.0, 5.0])

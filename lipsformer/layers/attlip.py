@@ -149,6 +149,10 @@ FIRST_PASS_STEPS = 100
 # a window whose residual has not reached a new low for this many evaluations is stalled (at its dtype's rounding
 # floor; BB steps are not monotone, so a single rise is not a stall)
 STALLED_AFTER = 8
+# a Barzilai-Borwein step that takes a window's residual above this multiple of its lowest so far is undone and
+# retried at a quarter of its length (BB's rises on these windows stay under 4x; a first step of eta / 2 on 1024
+# tokens took the residual from 520 to 8.9e3 and on to 3.6e5, from which BB took 30 evaluations to come back)
+OVERSHOOT = 10.0
 
 
 class SolveStats(NamedTuple):
@@ -225,8 +229,10 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
 
     The step is closed-form from the last two iterates (BB1, ``s.s / s.(g' - g)``: the inverse of a secant estimate
     of the local curvature; AttLip Algorithm 2 allows any step rule), so no potential is evaluated. phi is
-    (1 / eta)-strongly convex, so that estimate never exceeds ``eta``; the step is kept in [eta / 1000, eta]. Each
-    window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not
+    (1 / eta)-strongly convex, so that estimate never exceeds ``eta``; the step is kept in [eta / 1000, eta]. A step
+    that takes a window's residual above ``OVERSHOOT`` times its lowest so far is undone and retried at a quarter of
+    its length, so no iterate's residual exceeds that multiple of the best one (the first step, eta / 2, overshoots
+    on long token groups). Each window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not
     reached a new low for ``STALLED_AFTER`` evaluations (a stall: the caller checks in float64), and only the windows
     still running are computed (the solves are batched, the finished ones leave the batch).
 
@@ -271,13 +277,19 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
         if k + 1 == max_steps:
             break
         step = -lam[:, None, None]
-        zl, v = zl.addcmul(step, u), v.addcmul(step, u_gram)  # y - lam * grad, in z and in v
-        u_new, u_gram_new, g_sq_new = coefficients(v, zl)
+        z_new, v_new = zl.addcmul(step, u), v.addcmul(step, u_gram)  # y - lam * grad, in z and in v
+        u_new, u_gram_new, g_sq_new = coefficients(v_new, z_new)
         # BB1 with s = -lam g, d = g' - g: s.s = lam^2 |g|^2, s.d = lam (|g|^2 - <g, g'>), <g, g'> = <u, u' G>
         curvature = lam * (g_sq - _dot(u, u_gram_new))
-        lam = torch.where(curvature > 0, lam.pow(2) * g_sq / curvature.clamp_min(1e-300),
-                          torch.full_like(lam, eta)).clamp(eta / 1000, eta)
-        u, u_gram, g_sq = u_new, u_gram_new, g_sq_new
+        lam_new = torch.where(curvature > 0, lam.pow(2) * g_sq / curvature.clamp_min(1e-300),
+                              torch.full_like(lam, eta)).clamp(eta / 1000, eta)
+        overshot = g_sq_new > (OVERSHOOT * best).pow(2)
+        if bool(overshot.any()):  # undo those steps and retry them shorter (a gradient step short enough lowers
+            # the residual: phi's Hessian is positive definite); the evaluation counts, and toward a stall
+            for new, old in ((z_new, zl), (v_new, v), (u_new, u), (u_gram_new, u_gram), (g_sq_new, g_sq)):
+                new[overshot] = old[overshot]
+            lam_new = torch.where(overshot, lam / 4, lam_new)
+        zl, v, u, u_gram, g_sq, lam = z_new, v_new, u_new, u_gram_new, g_sq_new, lam_new
     if len(live):
         z[live] = zl
     return x + z @ weight, z, taken
