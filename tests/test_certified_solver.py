@@ -119,19 +119,37 @@ def test_certified_solve_meets_its_tolerance_in_float64_and_says_what_it_took():
         attlip_prox_certified(x, layer.weight, 2, 1.0, 1e-8)  # below what a float32 output can carry
 
 
-def test_a_solve_whose_first_step_overshoots_comes_back_and_meets_its_tolerance(monkeypatch):
-    """On 256 tokens the first Barzilai-Borwein step (eta / 2) takes the residual from 192 to thousands; without
-    undoing it the solve 'stalled' there and plain evaluation returned that point (AttLip Table 1's N = 1024 then
-    measured a Lipschitz constant of 19233). Undone and retried shorter, it meets its tolerance."""
+@pytest.mark.parametrize("overshoot, stall_floor", [(10.0, 100.0), (float("inf"), 100.0), (10.0, float("inf"))])
+def test_a_solve_whose_first_step_overshoots_comes_back_and_meets_its_tolerance(monkeypatch, overshoot, stall_floor):
+    """On 256 tokens the first Barzilai-Borwein step (eta / 2) takes the residual from 192 to thousands. With
+    neither safeguard the solve was declared stalled there and plain evaluation returned that point (AttLip Table
+    1's N = 1024 then measured a Lipschitz constant of 19233); undoing the step (OVERSHOOT) or not calling a
+    window stalled far above its rounding floor (STALL_FLOOR) each suffices."""
     torch.manual_seed(0)
     w, x = torch.randn(32, 32) / 32 ** 0.5, torch.randn(1, 256, 32)
     start = float(prox_residual64(x, x, w, 1, 1.0))
-    y = attlip_solve(x, w, 1, 1.0, 1e-4, 100)
-    assert float(prox_residual64(y, x, w, 1, 1.0)) <= 1e-4
-    y, stats = attlip_prox_certified(x, w, 1, 1.0, 1e-4)
-    assert stats.float64_windows == 0 and stats.residual <= 1e-4
-    monkeypatch.setattr(attlip, "OVERSHOOT", float("inf"))  # the step kept: the case exercises the safeguard
+    monkeypatch.setattr(attlip, "OVERSHOOT", overshoot)
+    monkeypatch.setattr(attlip, "STALL_FLOOR", stall_floor)
+    assert float(prox_residual64(attlip_solve(x, w, 1, 1.0, 1e-4, 100), x, w, 1, 1.0)) <= 1e-4
+    _, stats = attlip_prox_certified(x, w, 1, 1.0, 1e-4)
+    assert stats.residual <= 1e-4
+    monkeypatch.setattr(attlip, "OVERSHOOT", float("inf"))
+    monkeypatch.setattr(attlip, "STALL_FLOOR", float("inf"))  # neither: the case exercises them
     assert float(prox_residual64(attlip_solve(x, w, 1, 1.0, 1e-4, 100), x, w, 1, 1.0)) > start
+
+
+def test_a_window_is_not_called_stalled_far_above_its_rounding_floor(monkeypatch):
+    """Ill-conditioned weights (as trained AttLip weights can be: ||W|| about 4 here, 8 on the certifiable digits
+    models) make BB's residual rise for more than STALLED_AFTER evaluations far above float32's floor; stopped
+    there, a window came back worse than it started. Gated by the floor, every window goes on descending."""
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 64) / 2, torch.randn(64, 16, 64)
+    start = prox_residual64(x, x, w, 4, 1.0)
+    ratio = prox_residual64(attlip_solve(x, w, 4, 1.0, 1e-4, 100), x, w, 4, 1.0) / start
+    assert float(ratio.max()) <= 1e-3
+    monkeypatch.setattr(attlip, "STALL_FLOOR", float("inf"))  # the ungated stall test
+    ratio = prox_residual64(attlip_solve(x, w, 4, 1.0, 1e-4, 100), x, w, 4, 1.0) / start
+    assert float(ratio.max()) > 1
 
 
 @pytest.mark.parametrize("scale", [1.0, 5.0])

@@ -146,9 +146,13 @@ def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 
 # gradient evaluations of the certified solve's first pass in the input's dtype; a window that has not met its
 # tolerance by then (float32 rounding can floor its residual) continues in float64
 FIRST_PASS_STEPS = 100
-# a window whose residual has not reached a new low for this many evaluations is stalled (at its dtype's rounding
-# floor; BB steps are not monotone, so a single rise is not a stall)
+# a window whose residual has not reached a new low for this many evaluations, and whose lowest residual is within
+# STALL_FLOOR times its dtype's rounding floor, is stalled there. The floor is estimated as eps ||x|| max(1,
+# ||W W^T||_F) per window (measured floors in float32: 0.3 to 3 times that, on random and on trained weights).
+# BB steps are not monotone: on the trained certifiable digits models a window's residual rose for more than 8
+# evaluations at 56 and at 1.5e-3, far above any floor, and a stall test without the floor's gate stopped it there
 STALLED_AFTER = 8
+STALL_FLOOR = 100.0
 # a Barzilai-Borwein step that takes a window's residual above this multiple of its lowest so far is undone and
 # retried at a quarter of its length (BB's rises on these windows stay under 4x; a first step of eta / 2 on 1024
 # tokens took the residual from 520 to 8.9e3 and on to 3.6e5, from which BB took 30 evaluations to come back)
@@ -233,7 +237,8 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
     that takes a window's residual above ``OVERSHOOT`` times its lowest so far is undone and retried at a quarter of
     its length, so no iterate's residual exceeds that multiple of the best one (the first step, eta / 2, overshoots
     on long token groups). Each window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not
-    reached a new low for ``STALLED_AFTER`` evaluations (a stall: the caller checks in float64), and only the windows
+    reached a new low for ``STALLED_AFTER`` evaluations near its dtype's rounding floor (a stall, ``STALL_FLOOR``:
+    the caller checks in float64), and only the windows
     still running are computed (the solves are batched, the finished ones leave the batch).
 
     Every gradient ``grad phi_x(y) = (Y + z / eta) W`` lies in the row space of the weight W (D, C) when
@@ -251,6 +256,7 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
         return x + z @ weight, z, taken
     live = torch.arange(x.shape[0], device=x.device)
     zl = z
+    floor = STALL_FLOOR * torch.finfo(x.dtype).eps * x.flatten(1).norm(dim=1) * gram.norm().clamp_min(1)
 
     def coefficients(v, z):  # u with grad phi = u W, u G, and ||grad phi||^2
         u = _grad_coefficients(v, heads).add_(z, alpha=1 / eta)
@@ -266,11 +272,11 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
         residual = g_sq.sqrt()
         improved = residual < best
         best, since_best = torch.where(improved, residual, best), torch.where(improved, 0, since_best + 1)
-        done = (residual <= tol) | (since_best >= STALLED_AFTER)  # met, or stalled at the dtype's rounding floor
+        done = (residual <= tol) | ((since_best >= STALLED_AFTER) & (best <= floor))  # met, or at the floor
         if bool(done.any()):
             z[live[done]] = zl[done]
             keep = ~done
-            live, zl, v, u, u_gram, g_sq, lam = (t[keep] for t in (live, zl, v, u, u_gram, g_sq, lam))
+            live, zl, v, u, u_gram, g_sq, lam, floor = (t[keep] for t in (live, zl, v, u, u_gram, g_sq, lam, floor))
             best, since_best = best[keep], since_best[keep]
             if not len(live):
                 break
