@@ -153,6 +153,10 @@ FIRST_PASS_STEPS = 100
 # evaluations at 56 and at 1.5e-3, far above any floor, and a stall test without the floor's gate stopped it there
 STALLED_AFTER = 8
 STALL_FLOOR = 100.0
+# derivatives through an evaluation solve (attacks, Jacobian estimates) are those of at most this many unrolled
+# Armijo steps, whatever the solve's cap: the certifiable presets cap the solve at FIRST_PASS_STEPS, and unrolling
+# that many made the PGD attacks and difference quotients of benchmarks/certified.py 2.5x slower
+GRAD_STEPS = 20
 # a Barzilai-Borwein step that takes a window's residual above this multiple of its lowest so far is undone and
 # retried at a quarter of its length (BB's rises on these windows stay under 4x; a first step of eta / 2 on 1024
 # tokens took the residual from 520 to 8.9e3 and on to 3.6e5, from which BB took 30 evaluations to come back)
@@ -328,14 +332,15 @@ def attlip_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, 
     stalled at the dtype's rounding), here capped at ``max_steps`` gradient evaluations and not checked in float64.
     Where the certified solve needs neither more evaluations nor a float64 finish, the outputs are its outputs, bit
     for bit, in far fewer evaluations than Armijo's steps (which also evaluate the potential at every trial).
-    Derivatives, where taken, are those of at most ``max_steps`` unrolled Armijo steps stopping at ``tol``."""
+    Derivatives, where taken, are those of at most ``min(max_steps, GRAD_STEPS)`` unrolled Armijo steps stopping at
+    ``tol``."""
     with torch.no_grad():
         y = _bb_solve(x.detach(), weight.detach().to(x.dtype), heads, eta, tol / 2, max_steps)[0]
-    return _straight_through(y, x, weight, heads, eta, max_steps, tol)
+    return _straight_through(y, x, weight, heads, eta, min(max_steps, GRAD_STEPS), tol)
 
 
 def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
-                          max_steps: int = 1000, grad_steps: int = 20) -> Tuple[torch.Tensor, SolveStats]:
+                          max_steps: int = 1000, grad_steps: int = GRAD_STEPS) -> Tuple[torch.Tensor, SolveStats]:
     """prox_{eta f}(x) to a verified tolerance, for certified inference: every window's residual
     ``||grad phi_x(y)||`` evaluated in float64 at the returned point is at most ``tol``, so that
     ``||y - prox(x)|| <= eta * tol`` (AttLip Proposition 3 (1)); past ``max_steps`` gradient evaluations a
@@ -454,7 +459,7 @@ class AttLip(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.solve_cap is not None and not self.training:
             y, self.last_solve = attlip_prox_certified(x, self.weight, self.heads, self.eta, self.tol,
-                                                       self.solve_cap, grad_steps=self.eval_steps)
+                                                       self.solve_cap, min(self.eval_steps, GRAD_STEPS))
             return y
         if self.training:
             return attlip_prox(x, self.weight, self.heads, self.eta, self.train_steps, self.tol)
