@@ -115,14 +115,14 @@ def main(argv=None) -> None:
             lipschitz_report(models[kind])  # what keep_bound computes after every step
         return time.perf_counter() - t
 
-    kinds = list(models)
-    for kind in kinds:  # warm-up; the power iteration's first vector is the exact one
+    for kind in models:  # warm-up; the power iteration's first vector is the exact one
         train_step(kind)
-    steps = {k: [] for k in kinds}
+    steps = {k: [] for k in models}
     for _ in range(args.reps):
-        for kind in kinds:
+        for kind in models:
             steps[kind].append(train_step(kind))
-    power, exact_s, graph_s, power_b, exact_b = (statistics.median(steps[k]) for k in kinds)
+    power, exact_s, graph_s, power_b, exact_b = (statistics.median(steps[k])
+                                                 for k in ("power", "exact", "graph", "power+bound", "exact+bound"))
     print(f"training step: exact divisors {exact_s * 1e3:.1f} ms, power iteration {power * 1e3:.1f} ms, "
           f"speed-up {exact_s / power:.2f}x; exact divisors with autograd through eigvalsh (before) "
           f"{graph_s * 1e3:.1f} ms, {graph_s / exact_s:.2f}x the exact step")

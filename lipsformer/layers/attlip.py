@@ -240,10 +240,10 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
     (1 / eta)-strongly convex, so that estimate never exceeds ``eta``; the step is kept in [eta / 1000, eta]. A step
     that takes a window's residual above ``OVERSHOOT`` times its lowest so far is undone and retried at a quarter of
     its length, so no iterate's residual exceeds that multiple of the best one (the first step, eta / 2, overshoots
-    on long token groups). Each window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not
-    reached a new low for ``STALLED_AFTER`` evaluations near its dtype's rounding floor (a stall, ``STALL_FLOOR``:
-    the caller checks in float64), and only the windows
-    still running are computed (the solves are batched, the finished ones leave the batch).
+    on long token groups). Each window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s
+    dtype, or once it has not reached a new low for ``STALLED_AFTER`` evaluations near its dtype's rounding floor (a
+    stall, ``STALL_FLOOR``: the caller checks in float64), and only the windows still running are computed (the
+    solves are batched, the finished ones leave the batch).
 
     Every gradient ``grad phi_x(y) = (Y + z / eta) W`` lies in the row space of the weight W (D, C) when
     ``y = x + z W`` (``grad f(y) = Y W``, :func:`_grad_coefficients`), so the descent runs on ``z`` (N, D) and on
