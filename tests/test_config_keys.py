@@ -425,7 +425,7 @@ def test_warmup_ramps_as_timms_scheduler_does(probe):
     ("weight_decay=-0.1", "weight_decay must be in [0, inf)"),
     ("label_smoothing=1.0", "label_smoothing must be in [0, 1)"),
     ("drop_path=1.5", "drop_path must be in [0, 1)"),
-    ("crop_pct=0", "crop_pct must be in (0, 1]"),
+    ("crop_pct=0", "crop_pct must be in (0, 2]"),
     ("reprob=2", "reprob must be in [0, 1]"),
     ("workers=-1", "workers must be 0 or more"),
     ("attlip_train_steps=[]", "attlip_train_steps must be a non-empty list of step counts >= 1"),

@@ -10,6 +10,7 @@ from PIL import Image
 from timm.data import create_dataset as timm_create_dataset
 from timm.data import create_transform, resolve_data_config
 from torch.utils.data import Dataset, default_collate, get_worker_info
+from torchvision.transforms import Grayscale
 
 from .augment import apply_transform, portable
 
@@ -119,19 +120,31 @@ def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
 
 
 def recipe_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
-    """timm's own preprocessing per :func:`eval_data_config`; training adds the recipe's augmentations. What
+    """timm's own preprocessing per :func:`eval_data_config`; training adds the recipe's augmentations. A
+    ``crop_pct`` above 1 pads: evaluation resizes to ``floor(img_size / crop_pct)`` and zero-pads the centre crop to
+    ``img_size`` (timm's center crop mode), and training augments that padded image (MNIST's 28x28 digits in the
+    32x32 frame the models need: zero padding is an l2 isometry, so a radius certified on the padded image holds for
+    the 28x28 one). A model of one input channel gets grey images (PIL's ``L``: exactly the grey value of a grey
+    image read as RGB). What
     training and evaluation use is :func:`create_loader_transform` (this, made portable across Pillow versions);
     this one is the reference it is compared with."""
     data_cfg = eval_data_config(model, crop_pct, interpolation)
     if cfg is not None:
-        data_cfg.update(input_size=(3, cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
+        data_cfg.update(input_size=(data_cfg["input_size"][0], cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
                         interpolation=cfg.interpolation)
+    grey = [Grayscale(1)] if data_cfg["input_size"][0] == 1 else []  # images are read as RGB
     if not is_training:
-        return create_transform(**data_cfg, is_training=False)
-    return create_transform(
+        evaluation = create_transform(**data_cfg, is_training=False)
+        evaluation.transforms[:0] = grey
+        return evaluation
+    train = create_transform(
         data_cfg["input_size"], is_training=True, interpolation=data_cfg["interpolation"], mean=data_cfg["mean"],
         std=data_cfg["std"], auto_augment=cfg.aa, re_prob=cfg.reprob, re_mode="pixel", hflip=cfg.hflip,
         scale=tuple(cfg.scale))
+    if data_cfg["crop_pct"] > 1:  # padded as evaluation pads, before the augmentation crops and resizes
+        train.transforms[:0] = create_transform(**data_cfg, is_training=False).transforms[:2]
+    train.transforms[:0] = grey
+    return train
 
 
 def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):

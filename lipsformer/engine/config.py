@@ -132,7 +132,7 @@ class TrainConfig:
         ranges = {  # (low, high, low inclusive, high inclusive): values torch / timm would refuse late or misuse
             "lr": (0.0, float("inf"), False, False), "min_lr": (0.0, float("inf"), True, False),
             "weight_decay": (0.0, float("inf"), True, False), "label_smoothing": (0.0, 1.0, True, False),
-            "drop_path": (0.0, 1.0, True, False), "crop_pct": (0.0, 1.0, False, True),
+            "drop_path": (0.0, 1.0, True, False), "crop_pct": (0.0, 2.0, False, True),
             "mixup": (0.0, float("inf"), True, False), "cutmix": (0.0, float("inf"), True, False),
             "reprob": (0.0, 1.0, True, True), "hflip": (0.0, 1.0, True, True)}
         for key, (low, high, low_in, high_in) in ranges.items():

@@ -191,8 +191,9 @@ def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_step
         raise ConfigError(f"--workers must be 0 (load in the main process) or more, got {workers}")
     if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
         raise ConfigError(f"--img-size must be a positive number of pixels, got {img_size}")
-    if crop_pct is not None and not 0.0 < crop_pct <= 1.0:
-        raise ConfigError(f"--crop-pct must be in (0, 1] (the fraction of the resized image kept), got {crop_pct}")
+    if crop_pct is not None and not 0.0 < crop_pct <= 2.0:
+        raise ConfigError(f"--crop-pct must be in (0, 2] (the crop's size over the resized image's: above 1 pads), "
+                          f"got {crop_pct}")
     if attack_steps < 1:
         raise ConfigError(f"--attack-steps must be at least 1 (a PGD attack of {attack_steps} steps does not attack)")
     if attack_restarts < 1:
