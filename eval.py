@@ -31,8 +31,13 @@ def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified"].items())
         solver = (f", AttLip solved to tolerance in at most {max(r['solver_steps'].values())} gradient evaluations "
                   f"a block" if r["solver_steps"] else "")
-        parts.append(f"certified (L = {r['lipschitz']:.4g} in pixel space, solver defect D = {r['defect']:.3g}"
+        rule = (f"pairwise rule, backbone L_b = {r['backbone_lipschitz']:.4g}, " if r["rule"] == "pairwise" else
+                "global rule, ")
+        parts.append(f"certified ({rule}L = {r['lipschitz']:.4g} in pixel space, solver defect D = {r['defect']:.3g}"
                      f"{solver}, margins in {r['margins']} whatever --amp{why}) {accs}")
+        if r["rule"] == "pairwise":
+            accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified_global"].items())
+            parts.append(f"certified by the global rule margin / (sqrt(2) L) {accs}")
     if r["attacked"]:
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["attacked"].items())
         parts.append(f"PGD-attacked (l2, {steps} steps, {restarts} restarts) {accs}")
@@ -70,9 +75,11 @@ def main(argv=None) -> int:
     parser.add_argument("--interpolation", choices=("bilinear", "bicubic", "nearest"),
                         help="resize interpolation (default: the model's config)")
     parser.add_argument("--certify-eps", nargs="+", default=[], metavar="EPS",
-                        help="certified accuracy at these l2 radii in [0, 1] pixel space ((margin - 2 sqrt(2) D) / (sqrt(2) L) "
-                             "from float32 margins whatever --amp, "
-                             "L from the Lipschitz report); --predictions gets each image's certified radius")
+                        help="certified accuracy at these l2 radii in [0, 1] pixel space, by the pairwise rule "
+                             "min_j (z_c - z_j - 2 |w_c - w_j| D_b) / (|w_c - w_j| L_b) and the global rule "
+                             "(margin - 2 sqrt(2) D) / (sqrt(2) L), from float32 margins whatever --amp, L from the "
+                             "Lipschitz report; --predictions gets each image's certified_radius (pairwise) and "
+                             "certified_radius_global")
     parser.add_argument("--attack-eps", nargs="+", default=[], metavar="EPS",
                         help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")
     parser.add_argument("--attack-steps", type=int, default=20, help="PGD steps per restart")
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
         print(f"stopped: {e.line}", file=sys.stderr)
         return 3
     classes, probs = result.pop("classes"), result.pop("probs")
-    radius = result.pop("radius", None)
+    radius, radius_global = result.pop("radius", None), result.pop("radius_global", None)
     if not result.pop("is_main_process"):
         return 0
     excluded = f", {result['excluded']} without ReaL labels left out" if result["excluded"] else ""
@@ -125,7 +132,7 @@ def main(argv=None) -> int:
     if "robustness" in result:
         print(robustness_line(result["robustness"], result["top1"], args.attack_steps, args.attack_restarts))
     if args.predictions:
-        write_predictions(args.predictions, samples, classes, probs, radius)
+        write_predictions(args.predictions, samples, classes, probs, radius, radius_global)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(dict(result, data_dir=args.data_dir), f, indent=2)

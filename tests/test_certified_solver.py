@@ -7,7 +7,9 @@ import torch
 from lipsformer.layers import attlip
 from lipsformer.layers.attlip import (AttLip, SolverToleranceError, attlip_grad, attlip_prox, attlip_prox_certified,
                                      attlip_solve, prox_residual64, solve_to_tolerance)
-from lipsformer.lipschitz.certify import logit_margin, normalization, pgd_l2, pixel_lipschitz, predict_certified
+from lipsformer.lipschitz import lipschitz_report
+from lipsformer.lipschitz.certify import (certified_radius, logit_margin, normalization, pgd_l2, pixel_lipschitz,
+                                          predict_certified)
 from lipsformer.lipschitz.constraints import keep_bound
 
 
@@ -39,10 +41,36 @@ def test_early_stopped_solver_certifies_smaller_radii_never_larger():
     loose_L = pixel_lipschitz(model)
     loose_logits, loose_pred, loose = predict_certified(model, images, loose_L)
     assert loose_L.defect > 100 * pixel_lipschitz(small()).defect
-    charged = (logit_margin(loose_logits).double() - 2 * 2 ** 0.5 * loose_L.defect) / (2 ** 0.5 * loose_L.bound)
-    assert torch.allclose(loose, charged.clamp_min(0))  # 2 sqrt(2) D comes off each margin
+    w = lipschitz_report(model).head  # the pairwise rule: 2 ||w_c - w_j|| D_b off each logit difference
+    Lb, Db = loose_L.backbone * loose_L.input_scale, loose_L.backbone_defect
+    assert Db > 0 and loose_L.backbone < loose_L.network
+    charged = torch.tensor([min((z[c] - z[j] - 2 * (w[c] - w[j]).norm() * Db) / ((w[c] - w[j]).norm() * Lb)
+                                for j in range(len(z)) if j != c)
+                            for z, c in zip(loose_logits.double(), loose_pred.tolist())], dtype=torch.float64)
+    assert torch.allclose(loose, charged.clamp_min(0), rtol=1e-12, atol=0)
+    glob = (logit_margin(loose_logits).double() - 2 * 2 ** 0.5 * loose_L.defect) / (2 ** 0.5 * loose_L.bound)
+    assert torch.equal(certified_radius(loose_logits, loose_L), glob.clamp_min(0))  # 2 sqrt(2) D off each margin
     assert (tight > 0).any()
     assert (loose <= tight).all() and (loose < tight)[tight > 0].all()
+
+
+def test_the_pairwise_radius_is_never_below_the_global_one_and_charges_the_backbone():
+    """``min_j (z_c - z_j - 2 g_cj D_b) / (g_cj L_b)`` with ``g_cj = ||w_c - w_j||``: never below the global
+    ``(margin - 2 sqrt(2) D) / (sqrt(2) L)`` (``g_cj <= sqrt(2) ||W||``), larger on most images here, and it is what
+    predict_certified returns."""
+    model = small()
+    mean, std = normalization(model)
+    images = (torch.rand(12, 3, 16, 16, generator=torch.Generator().manual_seed(3)) - mean) / std
+    logits, pred, radius = predict_certified(model, images)
+    L = pixel_lipschitz(model)
+    report = lipschitz_report(model)
+    fc = model.head.fc
+    assert torch.equal(report.head, fc.weight.detach().double())  # the matrix the forward multiplies by
+    assert L.backbone == report.backbone().bound and L.backbone_defect == report.backbone().defect > 0
+    assert L.backbone * report.rows[-1].lip == pytest.approx(L.network, rel=1e-12)  # L = L_b ||W||
+    glob = certified_radius(logits, L)
+    assert (glob > 0).sum() >= 4
+    assert (radius >= glob).all() and (radius > 1.2 * glob).sum() >= 6
 
 
 def test_pgd_at_the_certified_radius_flips_none_on_inputs_hardest_for_the_solver():
@@ -78,7 +106,8 @@ def test_the_attack_finds_a_known_adversarial_and_none_inside_the_certified_radi
     mean, std = normalization(model)
     pixels = torch.cat([torch.rand(6, 3, 16, 16), torch.rand(6, 3, 1, 1).expand(6, 3, 16, 16),
                         (torch.rand(6, 3, 16, 16) > 0.5).float()])  # noise, flat colours, binary noise
-    _, pred, radius = predict_certified(model, (pixels - mean) / std)
+    logits, pred, radius = predict_certified(model, (pixels - mean) / std)  # the pairwise rule's radii
+    assert (radius > 1.2 * certified_radius(logits, pixel_lipschitz(model))).sum() >= 6  # beyond the global rule
     pairs = [(i, next(j for j in range(len(pred)) if pred[j] != pred[i])) for i in range(len(pred))
              if (pred != pred[i]).any()]
     assert len(pairs) >= 4

@@ -36,6 +36,9 @@ def test_pixel_lipschitz_is_the_reports_bound_times_the_normalisations():
     _, std = normalization(model)
     # ImageNet std (0.229, 0.224, 0.225): the normalisation stretches pixel distances by up to 1 / 0.224
     assert L.network == lipschitz_report(model).bound and L.input_scale == pytest.approx(1 / 0.224, rel=1e-6)
+    # the pairwise rule's backbone L_b: everything before the classifier's Linear, the normalisation included
+    assert L.backbone_bound == lipschitz_report(model).backbone().bound * L.input_scale
+    assert L.gaps.shape == (4, 4) and float(L.gaps.max()) <= 2 ** 0.5 * float(lipschitz_report(model).rows[-1].lip)
     assert L.bound == pytest.approx(L.network / float(std.min())) and L.finite and L.reason == ""
     logits = torch.tensor([[3.0, 1.0, 0.5], [0.0, 2.0, 2.0]])
     assert certified_radius(logits, 2.0).tolist() == pytest.approx([2.0 / (math.sqrt(2) * 2.0), 0.0])
@@ -151,12 +154,20 @@ def test_eval_cli_certifies_attacks_and_writes_each_radius(tmp_path):
     for e in ("0.001", "0.01"):
         assert cert[e] <= att[e] <= result["top1"]
     assert r["lipschitz"] == pytest.approx(pixel_lipschitz(model).bound, rel=1e-6) and r["reason"] == ""
-    assert "robustness: clean" in proc.stdout and "certified (L = " in proc.stdout and "PGD-attacked" in proc.stdout
+    assert r["rule"] == "pairwise" and r["backbone_lipschitz"] == pytest.approx(pixel_lipschitz(model).backbone_bound)
+    assert "robustness: clean" in proc.stdout and "certified (pairwise rule, backbone L_b = " in proc.stdout
+    assert "certified by the global rule margin / (sqrt(2) L)" in proc.stdout and "PGD-attacked" in proc.stdout
     rows = list(csv.DictReader((tmp_path / "p.csv").open()))
     assert len(rows) == 10 and all(float(row["certified_radius"]) > 0 for row in rows)
     correct = [row["top1"] in row["targets"].split() for row in rows]
     radii = [float(row["certified_radius"]) for row in rows]
+    radii_global = [float(row["certified_radius_global"]) for row in rows]
     assert cert["0.001"] == pytest.approx(100 * sum(c and x > 0.001 for c, x in zip(correct, radii)) / 10)
+    for e in ("0.001", "0.01"):  # the JSON's global rule is the CSV's global radii, and never above the pairwise
+        assert r["certified_global"][e] == pytest.approx(
+            100 * sum(c and x > float(e) for c, x in zip(correct, radii_global)) / 10)
+        assert r["certified_global"][e] <= cert[e]
+    assert all(g <= p * (1 + 1e-5) for g, p in zip(radii_global, radii)) and radii != radii_global
 
 
 def test_eval_cli_rejects_bad_eps_with_one_line_and_an_infinite_bound_says_why(tmp_path, eval_main, capsys):

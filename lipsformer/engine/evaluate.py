@@ -156,16 +156,20 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
     return dict(result, classes=classes, probs=probs)
 
 
-def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor, radius=None) -> None:
+def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor, radius=None,
+                      radius_global=None) -> None:
     """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities (empty for
     an image that could not be read), and with ``radius`` its certified l2 radius in pixel space
-    (:mod:`lipsformer.lipschitz.certify`)."""
+    (``certified_radius``: the pairwise rule, :mod:`lipsformer.lipschitz.certify`) and ``radius_global`` the global
+    rule's (``certified_radius_global``)."""
     k = classes.shape[1]
     header: List[str] = ["path", "targets"]
     for i in range(1, k + 1):
         header += [f"top{i}", f"prob{i}"]
     if radius is not None:
         header.append("certified_radius")
+    if radius_global is not None:
+        header.append("certified_radius_global")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
@@ -175,6 +179,8 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
                 row += [c, f"{q:.6f}"] if c >= 0 else ["", ""]  # an unreadable image: no prediction
             if radius is not None:
                 row.append(f"{float(radius[n]):.6g}")
+            if radius_global is not None:
+                row.append(f"{float(radius_global[n]):.6g}")
             writer.writerow(row)
 
 
@@ -285,5 +291,6 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
                                                             collate_fn=collate_skip_failed))
         robustness = certify_dataset(model, loader, accelerator, [s[1] for s in samples], certify_eps, attack_eps,
                                      attack_steps, attack_restarts)
-        result.update(radius=robustness.pop("radius"), robustness=robustness)
+        result.update(radius=robustness.pop("radius"), radius_global=robustness.pop("radius_global"),
+                      robustness=robustness)
     return result, samples

@@ -505,6 +505,16 @@ def attlip_module_bound(attn: nn.Module, hw: HW) -> Bound:
 @dataclass
 class LipschitzReport:
     rows: List[Row] = field(default_factory=list)
+    #: when the network ends in a linear layer (``logits = W h + b``, the last row), ``W`` as its forward computes
+    #: it, in float64: the pairwise certificate's ``||w_c - w_j||`` (:meth:`backbone` bounds ``h``)
+    head: Optional[torch.Tensor] = None
+
+    def backbone(self) -> "LipschitzReport":
+        """The report of the map from the input to the last linear layer's input ``h`` (every row but the last):
+        its :attr:`bound` and :attr:`defect` are the pairwise certificate's ``L_b`` and ``D_b``."""
+        if self.head is None:
+            raise ValueError("this network does not end in a linear layer: it has no backbone to bound apart")
+        return LipschitzReport(self.rows[:-1])
 
     @property
     def log10_bound(self) -> float:
@@ -653,12 +663,34 @@ def classifier_head_rows(head: ClassifierHead, name: str, hw: HW) -> List[Row]:
             for row in module_rows(getattr(head, part), f"{name}.{part}", hw)]
 
 
+#: network type -> ``fn(model) -> LipschitzReport``: networks other than LipsFormers that bound themselves (e.g. the
+#: 1-Lipschitz CNN baselines), with :attr:`LipschitzReport.head` set when they end in a linear layer.
+NETWORKS: Dict[type, Callable[[nn.Module], "LipschitzReport"]] = {}
+
+
+def register_network(*types: type):
+    """Decorator: ``fn(model) -> LipschitzReport`` bounds whole networks of ``types`` (not LipsFormers)."""
+    return lambda fn: _register(NETWORKS, types, fn)
+
+
+def linear_head(rows: List[Row], layer: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``layer``'s weight as its forward computes it (float64, detached) when ``layer`` is a Linear whose row,
+    named ``name``, is the last of ``rows``, so that the logits are ``W h + b``; else None."""
+    if isinstance(layer, nn.Linear) and rows and rows[-1].name == name:
+        return layer.weight.detach().to(torch.float64)
+    return None
+
+
 @torch.no_grad()
 def lipschitz_report(model: nn.Module, input_size: Optional[Tuple[int, int, int]] = None) -> LipschitzReport:
     """Every layer's certified bound and the network bound (eq. 19; eq. 21 with DropPath) of a LipsFormer
     at its input size (C, H, W), which is fixed when the model is built: ``input_size`` only checks it.
     Inputs and outputs are measured in the l2 norm of the whole tensor. Every module is bounded by its type
-    (:data:`BOUNDS`); a module of a type with no registered bound raises :class:`NoBoundError` naming it."""
+    (:data:`BOUNDS`); a module of a type with no registered bound raises :class:`NoBoundError` naming it.
+    A network of a type in :data:`NETWORKS` gives its own report. The report's :attr:`~LipschitzReport.head` is
+    the classifier's weight when the network ends in it (``head.fc``, a Linear, with nothing after it)."""
+    if type(model) in NETWORKS:
+        return NETWORKS[type(model)](model)
     if not isinstance(model, LipsFormerBase):
         cls = type(model)
         raise NoBoundError(f"lipschitz_report bounds LipsFormer models; got {cls.__module__}.{cls.__qualname__}")
@@ -681,4 +713,4 @@ def lipschitz_report(model: nn.Module, input_size: Optional[Tuple[int, int, int]
             rows += module_rows(block, f"stages.{i}.blocks.{j}", hw)
     rows += module_rows(model.norm, "norm", hw)
     rows += module_rows(model.head, "head", hw)
-    return LipschitzReport(rows)
+    return LipschitzReport(rows, linear_head(rows, getattr(model.head, "fc", None), "head.fc"))

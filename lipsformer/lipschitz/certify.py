@@ -19,17 +19,30 @@ difference then moves by at most ``sqrt(2) (L r + 2 D)``, so the certified radiu
 
     r(x) = max(0, (margin(x) - 2 sqrt(2) D) / (sqrt(2) L)).
 
+**The pairwise rule** (what :func:`predict_certified` returns; GloRo, LiResNet, BRONet and LipShiFT certify so). When
+the network ends in a linear layer, ``z = W h(x) + b`` with ``h`` the backbone (bound ``L_b``, solver defect
+``D_b``, both from the same report: :meth:`~lipsformer.lipschitz.bounds.LipschitzReport.backbone`, the
+normalisation's ``1/std`` in ``L_b``), each difference ``z_c - z_j = (w_c - w_j) . h + b_c - b_j`` moves by at most
+``||w_c - w_j|| (L_b r + 2 D_b)`` within ``r``, so
+
+    r(x) = max(0, min_{j != c} (z_c - z_j - 2 ||w_c - w_j|| D_b) / (||w_c - w_j|| L_b))
+
+for the predicted class ``c``. Since ``||w_c - w_j|| <= sqrt(2) ||W||``, ``L = L_b ||W||`` and ``D = D_b ||W||``, it is
+never smaller than the global radius above (:func:`certified_radius`, which stays for models without a linear
+last layer and is reported beside it as ``certified_radius_global``).
+
 Margins are always taken from a float32 forward with autocast off (:func:`predict_certified`), whatever precision
 the rest of evaluation runs in; a model whose weights are not float32 or wider certifies nothing.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.data import resolve_data_config
 from torch import nn
 
+from ..data.datasets import eval_data_config
 from ..layers.attlip import AttLip, solve_to_tolerance
 from .bounds import LipschitzReport, NoBoundError, lipschitz_report
 
@@ -44,6 +57,11 @@ class PixelLipschitz:
     input_scale: float  # 1 / min(std): the normalisation's Lipschitz constant
     reason: str = ""  # why the bound is infinite ("" when finite)
     defect: float = 0.0  # ||computed - exact logits||_2 per image (the report's defect): 2 sqrt(2) D off each margin
+    # the pairwise rule, when the network ends in a linear layer: L_b and D_b of its input (on normalised inputs,
+    # as ``network``) and ``gaps[c, j] = ||w_c - w_j||`` (float64, rounded up); None: the global rule only
+    backbone: float = math.inf
+    backbone_defect: float = 0.0
+    gaps: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def bound(self) -> float:
@@ -52,6 +70,19 @@ class PixelLipschitz:
     @property
     def finite(self) -> bool:
         return math.isfinite(self.bound)
+
+    @property
+    def backbone_bound(self) -> float:
+        """``L_b`` in pixel space: the backbone's bound times the normalisation's."""
+        return self.backbone * self.input_scale
+
+
+def head_gaps(weight: torch.Tensor) -> torch.Tensor:
+    """``||w_c - w_j||`` for every pair of rows of a (classes, features) weight, in float64, each rounded up by the
+    float64 computation's relative error bound (``(features + 2) u``, u = 2^-53)."""
+    w = weight.detach().to(torch.float64)
+    gaps = (w[:, None, :] - w[None, :, :]).norm(dim=-1)
+    return gaps * (1 + (w.shape[1] + 2) * torch.finfo(torch.float64).eps)
 
 
 def normalization(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +103,11 @@ def pixel_lipschitz(model: nn.Module, report: Optional[LipschitzReport] = None) 
         notes = sorted({r.note for r in report.rows if not math.isfinite(r.lip) and r.note})
         reason = ("the certified bound is infinite: " + "; ".join(notes) if notes
                   else f"the certified bound exceeds the float range (1e{report.log10_bound:.0f})")
-    return PixelLipschitz(network, 1.0 / float(std.min()), reason, report.defect)
+    pairwise = {}
+    if report.head is not None and math.isfinite(network):
+        backbone = report.backbone()
+        pairwise = dict(backbone=backbone.bound, backbone_defect=backbone.defect, gaps=head_gaps(report.head))
+    return PixelLipschitz(network, 1.0 / float(std.min()), reason, report.defect, **pairwise)
 
 
 def logit_margin(logits: torch.Tensor) -> torch.Tensor:
@@ -93,6 +128,23 @@ def certified_radius(logits: torch.Tensor, lipschitz: Union[float, PixelLipschit
     return ((margin - 2 * SQRT2 * defect) / (SQRT2 * L)).clamp_min(0.0)
 
 
+def pairwise_radius(logits: torch.Tensor, lipschitz: PixelLipschitz) -> torch.Tensor:
+    """Per image, the pairwise rule's radius (module docstring) for the predicted class ``c``:
+    ``max(0, min_{j != c} (z_c - z_j - 2 g_cj D_b) / (g_cj L_b))``, ``g_cj = ||w_c - w_j||``. A class whose row equals
+    ``c``'s never overtakes it unless it ties now (its logit difference is constant). Without a linear last layer
+    (``lipschitz.gaps`` None) it is :func:`certified_radius`."""
+    if lipschitz.gaps is None or not math.isfinite(lipschitz.backbone_bound):
+        return certified_radius(logits, lipschitz)
+    z = logits.detach().double()
+    c = z.argmax(-1)
+    gaps = lipschitz.gaps.to(z.device)[c]  # (B, classes)
+    diff = z.gather(1, c[:, None]) - z
+    radius = torch.where(gaps > 0, (diff - 2 * gaps * lipschitz.backbone_defect) / (gaps * lipschitz.backbone_bound),
+                         torch.where(diff > 0, math.inf, 0.0))
+    radius.scatter_(1, c[:, None], math.inf)  # j != c
+    return radius.amin(1).clamp_min(0.0)
+
+
 def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optional[PixelLipschitz] = None,
                       max_steps: int = 1000) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Predictions and certified radii of a batch of normalised ``images``: ``(logits, pred, radius)``.
@@ -100,7 +152,8 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
     The one call behind ``eval.py --certify-eps``. The forward runs in eval mode, in float32 with autocast off
     (an Accelerate-prepared model's mixed-precision wrapper is bypassed), with every AttLip solved to its
     tolerance (:func:`~lipsformer.layers.attlip.solve_to_tolerance`, raising past ``max_steps``), so the radius is
-    sound for the logits returned. ``lipschitz`` defaults to :func:`pixel_lipschitz` of ``model``.
+    sound for the logits returned: the pairwise rule's (:func:`pairwise_radius`; ``certified_radius(logits, L)`` is the
+    global rule's). ``lipschitz`` defaults to :func:`pixel_lipschitz` of ``model``.
     """
     bare = getattr(model, "module", model)
     dtypes = {p.dtype for p in bare.parameters() if p.is_floating_point()}
@@ -112,7 +165,7 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
     forward = getattr(bare, "_original_forward", bare.forward)  # Accelerate keeps the forward before autocast
     with torch.no_grad(), torch.autocast(images.device.type, enabled=False), solve_to_tolerance(bare, max_steps):
         logits = forward(images.float()).float()
-    return logits, logits.argmax(-1), certified_radius(logits, L)
+    return logits, logits.argmax(-1), pairwise_radius(logits, L)
 
 
 def certified_accuracy(radius: torch.Tensor, correct: torch.Tensor, eps: Sequence[float]) -> Dict[float, float]:
@@ -175,18 +228,20 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     An image counts as certified at ``eps`` when its top-1 is allowed and its certified radius exceeds ``eps``; as
     attacked-correct when its top-1 is allowed and the attack at ``eps`` did not change it. So for a sound bound,
     certified <= attacked <= clean at every eps. Returns ``lipschitz`` (pixel-space L), ``reason`` (why nothing
-    certifies, or ""), ``certified`` and ``attacked`` ({eps: %}), ``count``, ``radius`` (per image, by index) and
-    ``solver_steps`` (per AttLip block, the most gradient evaluations its certified solve took on any window).
+    certifies, or ""), ``certified`` (the pairwise rule, :func:`pairwise_radius`), ``certified_global`` (the global
+    rule, :func:`certified_radius`) and ``attacked`` ({eps: %}), ``rule`` (``pairwise``, or ``global`` when the
+    network does not end in a linear layer) with ``backbone_lipschitz`` (its ``L_b`` in pixel space), ``count``,
+    ``radius`` and ``radius_global`` (per image, by index) and ``solver_steps`` (per AttLip block, the most gradient evaluations its certified solve took on any window).
     """
     bare = accelerator.unwrap_model(model)
     L = pixel_lipschitz(bare, report)
-    built = tuple(bare.patch_embed.img_size)
+    built = tuple(eval_data_config(bare)["input_size"][1:])
     mean, std = normalization(bare)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
     model.eval()
     solved = [(name, m) for name, m in bare.named_modules() if isinstance(m, AttLip)]
     steps: Dict[str, int] = {}  # per AttLip block, the most gradient evaluations any window of any batch took
-    keys, radii, corrects, robusts, valid = [], [], [], [], []
+    keys, radii, globals_, corrects, robusts, valid = [], [], [], [], [], []
     for batch in loader:  # (images, index) or collate_skip_failed's (images, index, failed): stand-ins come last
         images, index = batch[0], batch[1]
         if images is None:
@@ -199,6 +254,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
         stand_ins = len(batch[2]) if len(batch) > 2 else 0
         read = torch.arange(len(images), device=images.device) < len(images) - stand_ins
         logits, pred, radius = predict_certified(bare, images, L)
+        radius_global = certified_radius(logits, L)
         for name, m in solved:
             steps[name] = max(steps.get(name, 0), m.last_solve.steps)
         correct = torch.tensor([int(p) in set(label_sets[int(i)]) for p, i in zip(pred.tolist(), index.tolist())],
@@ -209,26 +265,33 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
             if bool(correct.any()):
                 fooled = pgd_l2(model, pixels[correct], pred[correct], e, mean, std, attack_steps, attack_restarts)
                 robust[correct.nonzero().squeeze(1), k] = ~fooled
-        index, radius, correct, robust, read = accelerator.gather_for_metrics(
-            (index.to(images.device), radius.to(images.device), correct, robust, read))
+        index, radius, radius_global, correct, robust, read = accelerator.gather_for_metrics(
+            (index.to(images.device), radius.to(images.device), radius_global.to(images.device), correct, robust, read))
         keys.append(index.cpu())
         radii.append(radius.cpu())
+        globals_.append(radius_global.cpu())
         corrects.append(correct.cpu())
         robusts.append(robust.cpu())
         valid.append(read.cpu())
     if not keys:
         raise ValueError("certify_dataset: the loader gave no readable image")
     read = torch.cat(valid)
-    index, radius, correct, robust = (torch.cat(t)[read] for t in (keys, radii, corrects, robusts))
+    index, radius, radius_global, correct, robust = (torch.cat(t)[read] for t in (keys, radii, globals_, corrects,
+                                                                                  robusts))
     scored = torch.tensor([bool(label_sets[int(i)]) for i in index], dtype=torch.bool)
     count = max(int(scored.sum()), 1)
     by_index = torch.zeros(len(label_sets), dtype=torch.double)  # unreadable images keep 0: nothing certified
     by_index[index] = radius
+    global_by_index = torch.zeros(len(label_sets), dtype=torch.double)
+    global_by_index[index] = radius_global
     return dict(lipschitz=L.bound, network_bound=L.network, input_scale=L.input_scale, reason=L.reason,
                 defect=L.defect, margins="float32",
                 certified=certified_accuracy(radius[scored], correct[scored], certify_eps),
+                certified_global=certified_accuracy(radius_global[scored], correct[scored], certify_eps),
+                rule="pairwise" if L.gaps is not None else "global",
+                backbone_lipschitz=L.backbone_bound if L.gaps is not None else None,
                 attacked={float(e): 100.0 * float(robust[scored, k].sum()) / count for k, e in enumerate(attack_eps)},
-                count=int(scored.sum()), radius=by_index, solver_steps=steps)
+                count=int(scored.sum()), radius=by_index, radius_global=global_by_index, solver_steps=steps)
 
 
 def parse_eps(values: Sequence[str], flag: str) -> Tuple[float, ...]:
