@@ -28,8 +28,12 @@ def test_convex_residual_is_a_convex_combination():
     assert res.alpha.shape == (1,)  # one scalar: per-channel weights would break the bound
     x, fx = torch.randn(3, 4), torch.randn(3, 4)
     assert torch.allclose(res(x, fx), 0.75 * x + 0.25 * fx)
-    with pytest.raises(ValueError, match=r"alpha_init in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"0 <= alpha_range\[0\] <= alpha_init <= alpha_range\[1\] <= 1"):
         ConvexResidual(4, alpha_init=1.5)
+    with pytest.raises(ValueError, match=r"alpha_init 0.1 and alpha_range \(0.2, 1.0\)"):
+        ConvexResidual(4, alpha_init=0.1, alpha_range=(0.2, 1.0))
+    with pytest.raises(ValueError, match="the residual 'add' has none"):
+        create_residual("add", 4, 0.1, alpha_range=(0.0, 0.0))
     with pytest.raises(ValueError, match="residual must be one of"):
         create_residual("sum", 4, 0.1)
 
@@ -310,7 +314,7 @@ def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from certified import LipschitzCNN, pixel_bound
+    from certified import LipschitzCNN, pixel_bound, register_cnn
 
     from lipsformer.lipschitz import maximize_difference_quotient
     from lipsformer.lipschitz.certify import certified_radius, normalization, pgd_l2
@@ -321,7 +325,10 @@ def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
             conv.lin.raw.mul_(5.0)  # the forward divides by the exact norm whatever the raw weights
     assert cnn.lipschitz_bound() <= 1.0 + 1e-5
     mean, std = normalization(cnn)
-    assert pixel_bound(cnn) == pytest.approx(cnn.lipschitz_bound() / float(std.min()))
+    register_cnn()  # its report: one row per layer, the head's matrix for the pairwise rule
+    assert pixel_bound(cnn).bound == pytest.approx(cnn.lipschitz_bound() / float(std.min()), rel=1e-12)
+    w = cnn.head.weight.detach().double()
+    assert torch.allclose(pixel_bound(cnn).gaps, torch.cdist(w, w), rtol=1e-9, atol=1e-12)  # ||w_c - w_j||
     x = torch.rand(6, 3, 32, 32)
     q = maximize_difference_quotient(lambda z: cnn(z[None])[0], x[0], radius=0.5, steps=10)["lower_bound"]
     assert 0 < q <= cnn.lipschitz_bound() + 1e-5
@@ -618,14 +625,15 @@ def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
     import certified
 
     def row(model, seed, value, in_use):
-        r = dict(model=model, seed=seed, bound=1.0, measured_lower=0.5, bound_over_lower=2.0, branches_in_use=in_use)
-        r.update({c: value for c in certified.COLUMNS})
+        r = dict(model=model, seed=seed, branches_in_use=in_use, seconds=10.0)
+        r.update({c: value for c in certified.columns(certified.EPS)})
         return r
 
     lines = certified.table([row("A", 0, 90.0, [3, 8]), row("A", 1, 92.0, [0, 8]),
                              row("B", 0, 80.0, [0, 0])]).splitlines()
+    assert lines[0].count("cert.") == 3 and lines[0].count("global") == 3  # both rules at each radius
     assert lines[2].startswith("| A | 2 | 91.0 ± 1.4 | 91.0 ± 1.4 |")  # mean ± sample standard deviation
-    assert lines[2].endswith("| 3/8, 0/8 |")  # per seed: residual branches whose alpha is not all zero
+    assert lines[2].endswith("| 3/8, 0/8 | 10 |")  # per seed: residual branches with |a| >= 0.02; mean seconds
     assert lines[3].startswith("| B | 1 | 80.0 | 80.0 |") and "±" not in lines[3]
     model = certifiable("lipsformer_swin_t")
     with torch.no_grad():
@@ -640,3 +648,69 @@ def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
     for bad in (["--jobs", "0"], ["--set", "seed=3"]):
         with pytest.raises(SystemExit):
             certified.main(bad)
+
+
+# -- issue 36: residual weights kept in a range (branches forced off, a floor), the reflected AttLip mixer, CPL MLP --
+def test_alpha_range_holds_the_branches_off_or_on_through_training_steps():
+    from lipsformer.lipschitz.constraints import keep_bound
+
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    for kw, lo, hi in ((dict(alpha_init=0.0, alpha_range=(0.0, 0.0)), 0.0, 0.0),
+                       (dict(alpha_init=0.3, alpha_range=(0.25, 1.0)), 0.25, 1.0)):
+        model = certifiable("lipsformer_swin_t", **kw)
+        residuals = [m for m in model.modules() if isinstance(m, ConvexResidual)]
+        assert residuals and all(m.alpha_range == (lo, hi) for m in residuals)
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(model(x) * 10, y).backward()
+            torch.optim.SGD(model.parameters(), lr=10.0).step()  # a step far out of range
+            model.zero_grad()
+            with torch.no_grad():
+                for m in residuals:
+                    m.alpha.fill_(-1.0)
+            keep_bound(model, 1e30, weight_max=1.0, conv_max=1.0)
+            assert {float(m.alpha.detach()) for m in residuals} == {lo}
+    off = certifiable("lipsformer_swin_t", alpha_init=0.0, alpha_range=(0.0, 0.0))
+    seen = []
+    for stage in off.stages:
+        stage.blocks[0].register_forward_hook(lambda m, args, out: seen.append(torch.equal(out, args[0])))
+    off(x)
+    assert seen == [True] * len(off.stages)  # every branch off: each block is the identity
+
+
+def test_reflected_attlip_mixer_is_2_prox_minus_x_nonexpansive_with_twice_the_defect():
+    from lipsformer.layers import AttLipMixer
+    from lipsformer.lipschitz import maximize_difference_quotient
+    from lipsformer.lipschitz.bounds import module_bound
+
+    torch.manual_seed(0)
+    prox = AttLipMixer(8, 2, [(4, 4)], eval_steps=100, delta=False).eval()
+    reflect = AttLipMixer(8, 2, [(4, 4)], eval_steps=100, delta=False, reflect=True).eval()
+    reflect.load_state_dict(prox.state_dict())
+    x = 3 * torch.randn(2, 4, 4, 8)
+    assert torch.allclose(reflect(x), 2 * prox(x) - x, atol=1e-5)
+    assert module_bound(reflect).lip == 1.0 and reflect.solver_defect((4, 4)) == 2 * prox.solver_defect((4, 4))
+    q = maximize_difference_quotient(reflect, x, radius=1.0, steps=8)["lower_bound"]
+    assert 0.5 < q <= 1.0 + 1e-4  # the reflection keeps much more of a difference than prox's contraction
+    model = certifiable("lipsformer_cswin_t", attlip_reflect=True)
+    assert all(m.reflect for m in model.modules() if isinstance(m, AttLipMixer))
+
+
+def test_cpl_mlp_is_x_minus_2_wt_relu_wx_b_and_its_bound_holds():
+    from lipsformer.layers.block import CPLMlp
+    from lipsformer.lipschitz import maximize_difference_quotient
+    from lipsformer.lipschitz.bounds import module_bound
+
+    torch.manual_seed(0)
+    mlp = CPLMlp(8, 32)
+    x = torch.randn(5, 8)
+    w, b = mlp.fc.weight, mlp.fc.bias
+    assert torch.allclose(mlp(x), x - 2 * torch.relu(x @ w.T + b) @ w, atol=1e-6)
+    for scale in (1.0, 3.0):  # ||W|| <= 1: 1; larger: 2 ||W||^2 - 1
+        with torch.no_grad():
+            mlp.fc.weight.mul_(scale / torch.linalg.matrix_norm(mlp.fc.weight, ord=2))
+        bound = module_bound(mlp).lip
+        assert bound == pytest.approx(max(1.0, 2 * scale ** 2 - 1), rel=1e-6)
+        q = maximize_difference_quotient(mlp, x[0], radius=1.0, steps=20)["lower_bound"]
+        assert q <= bound * (1 + 1e-5) and (scale == 1.0 or q > 1.5)
+    model = certifiable("lipsformer_swin_t", mlp="cpl")
+    assert all(isinstance(b.mlp, CPLMlp) for s in model.stages for b in s.blocks)

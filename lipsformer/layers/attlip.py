@@ -477,13 +477,15 @@ class AttLipMixer(nn.Module):
     stripes, or the whole map); each group of tokens goes through its branch's :class:`AttLip`. The mixer
     returns ``prox(x) - x``, so the block's weighted residual ``x + alpha * (prox(x) - x)`` moves from ``x``
     toward ``prox(x)``. ``I - prox`` is firmly non-expansive like ``prox``, so the mixer is 1-Lipschitz.
-    ``delta=False`` returns ``prox(x)`` itself (for a convex residual ``(1 - a) x + a prox(x)``; also 1-Lipschitz).
+    ``delta=False`` returns ``prox(x)`` itself (for a convex residual ``(1 - a) x + a prox(x)``; also 1-Lipschitz);
+    ``reflect=True`` returns the reflected resolvent ``2 prox(x) - x``, non-expansive as ``prox`` is firmly so (an
+    isometry where ``prox`` is a linear projection), so ``(1 - a) x + a (2 prox(x) - x)`` need not contract.
     """
 
     def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
-                 tol: float = DEFAULT_TOL, delta: bool = True):
+                 tol: float = DEFAULT_TOL, delta: bool = True, reflect: bool = False):
         super().__init__()
-        self.delta = delta
+        self.delta, self.reflect = delta, reflect
         nb = len(windows)
         if dim % nb or heads % nb:
             raise ValueError(f"dim {dim} and heads {heads} must divide over {nb} window shapes")
@@ -506,7 +508,8 @@ class AttLipMixer(nn.Module):
             part = pad_to_multiple(part, window)
             tokens = window_partition(part, window)
             out = layer(tokens)
-            out = window_reverse(out - tokens if self.delta else out, window, *part.shape[1:3])
+            out = 2 * out - tokens if self.reflect else out - tokens if self.delta else out
+            out = window_reverse(out, window, *part.shape[1:3])
             outs.append(out[:, :H, :W] if out.shape[1:3] != (H, W) else out)
         return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
@@ -514,16 +517,17 @@ class AttLipMixer(nn.Module):
         """Per image, a bound on ``||computed - exact||_2`` of this mixer's output on an ``hw`` token grid when every
         window is solved to its branch's ``tol`` (:func:`solve_to_tolerance`): AttLip Proposition 3 (1) gives
         ``eta * tol`` per window; windows and branches are disjoint blocks of the output, so their squares add.
-        ``I - prox`` deviates by as much as ``prox``; zero padding and cropping do not increase it."""
+        ``I - prox`` deviates by as much as ``prox``, ``2 prox - I`` by twice as much; zero padding and cropping do not
+        increase it."""
         H, W = hw
         sq = 0.0
         for window, layer in zip(self.windows, self.branches):
             n = math.ceil(H / window[0]) * math.ceil(W / window[1])
             sq += n * (layer.eta * layer.tol) ** 2
-        return math.sqrt(sq)
+        return (2.0 if self.reflect else 1.0) * math.sqrt(sq)
 
     def extra_repr(self) -> str:
-        return f"windows={self.windows}, delta={self.delta}"
+        return f"windows={self.windows}, delta={self.delta}, reflect={self.reflect}"
 
 
 @contextlib.contextmanager

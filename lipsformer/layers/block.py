@@ -1,4 +1,6 @@
 """The LipsFormer block (LipsFormer Fig. 1, Table 1), shared by the Swin and CSwin families."""
+from typing import Tuple
+
 import torch
 from timm.layers import Mlp
 from torch import nn
@@ -19,6 +21,27 @@ class GeluMlp(Mlp):
         return self.drop2(gelu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias))
 
 
+class CPLMlp(nn.Module):
+    r"""A convex potential layer (Meunier, Delattre, Araujo & Allauzen, "A dynamical system perspective for
+    Lipschitz neural networks", ICML 2022) as the MLP branch: :math:`x - 2 W^\top \mathrm{ReLU}(W x + b)`, one
+    ``fc`` of ``hidden`` units whose weight is used twice. Its Jacobian :math:`I - 2 W^\top D W` (D diagonal in
+    [0, 1]) has eigenvalues in :math:`[1 - 2\|W\|^2, 1]`, so the layer is 1-Lipschitz when :math:`\|W\| \le 1`
+    (``linear="normalized"`` divides ``W`` by its norm) and in general :math:`\max(1, 2\|W\|^2 - 1)`-Lipschitz. Unlike a
+    convex combination with a contracting branch it is an isometry on the directions ``W`` ignores, and a
+    reflection where ``W`` has orthonormal rows."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.fc.weight
+        return x - 2 * torch.relu(self.fc(x)) @ w
+
+
+MLPS = ("mlp", "cpl")
+
+
 class LipsBlock(nn.Module):
     r"""Conv blocks, then weighted-residual attention and MLP, on (B, H, W, C).
 
@@ -31,22 +54,27 @@ class LipsBlock(nn.Module):
     drops :math:`N_1`, as the released CSwin code does (CenterNorm only after the MLP).
     ``act`` (``gelu`` | ``groupsort``) is the MLP's and conv blocks' activation; ``residual`` (``add`` | ``convex``)
     chooses :class:`~lipsformer.layers.residual.WeightedResidual` or
-    :class:`~lipsformer.layers.residual.ConvexResidual` for every residual of the block.
+    :class:`~lipsformer.layers.residual.ConvexResidual` for every residual of the block (a convex one keeps its
+    weight in ``alpha_range``); ``mlp`` is ``mlp`` (fc1, act, fc2) or ``cpl`` (:class:`CPLMlp`).
     """
 
     def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 4.0, norm: str = "center",
                  conv_blocks: str = "D", alpha_init: float = 0.1, drop_path: float = 0.0, drop: float = 0.0,
-                 attn_norm: bool = True, act: str = "gelu", residual: str = "add"):
+                 attn_norm: bool = True, act: str = "gelu", residual: str = "add",
+                 alpha_range: Tuple[float, float] = (0.0, 1.0), mlp: str = "mlp"):
         super().__init__()
-        self.convs = ConvBlocks(dim, conv_blocks, alpha_init, drop_path, act=act, residual=residual)
+        self.convs = ConvBlocks(dim, conv_blocks, alpha_init, drop_path, act=act, residual=residual,
+                                alpha_range=alpha_range)
         self.attn = attn
-        self.res_attn = create_residual(residual, dim, alpha_init, drop_path)
+        self.res_attn = create_residual(residual, dim, alpha_init, drop_path, alpha_range)
         self.norm1 = create_norm(norm, dim) if attn_norm else nn.Identity()
-        if act == "gelu":
+        if mlp == "cpl":
+            self.mlp = CPLMlp(dim, int(dim * mlp_ratio))
+        elif act == "gelu":
             self.mlp = GeluMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
         else:
             self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=lambda: create_act(act), drop=drop)
-        self.res_mlp = create_residual(residual, dim, alpha_init, drop_path)
+        self.res_mlp = create_residual(residual, dim, alpha_init, drop_path, alpha_range)
         self.norm2 = create_norm(norm, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
 """The convolution blocks that open every LipsFormer block (LipsFormer Fig. 1, Table 3)."""
+from typing import Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,11 +110,13 @@ class ConvBlocks(nn.Module):
     ``s1`` and ``s2`` are per-channel weights initialised to ``alpha_init``. The released code
     calls ``dw1``/``dw2`` ``dwconv_layers.0/1``, ``pw`` ``nin`` and ``res1/2.alpha`` ``scale_layers.0/1.scale``.
     ``act`` replaces GELU (``groupsort``) and ``residual="convex"`` the weighted residuals by
-    :class:`lipsformer.layers.residual.ConvexResidual`; the defaults run the fused GELU path.
+    :class:`lipsformer.layers.residual.ConvexResidual` (its weight kept in ``alpha_range``); the defaults run the
+    fused GELU path.
     """
 
     def __init__(self, dim: int, config: str = "D", alpha_init: float = 0.1, drop_path: float = 0.0,
-                 kernel_size: int = 7, act: str = "gelu", residual: str = "add"):
+                 kernel_size: int = 7, act: str = "gelu", residual: str = "add",
+                 alpha_range: Tuple[float, float] = (0.0, 1.0)):
         super().__init__()
         if config not in CONV_BLOCKS:
             raise ValueError(f"conv_blocks must be one of {CONV_BLOCKS}, got {config!r}")
@@ -124,9 +128,9 @@ class ConvBlocks(nn.Module):
 
         self.dw1 = dw() if config != "A" else None
         self.pw = nn.Conv2d(dim, dim, 1) if config in ("C", "D") else None
-        self.res1 = create_residual(residual, dim, alpha_init, drop_path) if config != "A" else None
+        self.res1 = create_residual(residual, dim, alpha_init, drop_path, alpha_range) if config != "A" else None
         self.dw2 = dw() if config == "D" else None
-        self.res2 = create_residual(residual, dim, alpha_init, drop_path) if config == "D" else None
+        self.res2 = create_residual(residual, dim, alpha_init, drop_path, alpha_range) if config == "D" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dw1 is None:

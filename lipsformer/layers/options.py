@@ -13,6 +13,7 @@ from torch import nn
 
 from .attention import ATTENTIONS, AttentionKernel
 from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, AttLipMixer
+from .block import MLPS
 from .conv_blocks import ACTS, CONV_BLOCKS, create_act
 from .init import INITS
 from .norm import NORMS
@@ -22,7 +23,7 @@ from .residual import RESIDUALS
 STAGE_ACTS = ("none", *ACTS)
 # the fields that name a choice, and their choices: checked when the options are made
 CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
-               act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS)
+               act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS, mlp=MLPS)
 
 
 # The certifiable configuration (issue 17), the one home of its choices: every layer 1-Lipschitz by construction
@@ -77,6 +78,13 @@ class LipschitzOptions:
             patch embedding and after each downsampling. Under a convex residual the path between the blocks is
             otherwise linear (patch embedding, downsampling and the ``(1 - a) x`` skips), as a CNN without
             activations would be; ``groupsort`` keeps it 1-Lipschitz.
+        alpha_range: ``residual="convex"``: where bound keeping keeps every residual weight ``a`` (attention, MLP,
+            conv blocks; within [0, 1]); ``(0, 0)`` with ``alpha_init=0`` switches the branches off (the ablation), a floor
+            keeps them on.
+        attlip_reflect: ``attn="attlip"``: the mixer returns the reflected resolvent ``2 prox(x) - x`` (non-expansive),
+            so ``(1 - a) x + a (2 prox(x) - x)`` is 1-Lipschitz and an isometry where ``prox`` is a projection.
+        mlp: ``mlp`` (fc1, act, fc2) | ``cpl`` (a convex potential layer ``x - 2 W^T ReLU(W x + b)``,
+            :class:`lipsformer.layers.block.CPLMlp`: 1-Lipschitz for ``||W|| <= 1``).
     """
 
     norm: str = "center"
@@ -98,6 +106,9 @@ class LipschitzOptions:
     linear: str = "plain"
     attlip_prox: bool = False
     stage_act: str = "none"
+    alpha_range: Tuple[float, float] = (0.0, 1.0)
+    attlip_reflect: bool = False
+    mlp: str = "mlp"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -126,7 +137,7 @@ class LipschitzOptions:
         the family's ``attention(kernel)`` with a fresh kernel."""
         if self.attn == "attlip":
             return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
-                                       delta=not self.attlip_prox)
+                                       delta=not self.attlip_prox, reflect=self.attlip_reflect)
         return lambda: attention(self.kernel())
 
     def stage_activation(self) -> nn.Module:
@@ -136,4 +147,4 @@ class LipschitzOptions:
     def block_kwargs(self, alpha_init: float) -> dict:
         """The :class:`lipsformer.layers.LipsBlock` arguments these options set (``alpha_init`` resolved)."""
         return dict(norm=self.norm, conv_blocks=self.conv_blocks, alpha_init=alpha_init, act=self.act,
-                    residual=self.residual)
+                    residual=self.residual, alpha_range=tuple(self.alpha_range), mlp=self.mlp)

@@ -1,5 +1,7 @@
 """Residual shortcuts: LipsFormer's weighted residual (Sec. 4.1.3, Table 1) and a convex combination that is
 1-Lipschitz whenever its branch is."""
+from typing import Tuple
+
 import torch
 from timm.layers import DropPath
 from torch import nn
@@ -43,13 +45,18 @@ class ConvexResidual(nn.Module):
     :class:`WeightedResidual`'s :math:`1 + \alpha\,\mathrm{Lip}(f)`. The weight is one scalar on purpose: with
     per-channel weights :math:`a_c` the same argument only gives :math:`\max_c|1 - a_c| + \max_c|a_c|\,\mathrm{Lip}(f)`,
     above 1 as soon as the weights differ. DropPath (per sample, timm's) sets ``a`` to 0 for dropped samples,
-    and rescales the kept ones by ``1/(1-p)`` as timm does.
+    and rescales the kept ones by ``1/(1-p)`` as timm does. ``alpha_range`` (within [0, 1]) is where bound keeping
+    keeps ``a``: ``(0, 0)`` with ``alpha_init=0`` switches the branch off for good, a floor keeps it on.
     """
 
-    def __init__(self, dim: int, alpha_init: float, drop_path: float = 0.0):
+    def __init__(self, dim: int, alpha_init: float, drop_path: float = 0.0,
+                 alpha_range: Tuple[float, float] = (0.0, 1.0)):
         super().__init__()
-        if not 0.0 <= alpha_init <= 1.0:
-            raise ValueError(f"a convex residual needs alpha_init in [0, 1], got {alpha_init}")
+        lo, hi = (float(v) for v in alpha_range)
+        if not 0.0 <= lo <= alpha_init <= hi <= 1.0:
+            raise ValueError(f"a convex residual needs 0 <= alpha_range[0] <= alpha_init <= alpha_range[1] <= 1, got "
+                             f"alpha_init {alpha_init} and alpha_range {tuple(alpha_range)}")
+        self.alpha_range = (lo, hi)
         self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
@@ -60,10 +67,15 @@ class ConvexResidual(nn.Module):
         return torch.addcmul(x, fx - x, scale)
 
 
-def create_residual(kind: str, dim: int, alpha_init: float, drop_path: float = 0.0) -> nn.Module:
-    """``add``: LipsFormer's ``x + alpha * f(x)`` (per-channel alpha); ``convex``: ``(1 - a) x + a f(x)``."""
+def create_residual(kind: str, dim: int, alpha_init: float, drop_path: float = 0.0,
+                    alpha_range: Tuple[float, float] = (0.0, 1.0)) -> nn.Module:
+    """``add``: LipsFormer's ``x + alpha * f(x)`` (per-channel alpha); ``convex``: ``(1 - a) x + a f(x)``, ``a`` kept
+    in ``alpha_range``."""
     if kind == "add":
+        if tuple(alpha_range) != (0.0, 1.0):
+            raise ValueError(f"alpha_range is where bound keeping keeps a convex residual's weight; the residual "
+                             f"'add' has none, got {tuple(alpha_range)}")
         return WeightedResidual(dim, alpha_init, drop_path)
     if kind == "convex":
-        return ConvexResidual(dim, alpha_init, drop_path)
+        return ConvexResidual(dim, alpha_init, drop_path, alpha_range)
     raise ValueError(f"residual must be one of {RESIDUALS}, got {kind!r}")

@@ -36,7 +36,7 @@ from torch import nn
 from ..layers import AttentionKernel, AttLip, AttLipMixer, CenterNorm, ConvexResidual, GroupSort
 from ..layers.normalized import NormalizedConv2d, NormalizedLinear
 from ..layers.attention import KimL2Attention
-from ..layers.block import GeluMlp, LipsBlock
+from ..layers.block import CPLMlp, GeluMlp, LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
 from ..layers.residual import WeightedResidual
@@ -308,6 +308,14 @@ def residual_bound(residual: nn.Module, branch: float) -> float:
 def timm_mlp_bound(mlp: Mlp, hw: HW) -> Bound:
     """timm's Mlp: fc2 . norm . act . fc1 (dropout is the identity at evaluation)."""
     return Bound(math.prod(module_bound(m, hw).lip for m in (mlp.fc1, mlp.act, mlp.norm, mlp.fc2)))
+
+
+@register_bound(CPLMlp)
+def cpl_mlp_bound(mlp: CPLMlp, hw: HW) -> Bound:
+    """:class:`~lipsformer.layers.block.CPLMlp`: ``max(1, 2 ||W||^2 - 1)`` (its Jacobian ``I - 2 W^T D W`` with D in
+    [0, 1] has eigenvalues in ``[1 - 2 ||W||^2, 1]``), ``||W||`` the fc's certified norm."""
+    c = module_bound(mlp.fc, hw).lip
+    return Bound(max(1.0, 2.0 * c * c - 1.0), "convex potential layer (Meunier et al. 2022)")
 
 
 @register_bound(GeluMlp)

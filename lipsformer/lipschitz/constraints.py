@@ -10,8 +10,8 @@ After an optimizer step, :func:`keep_bound` projects the parameters the bound de
 3b. with ``conv_max``, every Conv2d whose certified operator norm at its input size (found by one forward pass
    of a zero image at the model's input size, then cached) exceeds it is scaled back to it
    (:func:`~lipsformer.lipschitz.bounds.conv_bound`: the operator, padding and stride included, not the kernel);
-3c. the weight of every :class:`~lipsformer.layers.ConvexResidual` is clipped to [0, 1], where the residual is
-   a convex combination (1-Lipschitz when its branch is);
+3c. the weight of every :class:`~lipsformer.layers.ConvexResidual` is clipped to its ``alpha_range`` (within
+   [0, 1], where the residual is a convex combination, 1-Lipschitz when its branch is);
 4. if the network bound (eq. 19) is still above the target, every residual weight alpha is multiplied by one
    common factor ``s`` in (0, 1), the largest for which the bound meets the target (bisection): eq. 19 is
    increasing in each max|alpha|, so this is the smallest uniform shrink that works.
@@ -88,7 +88,7 @@ def keep_bound(model: nn.Module, target: float, gamma_max: float = 1.0, tau_max:
                 conv.weight.mul_(conv_max / norm)
     for m in model.modules():
         if isinstance(m, ConvexResidual):
-            m.alpha.clamp_(0.0, 1.0)
+            m.alpha.clamp_(*m.alpha_range)
         if isinstance(m, CenterNorm):
             m.weight.clamp_(-gamma_max, gamma_max)
         if isinstance(m, AttentionKernel) and isinstance(m.tau, torch.Tensor) and tau_max is not None:
