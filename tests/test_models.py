@@ -356,7 +356,8 @@ def test_an_option_given_as_an_object_or_as_a_keyword_builds_the_same_model(name
     assert built_alike(by_object, by_keywords)
     if family(name) == "cswin":
         defaults = dict(tau=12.0, alpha_init=0.2)
-        assert {k: getattr(by_object.lipschitz, k) for k in defaults} == {k: options.get(k, v) for k, v in defaults.items()}
+        expected = {k: options.get(k, v) for k, v in defaults.items()}
+        assert {k: getattr(by_object.lipschitz, k) for k in defaults} == expected
 
 
 @pytest.mark.parametrize("name", sorted(CERTIFIED))
