@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     except TransformError as e:
         print(f"stopped: {e.line}", file=sys.stderr)
         return 3
-    classes, probs = result.pop("classes"), result.pop("probs")
+    classes, probs, names = result.pop("classes"), result.pop("probs"), result.pop("label_names")
     radius, radius_global = result.pop("radius", None), result.pop("radius_global", None)
     if not result.pop("is_main_process"):
         return 0
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     if "robustness" in result:
         print(robustness_line(result["robustness"], result["top1"], args.attack_steps, args.attack_restarts))
     if args.predictions:
-        write_predictions(args.predictions, samples, classes, probs, radius, radius_global)
+        write_predictions(args.predictions, samples, classes, probs, radius, radius_global, names)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(dict(result, data_dir=args.data_dir), f, indent=2)

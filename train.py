@@ -70,9 +70,10 @@ def main(argv=None) -> int:
         if PartialState().is_main_process:
             print(f"preempted: {e} (exit code {PREEMPTED}: requeue)", file=sys.stderr)
         return PREEMPTED
-    print(f"done: {summary['epochs']} epochs, {summary['step']} steps | best top-1 {summary['best_top1']:.2f}% "
-          f"({summary['best']}) | last weights {summary['last']} | last checkpoint {summary['checkpoint']} | "
-          f"curves {summary['curves']}")
+    if PartialState().is_main_process:  # one line for the run, not one per process
+        print(f"done: {summary['epochs']} epochs, {summary['step']} steps | best top-1 {summary['best_top1']:.2f}% "
+              f"({summary['best']}) | last weights {summary['last']} | last checkpoint {summary['checkpoint']} | "
+              f"curves {summary['curves']}")
     return 0
 
 

@@ -17,16 +17,24 @@ from typing import Optional, Tuple
 import timm
 import torch
 import yaml
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from timm.data import resolve_model_data_config
 from timm.models import save_for_hf
 
 from .data.classes import read_class_names
-from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step
+from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step, readable_as_outputs
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
 HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
+# what train.py's weight files record in their safetensors metadata (strings): the input size they were made at,
+# as JSON [C, H, W], so a copy of best.safetensors away from its run folder still says it
+INPUT_SIZE_KEY = "input_size"
+
+
+def input_size_metadata(input_size) -> dict:
+    """The safetensors metadata that records ``input_size`` (C, H, W) for :func:`resolve_checkpoint`."""
+    return {INPUT_SIZE_KEY: json.dumps([int(v) for v in input_size])}
 
 
 class CheckpointError(ValueError):
@@ -186,6 +194,7 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
             return path, _run_meta(RunFolder(path.parent))
         if (path.parent / HUB_CONFIG).is_file():
             return path, _hub_meta(path.parent / HUB_CONFIG)
+        return path, _file_meta(path)
     return path, {}
 
 
@@ -200,6 +209,28 @@ def _run_meta(run: RunFolder) -> dict:
     return dict(model=cfg["model"],
                 model_args=dict(cfg.get("model_kwargs") or {}, num_classes=cfg["num_classes"], img_size=size),
                 pretrained_cfg=pretrained)
+
+
+def _file_meta(path: Path) -> dict:
+    """What a lone safetensors file records of itself: the input size train.py writes into its metadata."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            recorded = (f.metadata() or {}).get(INPUT_SIZE_KEY)
+        size = tuple(json.loads(recorded)) if recorded else None
+    except (SafetensorError, OSError, ValueError, TypeError):  # unreadable or foreign: read_checkpoint says so
+        return {}
+    if size is None or len(size) != 3 or not all(isinstance(v, int) and v > 0 for v in size):
+        return {}
+    return dict(pretrained_cfg=dict(input_size=size))
+
+
+def recorded_input_size(path, use_ema: bool = False) -> Optional[Tuple[int, int, int]]:
+    """The input size (C, H, W) the weights at ``path`` were made at, as what travels with them records it: a run
+    folder's ``config.yaml``, an export's ``config.json``, a safetensors file's metadata (train.py writes it);
+    None where nothing does (a bare state dict, a released-layout file): then nothing is claimed."""
+    _, meta = resolve_checkpoint(path, use_ema)
+    size = (meta.get("pretrained_cfg") or {}).get("input_size")
+    return tuple(int(v) for v in size) if size else None
 
 
 def _hub_meta(config_path: Path) -> dict:
@@ -270,5 +301,6 @@ def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str]
                                       if weights is not None and weights.is_file() else None))
     finally:
         model.pretrained_cfg = saved_cfg
+    readable_as_outputs(tmp)  # save_for_hf's model.safetensors is written 0600
     os.replace(tmp, out_dir)
     return out_dir

@@ -184,3 +184,32 @@ def test_eval_cli_rejects_bad_eps_with_one_line_and_an_infinite_bound_says_why(t
     out = capsys.readouterr().out
     assert "nothing certifies: the certified bound is infinite: SCSA with unnormalised v" in out
     assert "eps 0.1: 0.000%" in out
+
+
+def test_certifying_gives_the_model_back_in_its_mode_and_says_why_nothing_certifies():
+    """issue 34.4: predict_certified left a model in train mode in eval mode, and on a model with an infinite bound
+    returned all-zero radii without a word; pgd_l2 and certify_dataset left train mode behind too."""
+    import warnings
+    from accelerate import Accelerator
+    from lipsformer.lipschitz import predict_certified
+    from lipsformer.lipschitz.certify import certify_dataset
+    images = torch.randn(2, 3, 32, 32)
+    model = timm.create_model("lipsformer_cswin_t", **dict(CERTIFIABLE, attn="dot", tied_qk=False)).train()
+    model.stages[0].eval()  # a frozen part, as training keeps it
+    modes = [m.training for m in model.modules()]
+    with pytest.warns(UserWarning, match=r"nothing is certified \(every radius is 0\): the certified bound is "
+                                         r"infinite: .*dot"):
+        _, _, radius = predict_certified(model, images)
+    assert (radius == 0).all()
+    assert [m.training for m in model.modules()] == modes
+    pgd_l2(model, images.clamp(0, 1), torch.tensor([0, 1]), 0.1, *normalization(model), steps=1, restarts=1)
+    assert [m.training for m in model.modules()] == modes
+    finite = certifiable().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finite bound: no warning
+        assert (predict_certified(finite, images)[2] >= 0).all()
+    try:
+        certify_dataset(finite, [(images, torch.tensor([0, 1]))], Accelerator(cpu=True), [[0], [1]], [0.1])
+    finally:
+        reset_accelerate()
+    assert finite.training and all(m.training for m in finite.modules())

@@ -1,9 +1,11 @@
 """train.py on a cluster: preemption signals, resuming on another number of processes (DDP and FSDP2),
 and examples/slurm/ run on one host as two "nodes"."""
+import io
 import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -309,3 +311,42 @@ def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(t
     assert (tmp_path / "slurm.log").read_text() == "requeue 42\n"  # done: not requeued again
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][len(range(1, last + 1)):][0] == last + 1
     assert same_weights(reference, run)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_outputs_are_readable_as_any_other_file_and_a_log_gets_plain_progress_lines(tmp_path, capsys, monkeypatch,
+                                                                                    terminal):
+    """issue 34.5: weight files were written 0600 (safetensors writes through a temporary file) where every other
+    output is 0666 less the umask; the progress bar wrote its updates into log files. Now every file of the run
+    and of its export has the umask's mode, and stderr that is not a terminal gets no bar but a plain line every
+    log_every_steps on stdout."""
+    from lipsformer.convert import main as convert
+    config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=4, log_every_steps=2,
+                          checkpoint_every_steps=100)
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", _Terminal())
+    mask = os.umask(0o027)
+    try:
+        assert load_script("train.py").main(["--config", str(config)]) == 0
+        assert convert([str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    finally:
+        os.umask(mask)
+    said = capsys.readouterr()
+    shown, out = sys.stderr.getvalue() if terminal else said.err, said.out
+    plain = [line for line in out.splitlines() if line.startswith("epoch 1/1 step ")]
+    if terminal:
+        assert "epoch 1/1:" in shown and "6/6 [" in shown and not plain, shown
+        return
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for folder in ("run", "export")
+             for p in (tmp_path / folder).rglob("*") if p.is_file()}
+    assert {"run/best.safetensors", "run/last.safetensors", "run/last_ema.safetensors",
+            "export/model.safetensors"} <= set(modes) and any(k.endswith("/model.safetensors") for k in modes)
+    assert set(modes.values()) == {"0o640"}, modes  # umask 027: group-readable, like every other output
+    assert "it/s" not in shown and "6/6" not in shown, shown
+    assert [line.split(" (")[0] for line in plain] == ["epoch 1/1 step 2", "epoch 1/1 step 4", "epoch 1/1 step 6"]
+    assert all(", lr " in line and " img/s" in line for line in plain), plain

@@ -165,3 +165,64 @@ def test_every_convert_command_of_checkpoints_readme_runs_as_written(run, tmp_pa
     for statement in loads:  # each loads the converted released file
         model = eval(compile(ast.Expression(statement.value), "README", "eval"), {"timm": timm})
         assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), ast.unparse(statement)
+
+
+def test_the_trained_input_size_is_what_the_weights_record_and_nothing_where_nothing_does(run, tmp_path, capsys,
+                                                                                          caplog):
+    # issue 34.4: a bare 32 px weight file evaluated at 32 px was said to be "made at 224 px" (the registered
+    # config's size) with windows and biases "resized", and trained_input_size [3, 224, 224]; nothing was resized.
+    import shutil
+    from safetensors.torch import load_file, save_file
+    data = images(tmp_path / "val", CLASSES, 1)
+    model_args = dict(TINY_RUN["model_kwargs"], num_classes=4)
+    bare = tmp_path / "bare" / "w.safetensors"  # a state dict saved by hand: no metadata, no config beside it
+    bare.parent.mkdir()
+    save_file(load_file(str(run / "last.safetensors")), str(bare))
+    alone = tmp_path / "alone" / "best.safetensors"  # train.py's file away from its run folder: its metadata
+    alone.parent.mkdir()
+    shutil.copy(run / "best.safetensors", alone)
+    said = {}
+    for name, weights, size in (("bare", bare, 32), ("alone", alone, 32), ("alone_64", alone, 64)):
+        caplog.clear()
+        code, _, err = eval_cli(capsys, "--model", "lipsformer_swin_t", "--checkpoint", weights, "--data-dir", data,
+                                "--model-args", json.dumps(model_args), "--img-size", size,
+                                "--output", tmp_path / f"{name}.json")
+        assert code == 0, err
+        said[name] = ("made at" in caplog.text, json.loads((tmp_path / f"{name}.json").read_text()))
+    assert said["bare"][0] is False and said["bare"][1]["trained_input_size"] is None  # nothing claimed
+    assert said["alone"][0] is False and said["alone"][1]["trained_input_size"] == [3, 32, 32]
+    assert said["alone_64"][0] is True and said["alone_64"][1]["trained_input_size"] == [3, 32, 32]
+    assert "weights were made at 32 px" in caplog.text
+
+
+def test_predictions_name_their_classes_where_the_names_are_known(run, tmp_path, capsys):
+    # issue 34.5: the predictions CSV named classes by index only, although the run folder records their names
+    import csv
+    from safetensors.torch import load_file, save_file
+    names = json.loads((run / "classes.json").read_text())  # ["ant", "bee", "cat", "dog"]: train/'s sorted folders
+    folder = images(tmp_path / "val", ["dog", "bee"], 1)
+    bare = tmp_path / "bare" / "w.safetensors"  # the same weights with nothing beside them: no names recorded
+    bare.parent.mkdir()
+    save_file(load_file(str(run / "last.safetensors")), str(bare))
+    bare_args = ["--model", "lipsformer_swin_t", "--checkpoint", bare, "--model-args",
+                 json.dumps(dict(TINY_RUN["model_kwargs"], num_classes=4, img_size=32))]
+    v2 = tmp_path / "v2"
+    for c in range(4):
+        images(v2, [str(c)], 1)
+    tables = {}
+    for case, args in (("run", ["--checkpoint", run, "--data-dir", folder]),
+                       ("folders", [*bare_args, "--data-dir", images(tmp_path / "all", CLASSES, 1)]),
+                       ("v2", [*bare_args, "--data-dir", v2, "--dataset", "imagenet_v2"])):
+        code, _, err = eval_cli(capsys, *args, "--predictions", tmp_path / f"{case}.csv")
+        assert code == 0, err
+        with open(tmp_path / f"{case}.csv", newline="") as f:
+            tables[case] = list(csv.DictReader(f))
+    for case in ("run", "folders"):  # the run's classes.json; a bare file's folders (they are its classes, in order)
+        rows = tables[case]
+        assert list(rows[0]) == ["path", "targets", "target_names"] + [
+            c for i in range(1, 5) for c in (f"top{i}", f"top{i}_name", f"prob{i}")]
+        for row in rows:
+            assert row["target_names"] == Path(row["path"]).parent.name == names[int(row["targets"])]
+            assert all(row[f"top{i}_name"] == names[int(row[f"top{i}"])] for i in range(1, 5))
+    # ImageNet-v2 folders of a 4-class model without names: no names to give, the index columns as before
+    assert list(tables["v2"][0]) == ["path", "targets"] + [c for i in range(1, 5) for c in (f"top{i}", f"prob{i}")]

@@ -304,25 +304,104 @@ def test_onnx_export_runs_in_onnxruntime_with_equal_logits(name, dynamo, tmp_pat
         torch.testing.assert_close(torch.from_numpy(logits), model(x), rtol=1e-4, atol=1e-5)
 
 
-# -- one typed home for the Lipschitz choices ------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
-def test_lipschitz_options_object_equals_its_keyword_arguments(name):
-    """``lipschitz=LipschitzOptions(...)`` and the same fields as keywords build the same model; a family's own
-    defaults (CSwin: tau 12, alpha 0.2) apply only when no object is given, and a keyword overrides the object."""
+# -- one typed home for the Lipschitz choices, one route to a model ---------------------------------------------
+# A value other than the released Swin's for every LipschitzOptions field (the attlip_* fields act under
+# attn="attlip" only, tied_qk under attn="l2": they are given with it).
+OPTION_VALUES = dict(norm="layer", attn="l2", tau=5.0, learn_tau=True, v_norm=True, nu=0.5, tied_qk=True,
+                     alpha_init=0.3, init="trunc_normal", conv_blocks="B", fused_attn=False, attlip_eta=0.5,
+                     attlip_steps=(1, 3), attlip_tol=1e-3, residual="convex", act="groupsort", linear="normalized",
+                     attlip_prox=True, stage_act="groupsort", alpha_range=(0.1, 0.9), attlip_reflect=True, mlp="cpl")
+WITH = dict({k: dict(attn="attlip") for k in ("attlip_eta", "attlip_steps", "attlip_tol", "attlip_prox",
+                                              "attlip_reflect")},
+            tied_qk=dict(attn="l2"), alpha_range=dict(residual="convex"))
+
+
+def built_alike(a, b) -> bool:
+    """The same resolved choices, state dict and outputs (eval mode, one input)."""
+    x = torch.randn(2, 3, 32, 32)
+    sa, sb = a.state_dict(), b.state_dict()
+    with torch.no_grad():
+        same_out = torch.equal(a.eval()(x), b.eval()(x))
+    return (a.lipschitz == b.lipschitz and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+            and same_out)
+
+
+def both_routes(name, options: dict, **kwargs):
+    """``name`` built with ``lipschitz=LipschitzOptions(**options)`` and with the same choices as keywords (the same
+    seed for each), plus ``kwargs`` on both."""
     from lipsformer.layers import LipschitzOptions
-    options = LipschitzOptions(attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.3, tau=5.0)
     torch.manual_seed(0)
-    by_object = tiny(name, lipschitz=options)
+    by_object = tiny(name, lipschitz=LipschitzOptions(**options), **kwargs)
     torch.manual_seed(0)
-    by_kwargs = tiny(name, attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.3, tau=5.0)
-    assert by_kwargs.lipschitz == by_object.lipschitz == options
-    assert all(torch.equal(a, b) for a, b in zip(by_kwargs.state_dict().values(), by_object.state_dict().values()))
-    assert tiny(name, lipschitz=options, alpha_init=0.5).lipschitz == LipschitzOptions(
-        attn="l2", tied_qk=True, conv_blocks="C", alpha_init=0.5, tau=5.0)
+    return by_object, tiny(name, **options, **kwargs)
+
+
+def test_every_option_field_has_a_case():
+    import dataclasses
+    from lipsformer.layers import LipschitzOptions
+    from lipsformer.layers.options import RELEASED
+    assert set(OPTION_VALUES) == {f.name for f in dataclasses.fields(LipschitzOptions)} == set(RELEASED)
+    assert all(OPTION_VALUES[k] != RELEASED[k] for k in OPTION_VALUES)
+
+
+@pytest.mark.parametrize("field", sorted(OPTION_VALUES))
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_an_option_given_as_an_object_or_as_a_keyword_builds_the_same_model(name, field):
+    """Issue 34.3: ``lipschitz=LipschitzOptions(field=v)`` and ``field=v`` build the same choices, state dict and
+    outputs, with the family's defaults for every field not given (CSwin: tau 12, alpha 0.2; the object used to
+    bring the released Swin's tau 10 and alpha 1/sum(depths) to CSwin)."""
+    options = dict(init="xavier", **WITH.get(field, {}))  # xavier: no SVDs where the init is not the point
+    options[field] = OPTION_VALUES[field]
+    by_object, by_keywords = both_routes(name, options)
+    assert getattr(by_object.lipschitz, field) == OPTION_VALUES[field]
+    assert built_alike(by_object, by_keywords)
+    if family(name) == "cswin":
+        defaults = dict(tau=12.0, alpha_init=0.2)
+        expected = {k: options.get(k, v) for k, v in defaults.items()}
+        assert {k: getattr(by_object.lipschitz, k) for k in defaults} == expected
+
+
+@pytest.mark.parametrize("name", sorted(CERTIFIED))
+def test_a_certifiable_preset_is_under_the_callers_object_and_keywords(name):
+    """``*_cert(lipschitz=LipschitzOptions(...))`` takes the object's fields over the preset, as keywords do (the
+    preset used to replace the object's fields); fields the object leaves out keep the preset's."""
+    from lipsformer.layers.options import CERTIFIABLE
+    options = dict(act="gelu", alpha_init=0.3, attlip_steps=(1, 3), init="xavier")
+    by_object, by_keywords = both_routes(name, options)
+    assert by_object.lipschitz.act == "gelu" and by_object.lipschitz.attlip_steps == (1, 3)
+    assert by_object.lipschitz.attn == CERTIFIABLE["attn"] and by_object.lipschitz.residual == CERTIFIABLE["residual"]
+    assert built_alike(by_object, by_keywords)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_keywords_replace_an_options_object_which_replaces_the_family_defaults(name):
+    from lipsformer.layers import LipschitzOptions
+    torch.manual_seed(0)
+    both = tiny(name, lipschitz=LipschitzOptions(tau=5.0, alpha_init=0.3, conv_blocks="C"), tau=7.0, v_norm=True)
+    torch.manual_seed(0)
+    assert built_alike(both, tiny(name, tau=7.0, alpha_init=0.3, conv_blocks="C", v_norm=True))
+    assert (both.lipschitz.tau, both.lipschitz.alpha_init, both.lipschitz.v_norm) == (7.0, 0.3, True)
     expected = (12.0, 0.2) if family(name) == "cswin" else (10.0, None)
     assert (tiny(name).lipschitz.tau, tiny(name).lipschitz.alpha_init) == expected
+    assert (tiny(name, lipschitz=LipschitzOptions()).lipschitz.tau,) == expected[:1]
     with pytest.raises(TypeError, match="unexpected keyword argument 'v_nrom'"):
         tiny(name, v_nrom=True)
+    with pytest.raises(TypeError, match="lipschitz must be a LipschitzOptions, got dict"):
+        tiny(name, lipschitz=dict(tau=5.0))
+
+
+def test_an_options_object_carries_only_what_its_maker_chose():
+    """A field left out is UNSET (the family decides it), also after dataclasses.replace; a built model's
+    ``lipschitz`` has every field set."""
+    import dataclasses
+    from lipsformer.layers import LipschitzOptions
+    from lipsformer.layers.options import UNSET
+    options = LipschitzOptions(attn="l2", tied_qk=True)
+    assert repr(options) == "LipschitzOptions(attn='l2', tied_qk=True)" and options.tau is UNSET
+    assert dataclasses.replace(options, tau=3.0).chosen() == dict(attn="l2", tau=3.0, tied_qk=True)
+    assert UNSET not in tiny("lipsformer_cswin_t", lipschitz=options).lipschitz.chosen().values()
+    with pytest.raises(ValueError, match="attn must be one of"):
+        LipschitzOptions(attn="softmax")
 
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])

@@ -12,10 +12,16 @@ from torchvision.models.feature_extraction import get_graph_node_names
 from conftest import TINY, family
 
 NAMES = ["lipsformer_swin_t", "lipsformer_cswin_t"]
+# The certifiable models add GroupSort, AttLip, convex residuals and normalised linear maps (issue 34.6: GroupSort's
+# shape check stopped timm's FX tests on them): traced with one block a stage and few AttLip steps (tracing, not the
+# solve, is the point).
+CERT = ["lipsformer_swin_t_cert", "lipsformer_cswin_t_cert"]
+CHEAP = dict(depths=(1, 1, 1, 1), attlip_steps=(1, 3), init="xavier")
 
 
 def tiny(name, **kwargs):
-    return timm.create_model(name, **dict(TINY[family(name)], **kwargs))
+    sizes = dict(TINY[family(name)], **(CHEAP if name in CERT else {}))
+    return timm.create_model(name, **dict(sizes, **kwargs))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,7 +51,7 @@ def fx_model(model, train: bool):
 
 
 @pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + CERT)
 def test_fx_symbolic_trace_forward_equals_the_module_and_backward_reaches_every_parameter(name):
     model = tiny(name).eval()
     x = torch.randn(1, 3, 32, 32)
@@ -61,7 +67,7 @@ def test_fx_symbolic_trace_forward_equals_the_module_and_backward_reaches_every_
 
 
 @pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + CERT)
 def test_timm_fx_feature_extraction_gives_the_stage_maps(name):
     model = tiny(name).eval()
     extractor = create_feature_extractor(model, return_nodes={f"stages.{i}": str(i) for i in range(4)})

@@ -376,11 +376,18 @@ def test_ema_of_fsdp_shards_matches_the_whole_model_ema(tmp_path):
 
 
 def test_two_processes_split_the_data_and_count_val_once(tmp_path):
-    config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2)
+    config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2, max_bad_fraction=0.1)
+    broken = tmp_path / "data" / "train" / "class_1" / "0.jpg"  # read by one of the processes
+    broken.write_bytes(b"not an image")
     run = tmp_path / "run"
-    torchrun(ROOT / "train.py", "--config", config)
+    said = torchrun(ROOT / "train.py", "--config", config)
+    # issue 34.5: one line per event across processes, per-process facts gathered (the other process printed its own
+    # "done:" and "1 of 24 images could not be read, e.g. []")
+    assert said.count("done: ") == 1
+    bad = [line for line in said.splitlines() if "images could not be read" in line]
+    assert len(bad) == 1 and "epoch 1: 1 of 24 images could not be read" in bad[0] and str(broken) in bad[0], bad
     epoch = [r for r in read_metrics(run) if r["kind"] == "epoch"][0]
-    assert epoch["processes"] == 2
+    assert epoch["processes"] == 2 and epoch["bad_samples"] == 1
     assert epoch["val_count"] == 11  # odd: the padded duplicate is not counted
     assert epoch["train_samples"] == 24  # 2 processes x 6 batches x 2 images: every image once
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000004", "step_000000006"]

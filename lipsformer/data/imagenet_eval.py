@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from PIL import Image
-from timm.data import get_img_extensions
+from timm.data import ImageNetInfo, get_img_extensions
 from timm.data.readers.reader_image_folder import find_images_and_targets
 from torch.utils.data import Dataset
 
@@ -115,6 +115,22 @@ def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, mode
             raise FileNotFoundError(f"no data folder {data_dir}")
         return imagenet_v2_samples(data_dir, num_classes)
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(EVAL_DATASETS)}")
+
+
+def label_names(dataset: str, samples: Sequence[Sample], model) -> Optional[List[str]]:
+    """The class name of each of ``model``'s labels where it is known, else None: the names its weights record
+    (a run's ``classes.json``, an export's ``label_names``), ImageNet-1k's synsets for a 1000-class model on synset
+    folders or on ImageNet-v2 / ReaL (their labels are ImageNet-1k's indices), or else, for an ``imagenet`` folder,
+    the class folders' own names (without recorded names the folders are the model's classes in order)."""
+    folders = sorted({Path(path).parent.name for path, _ in samples})
+    names = model_class_names(model, folders)
+    if names is None and dataset in ("imagenet_v2", "imagenet_real"):
+        names = model_class_names(model, ImageNetInfo("imagenet-1k").label_names())
+    if names is None and dataset == "imagenet":
+        by_label = {labels[0]: Path(path).parent.name for path, labels in samples}
+        if sorted(by_label) == list(range(model.num_classes)):
+            names = [by_label[i] for i in range(model.num_classes)]
+    return names
 
 
 def describe_samples(dataset: str, samples: Sequence[Sample]) -> str:

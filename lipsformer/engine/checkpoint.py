@@ -17,7 +17,7 @@ from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
 from ..weights import CheckpointError, sha256_of
-from .run_folder import MANIFEST, RunFolder
+from .run_folder import MANIFEST, RunFolder, readable_as_outputs
 
 _logger = logging.getLogger(__name__)
 
@@ -173,6 +173,7 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_manifest(tmp)
+            readable_as_outputs(tmp)  # Accelerate's model.safetensors is written 0600
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         earlier = RunFolder(output_dir).finished_checkpoints()

@@ -10,13 +10,14 @@ import timm
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
-from ..data.imagenet_eval import describe_samples
+from ..data.imagenet_eval import describe_samples, label_names
 from ..lipschitz.certify import certify_dataset
-from ..weights import CheckpointError, check_model_args, create_from_checkpoint
+from ..weights import CheckpointError, check_model_args, create_from_checkpoint, recorded_input_size
 from .config import ConfigError, TrainConfig
 from .finetune import WeightsUnavailable
 from .speed import compile_model, prepare_model
@@ -30,9 +31,12 @@ class TooManyBadSamples(RuntimeError):
     """More of a pass's images failed to load than ``max_bad_fraction`` allows (training, validation, eval.py)."""
 
 
-def check_unreadable(where: str, failed: int, total: int, max_fraction: float, examples: Sequence[str]) -> None:
-    """The one rule for unreadable images: warn when some failed, stop (naming them) above ``max_fraction``."""
-    if failed:
+def check_unreadable(where: str, failed: int, total: int, max_fraction: float, examples: Sequence[str],
+                     say: bool = True) -> None:
+    """The one rule for unreadable images: warn when some failed, stop (naming them) above ``max_fraction``.
+    ``failed``, ``total`` and ``examples`` are over all processes; ``say``: this process warns (the main one, so a
+    multi-process run says it once)."""
+    if failed and say:
         _logger.warning(f"{where}: {failed} of {total} images could not be read, e.g. {list(examples[:3])}")
     if failed > max_fraction * max(total, 1):
         raise TooManyBadSamples(f"{where}: {failed} of {total} images failed to load (more than {max_fraction:.0%}), "
@@ -47,7 +51,7 @@ class Predictions:
     classes: torch.Tensor  # (n, k) ranked classes
     probs: torch.Tensor  # (n, k) their softmax probabilities
     unreadable: int = 0  # samples that failed to load, over all processes
-    failed: List[str] = field(default_factory=list)  # this process's unreadable paths
+    failed: List[str] = field(default_factory=list)  # unreadable paths, of every process
     loss: Optional[torch.Tensor] = None  # (n,) cross-entropy of each readable sample (``losses=True``: keys are targets)
 
 
@@ -85,8 +89,11 @@ def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation",
         classes.append(c.cpu())
         probs.append(p.cpu())
         valid.append(read.cpu())
+    if accelerator.num_processes > 1:  # every process's unreadable paths, for the one message about them
+        failed = gather_object(failed)
     if not keys:
-        return Predictions(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))
+        return Predictions(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k),
+                           failed=failed)
     read = torch.cat(valid)
     return Predictions(torch.cat(keys)[read], torch.cat(classes)[read], torch.cat(probs)[read],
                        unreadable=int((~read).sum()), failed=failed, loss=torch.cat(nll)[read] if losses else None)
@@ -118,7 +125,7 @@ def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
                   loss=pred.loss.double().mean().item() if pred.loss is not None and pred.loss.numel()
                   else float("nan"))
     check_unreadable("validation", pred.unreadable, result["count"] + pred.unreadable, max_bad_fraction,
-                     pred.failed)
+                     pred.failed, say=accelerator.is_main_process)
     return dict(result, unreadable=pred.unreadable)
 
 
@@ -141,7 +148,8 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
     if len(missing) != pred.unreadable or pred.keys.numel() + len(missing) != len(dataset):
         raise RuntimeError(f"predictions cover {pred.keys.unique().numel()} distinct images in {pred.keys.numel()} "
                            f"rows with {pred.unreadable} unreadable, expected each of the {len(dataset)} images once")
-    check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable)
+    check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable,
+                     say=accelerator.is_main_process)
     classes = torch.full((len(dataset), pred.classes.shape[1]), -1, dtype=torch.long)  # -1: not read
     probs = torch.zeros(len(dataset), pred.probs.shape[1])
     classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
@@ -157,15 +165,18 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
 
 
 def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor, radius=None,
-                      radius_global=None) -> None:
+                      radius_global=None, names: Optional[Sequence[str]] = None) -> None:
     """One row per image: path, its allowed labels (space-separated), the top-5 classes and probabilities (empty for
     an image that could not be read), and with ``radius`` its certified l2 radius in pixel space
     (``certified_radius``: the pairwise rule, :mod:`lipsformer.lipschitz.certify`) and ``radius_global`` the global
-    rule's (``certified_radius_global``)."""
+    rule's (``certified_radius_global``). With ``names`` (each label's class name,
+    :func:`~lipsformer.data.imagenet_eval.label_names`) each index column is followed by its names:
+    ``target_names`` (``;``-separated) after ``targets``, ``topK_name`` after ``topK``."""
     k = classes.shape[1]
-    header: List[str] = ["path", "targets"]
+    named = names is not None
+    header: List[str] = ["path", "targets"] + (["target_names"] if named else [])
     for i in range(1, k + 1):
-        header += [f"top{i}", f"prob{i}"]
+        header += [f"top{i}"] + ([f"top{i}_name"] if named else []) + [f"prob{i}"]
     if radius is not None:
         header.append("certified_radius")
     if radius_global is not None:
@@ -175,8 +186,13 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
         writer.writerow(header)
         for n, ((image, labels), ranked, p) in enumerate(zip(samples, classes.tolist(), probs.tolist())):
             row = [image, " ".join(map(str, labels))]
+            if named:
+                row.append(";".join(names[c] for c in labels))
             for c, q in zip(ranked, p):
-                row += [c, f"{q:.6f}"] if c >= 0 else ["", ""]  # an unreadable image: no prediction
+                if c < 0:  # an unreadable image: no prediction
+                    row += [""] * (3 if named else 2)
+                else:
+                    row += [c, names[c], f"{q:.6f}"] if named else [c, f"{q:.6f}"]
             if radius is not None:
                 row.append(f"{float(radius[n]):.6g}")
             if radius_global is not None:
@@ -208,13 +224,16 @@ def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_step
 
 
 def _create_model(model_name, checkpoint, use_ema: bool, model_args: dict):
-    """The model to evaluate, from ``checkpoint`` or timm's published weights; a model argument the constructor
-    refuses (e.g. an ``img_size`` the windows do not divide) is a ConfigError, a failed download a
-    WeightsUnavailable."""
+    """The model to evaluate, from ``checkpoint`` or timm's published weights, and the input size (C, H, W) its
+    weights were made at as they record it (:func:`~lipsformer.weights.recorded_input_size`; a published weight's
+    config), or None where nothing records it. A model argument the constructor refuses (e.g. an ``img_size`` the
+    windows do not divide) is a ConfigError, a failed download a WeightsUnavailable."""
     try:
         if checkpoint is not None:
-            return create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
-        return timm.create_model(model_name, pretrained=True, **model_args)
+            model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
+            return model, recorded_input_size(checkpoint, use_ema)
+        model = timm.create_model(model_name, pretrained=True, **model_args)
+        return model, tuple(model.pretrained_cfg["input_size"])
     except CheckpointError:
         raise
     except (TypeError, ValueError) as e:  # the constructor refused an argument
@@ -261,17 +280,16 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     if not Path(data_dir).is_dir():
         raise FileNotFoundError(f"no data folder {data_dir}")
     accelerator = Accelerator(cpu=cpu, mixed_precision=amp)
-    model = _create_model(model_name, checkpoint, use_ema, model_args)
+    model, trained = _create_model(model_name, checkpoint, use_ema, model_args)
     try:  # labels for the model's classes: a folder's classes by name (data/classes.py)
         samples = eval_samples(dataset, data_dir, real_labels, model=model)
     except ValueError as e:  # the data do not fit the dataset's layout or the model's classes
         raise ConfigError(str(e)) from None
     transform = create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation)
     data_cfg = eval_data_config(model, crop_pct, interpolation)
-    trained = tuple((model.pretrained_cfg.get("input_size") or data_cfg["input_size"])[1:])
-    if trained != tuple(data_cfg["input_size"][1:]):
+    if trained is not None and tuple(trained[1:]) != tuple(data_cfg["input_size"][1:]):
         _logger.warning(f"evaluating at {data_cfg['input_size'][1]} px a model whose weights were made at "
-                        f"{trained[0]} px: its windows / stripes and position biases are resized "
+                        f"{trained[1]} px (as they record): its windows / stripes and position biases are resized "
                         f"(set_input_size), so this is not the accuracy at the size it was trained for and is "
                         f"often much lower")
     model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
@@ -279,10 +297,12 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
         compile_model(model)
     result = evaluate_dataset(model, EvalDataset(samples, transform), accelerator,
                               batch_size, workers, max_bad_fraction)
+    result.update(label_names=label_names(dataset, samples, model))  # for --predictions; eval.py pops them
     result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
                   checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
                   amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
-                  input_size=list(data_cfg["input_size"]), trained_input_size=[data_cfg["input_size"][0], *trained],
+                  input_size=list(data_cfg["input_size"]),
+                  trained_input_size=None if trained is None else list(trained),  # null: nothing records it
                   data=describe_samples(dataset, samples), crop_pct=data_cfg["crop_pct"],
                   interpolation=data_cfg["interpolation"], compile=compile, channels_last=channels_last)
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack

@@ -36,6 +36,31 @@ DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
 
 
+def umask() -> int:
+    """The process's file-mode creation mask (Linux's /proc/self/status states it; elsewhere read by setting it and
+    setting it back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable_as_outputs(path: Path) -> None:
+    """Give ``path`` (a file, or every file under a folder) the mode ``open()`` gives any other output, 0666 less the
+    umask (0644 under umask 022): safetensors writes through a temporary file of mode 0600, which a colleague on a
+    shared file system could not read."""
+    path = Path(path)
+    mode = 0o666 & ~umask()
+    for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
+        if file.stat().st_mode & 0o777 != mode:
+            os.chmod(file, mode)
+
+
 def read_metrics(path: Path) -> List[dict]:
     """The rows of a ``metrics.jsonl`` file in order; none when it does not exist."""
     path = Path(path)

@@ -17,7 +17,7 @@ import torch
 import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, gather_object, set_seed
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from timm.data import Mixup, resolve_data_config
@@ -35,7 +35,7 @@ from ..layers.residual import WeightedResidual
 from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
 from ..models._base import LipsFormerBase
-from ..weights import CheckpointError
+from ..weights import CheckpointError, input_size_metadata
 from .checkpoint import (SaveFailed, TrainState, assert_finite, intact_checkpoint, latest_checkpoint,
                          save_checkpoint, verify_checkpoint)
 from .config import RESTORED_ON_RESUME, ConfigError, TrainConfig, check_type
@@ -43,7 +43,7 @@ from .ema import ShardEma, _whole
 from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, margin_criterion
-from .run_folder import MANIFEST, RunFolder, checkpoint_step, read_metrics
+from .run_folder import MANIFEST, RunFolder, checkpoint_step, read_metrics, readable_as_outputs
 from .speed import compile_model, prepare_model, set_tf32
 
 _logger = logging.getLogger(__name__)
@@ -301,14 +301,15 @@ class _EpochMeter:
 
     def totals(self, accelerator) -> Dict[str, Any]:
         """The epoch so far, carried part included: samples and unreadable ones over all processes (a collective
-        call), this process's loss sums, wall seconds, and a few unreadable paths for messages."""
+        call), this process's loss sums, wall seconds, and a few unreadable paths of any process for messages."""
         counts = accelerator.reduce(torch.tensor([float(len(self.failed)), float(self.seen)],
                                                  device=accelerator.device), "sum")
         c = self.carried
+        failed = gather_object(self.failed[:5]) if accelerator.num_processes > 1 else self.failed
         return dict(failed=c.get("failed", 0) + int(counts[0]), seen=c.get("seen", 0) + int(counts[1]),
                     loss_sum=c.get("loss_sum", 0.0) + self.loss_sum, loss_n=c.get("loss_n", 0) + self.loss_n,
                     seconds=c.get("seconds", 0.0) + time.time() - self.t0,
-                    failed_paths=(list(c.get("failed_paths", [])) + self.failed)[:5])
+                    failed_paths=(list(c.get("failed_paths", [])) + list(failed))[:5])
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -561,10 +562,10 @@ def _train(run: _Run) -> dict:
         if epoch + 1 < cfg.epochs:  # a signal during the evaluation: the epoch's checkpoint is the one
             _stop_if_preempted(run)
 
-    _save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights())
+    _save_weights(run, accelerator.get_state_dict(run.model), run.folder.weights())
     if run.ema is not None:
         with run.ema.applied(run.model):
-            _save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(ema=True))
+            _save_weights(run, accelerator.get_state_dict(run.model), run.folder.weights(ema=True))
     accelerator.end_training()
     summary = dict(output_dir=str(run.folder.root), checkpoint=str(run.last_good), best_top1=state.best_top1,
                    best=str(run.folder.best), last=str(run.folder.weights()), epochs=state.epoch,
@@ -588,9 +589,10 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     if state.batch_in_epoch:
         loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
     meter = _EpochMeter(carried=dict(state.epoch_sums) if state.batch_in_epoch else {})
-    # closed however the loop ends, so an error line printed after it starts on a line of its own
+    # closed however the loop ends, so an error line printed after it starts on a line of its own; a bar only when
+    # stderr is a terminal (tqdm's disable=None), else a plain line every log_every_steps (_after_update)
     with tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-              disable=not accelerator.is_main_process, dynamic_ncols=True) as bar:
+              disable=None if accelerator.is_main_process else True, dynamic_ncols=True) as bar:
         for images, targets, bad in loader:
             meter.failed += bad
             if images is None:
@@ -605,9 +607,9 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
             if accelerator.sync_gradients:
                 _after_update(run, meter, epoch, bar)
 
-    totals = meter.totals(accelerator)
+    totals = meter.totals(accelerator)  # every process's counts and examples, said once by the main process
     check_unreadable(f"epoch {epoch + 1}", totals["failed"], totals["seen"], cfg.max_bad_fraction,
-                     meter.failed or totals["failed_paths"])
+                     totals["failed_paths"], say=accelerator.is_main_process)
     row = dict(train_loss=meter.loss, bad_samples=totals["failed"], train_samples=totals["seen"],
                processes=accelerator.num_processes, skipped_steps=state.skipped_steps, seconds=totals["seconds"])
     if attlip_steps is not None:
@@ -677,6 +679,10 @@ def _after_update(run: _Run, meter: _EpochMeter, epoch: int, bar) -> None:
     bar.set_postfix(loss=f"{meter.loss:.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
     if state.step % cfg.log_every_steps == 0:
         run.log("train", state.step, epoch=epoch + 1, loss=meter.loss, lr=lr, img_per_s=speed)
+        if bar.disable and run.accelerator.is_main_process:  # a log file, not a terminal: one plain line
+            run.accelerator.print(f"epoch {epoch + 1}/{cfg.epochs} step {state.step} ({state.batch_in_epoch}/"
+                                  f"{len(run.train_loader)} batches): loss {meter.loss:.4f}, lr {lr:.2e}, "
+                                  f"{speed:.0f} img/s", flush=True)
     if state.step % cfg.checkpoint_every_steps == 0:
         state.epoch_sums = meter.totals(run.accelerator)  # a resume from this checkpoint completes these sums
         run.last_good = save_checkpoint(run.accelerator, run.model, run.folder.root, state, cfg.keep_last)
@@ -701,21 +707,24 @@ def evaluate_and_keep_best(run: _Run) -> dict:
         state.best_top1 = candidates[which]
         row["best"] = which
         with ema.applied(model) if which == "ema" else contextlib.nullcontext():
-            _save_weights(accelerator, accelerator.get_state_dict(model), run.folder.best)
+            _save_weights(run, accelerator.get_state_dict(model), run.folder.best)
     accelerator.print(f"epoch {state.epoch}: top-1 {metrics['top1']:.2f}"
                       + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
     return row
 
 
-def _save_weights(accelerator, state_dict: dict, path: Path) -> None:
-    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed), written beside the
-    target and renamed over it: a failed write leaves the previous file as it was."""
-    if accelerator.is_main_process:
+def _save_weights(run: _Run, state_dict: dict, path: Path) -> None:
+    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed) whose metadata records
+    the input size they were made at (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder
+    is beside the file), written beside the target and renamed over it: a failed write leaves the previous file as
+    it was."""
+    if run.accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
         tmp = RunFolder.temporary(path)
         try:
-            save_file(tensors, str(tmp))
+            save_file(tensors, str(tmp), metadata=input_size_metadata((3, run.cfg.img_size, run.cfg.img_size)))
+            readable_as_outputs(tmp)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise SaveFailed(f"could not write {path}: {e.strerror or e}; "

@@ -6,9 +6,11 @@ a permutation of the coordinates: the Jacobian is a permutation matrix almost ev
 ``group_size=2`` it is MaxMin: ``(max(a, b), min(a, b))`` for each channel pair.
 """
 import torch
+from timm.layers import register_notrace_function
 from torch import nn
 
 
+@register_notrace_function  # reason: the channel check reads the input's shape
 def group_sort(x: torch.Tensor, group_size: int = 2) -> torch.Tensor:
     """Sort each group of ``group_size`` consecutive entries of the last dimension, in descending order."""
     if x.shape[-1] % group_size:

@@ -17,6 +17,7 @@ from typing import Dict
 
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_module
 from torch import nn
 
 from .spectral import UNIT_ROUNDOFF64, top_singular_triple
@@ -200,6 +201,9 @@ def _power_step(w: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     return u / u.norm().clamp_min(tiny)
 
 
+# reason (both): the divisor is computed outside the graph, once per change of the weight; traced through, the divided
+# weight would be a constant of the graph and the parameter lost to it
+@register_notrace_module
 class NormalizedLinear(_RawWeight, nn.Linear):
     r"""``nn.Linear`` with weight :math:`W / \sigma_{\max}(W)`: spectral norm exactly 1 (up to float rounding) at
     every forward; its certified bound is the largest singular value of that matrix, computed from the weights.
@@ -220,6 +224,7 @@ class NormalizedLinear(_RawWeight, nn.Linear):
         return out
 
 
+@register_notrace_module
 class NormalizedConv2d(_RawWeight, nn.Conv2d):
     r"""A non-overlapping ``nn.Conv2d`` (stride equal to the kernel, no padding or dilation; a 1x1 conv, a patch
     embedding, a 2x2 downsampling) whose reshaped kernel (out, in * kh * kw) is divided by its largest singular

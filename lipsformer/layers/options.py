@@ -1,13 +1,18 @@
 """The Lipschitz choices of a LipsFormer model, in one typed object shared by both families.
 
 Every field is a keyword argument of ``timm.create_model`` for every family
-(``timm.create_model("lipsformer_swin_t", attn="attlip", v_norm=True)``); a family only sets its own
-defaults (e.g. CSwin's tau 12). Adding an option is one field here, plus its use in the layer it changes.
+(``timm.create_model("lipsformer_swin_t", attn="attlip", v_norm=True)``), or is given as one object
+(``lipschitz=LipschitzOptions(attn="attlip", v_norm=True)``). Both routes go through
+:meth:`LipschitzOptions.resolve`, the one place a model's choices are decided: the released Swin's values
+(:data:`RELEASED`), under the family's own defaults (e.g. CSwin's tau 12), under a registered variant's preset
+(:data:`CERTIFIABLE` for the ``*_cert`` models), under the fields the object sets, under the keyword arguments.
+An object carries only what its maker chose: a field left out is :data:`UNSET` and takes the family's value.
+Adding an option is one field here and its entry in :data:`RELEASED`, plus its use in the layer it changes.
 """
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -20,6 +25,26 @@ from .norm import NORMS
 from .normalized import LINEARS
 from .residual import RESIDUALS
 
+
+class _Unset:
+    """The value of a :class:`LipschitzOptions` field its maker did not set (the family decides it)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self):
+        return _Unset, ()
+
+
+UNSET: Any = _Unset()
+
 STAGE_ACTS = ("none", *ACTS)
 # the fields that name a choice, and their choices: checked when the options are made
 CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
@@ -28,7 +53,8 @@ CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks
 
 # The certifiable configuration (issue 17), the one home of its choices: every layer 1-Lipschitz by construction
 # or kept so, the bound computed from the weights. The ``*_cert`` models are a family's size with these fields
-# (a family's own defaults, e.g. CSwin's tau, stay under them); keyword arguments still replace any of them.
+# (a family's own defaults, e.g. CSwin's tau, stay under them); the caller's ``lipschitz`` object and keyword
+# arguments replace any of them (:func:`preset`).
 CERTIFIABLE = MappingProxyType(dict(
     attn="attlip",          # AttLip Thm 4: 1-Lipschitz for any weights
     attlip_steps=(2, FIRST_PASS_STEPS),  # evaluation takes the certified solve's first pass, as many evaluations as
@@ -48,83 +74,107 @@ CERTIFIABLE = MappingProxyType(dict(
 
 @dataclass(frozen=True)
 class LipschitzOptions:
-    """The paper's Lipschitz switches (LipsFormer Table 3) and their parameters; defaults are the released Swin's.
+    """The paper's Lipschitz switches (LipsFormer Table 3) and their parameters, as chosen by their maker.
 
-    Args:
-        norm: ``center`` | ``layer`` | ``none`` (Table 3).
-        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip``.
+    A field not given is :data:`UNSET`: the model's family decides it (:meth:`resolve`), so
+    ``LipschitzOptions(attn="l2", tied_qk=True)`` builds CSwin with CSwin's tau 12 and Swin with Swin's tau 10,
+    as the same two keyword arguments do. A built model keeps its resolved choices, every field set, as
+    ``model.lipschitz``. ``a | b``: ``a`` with the fields ``b`` sets replaced.
+
+    Args (the released Swin's value, :data:`RELEASED`, in brackets):
+        norm: ``center`` | ``layer`` | ``none`` (Table 3) [center].
+        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip`` [scsa].
         tau, learn_tau, v_norm, nu, tied_qk: see :class:`lipsformer.layers.AttentionKernel`
-            (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form).
-        alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released Swin).
-        init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3).
-        conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3).
-        fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
+            (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form) [10, False, False, 1, False].
+        alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released Swin) [None].
+        init: ``spectral`` | ``xavier`` | ``trunc_normal`` (Table 3) [spectral].
+        conv_blocks: ``A`` | ``B`` | ``C`` | ``D`` (Table 3) [D].
+        fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax) [True].
         attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
-            evaluation) and solver tolerance; see :class:`lipsformer.layers.AttLipMixer`.
+            evaluation) and solver tolerance; see :class:`lipsformer.layers.AttLipMixer` [1, (2, 20), DEFAULT_TOL].
         residual: ``add`` (LipsFormer's ``x + alpha f(x)``, bound ``1 + max|alpha| Lip(f)``) | ``convex``
             (``(1 - a) x + a f(x)`` with one scalar ``a`` in [0, 1]: 1-Lipschitz when ``f`` is;
-            :class:`lipsformer.layers.residual.ConvexResidual`).
-        act: ``gelu`` (LipsFormer) | ``groupsort`` (MaxMin, 1-Lipschitz) in the MLPs and conv blocks.
+            :class:`lipsformer.layers.residual.ConvexResidual`) [add].
+        act: ``gelu`` (LipsFormer) | ``groupsort`` (MaxMin, 1-Lipschitz) in the MLPs and conv blocks [gelu].
         linear: ``plain`` | ``normalized`` | ``normalized_power``: every Linear, and every non-overlapping
             convolution (patch embedding, downsampling, 1x1), divides its weight by its largest singular value
             (:class:`lipsformer.layers.normalized.NormalizedLinear` / ``NormalizedConv2d``; bound 1, and the
             gradient sees the normalisation, unlike keeping the norm by projection after each step): exact at
-            evaluation; in training exact (``normalized``) or by persistent power iteration (``normalized_power``).
+            evaluation; in training exact (``normalized``) or by persistent power iteration (``normalized_power``)
+            [plain].
         attlip_prox: ``attn="attlip"``: the mixer returns ``prox(x)`` instead of ``prox(x) - x``. Under a convex
             residual ``(1 - a) x + a prox(x)`` moves the tokens toward their proximal point and is the identity at
             ``a = 0``; with ``prox(x) - x`` it is ``(1 - 2a) x + a prox(x)``, which contracts by ``1 - a``
-            (both 1-Lipschitz mixers: AttLip Thm 4).
+            (both 1-Lipschitz mixers: AttLip Thm 4) [False].
         stage_act: ``none`` (LipsFormer) | ``gelu`` | ``groupsort``: an activation opening every stage, after the
             patch embedding and after each downsampling. Under a convex residual the path between the blocks is
             otherwise linear (patch embedding, downsampling and the ``(1 - a) x`` skips), as a CNN without
-            activations would be; ``groupsort`` keeps it 1-Lipschitz.
+            activations would be; ``groupsort`` keeps it 1-Lipschitz [none].
         alpha_range: ``residual="convex"``: where bound keeping keeps every residual weight ``a`` (attention, MLP,
-            conv blocks; within [0, 1]); ``(0, 0)`` with ``alpha_init=0`` switches the branches off (the ablation), a floor
-            keeps them on.
-        attlip_reflect: ``attn="attlip"``: the mixer returns the reflected resolvent ``2 prox(x) - x`` (non-expansive),
-            so ``(1 - a) x + a (2 prox(x) - x)`` is 1-Lipschitz and an isometry where ``prox`` is a projection.
+            conv blocks; within [0, 1]); ``(0, 0)`` with ``alpha_init=0`` switches the branches off (the ablation), a
+            floor keeps them on [(0, 1)].
+        attlip_reflect: ``attn="attlip"``: the mixer returns the reflected resolvent ``2 prox(x) - x``
+            (non-expansive), so ``(1 - a) x + a (2 prox(x) - x)`` is 1-Lipschitz and an isometry where ``prox`` is a
+            projection [False].
         mlp: ``mlp`` (fc1, act, fc2) | ``cpl`` (a convex potential layer ``x - 2 W^T ReLU(W x + b)``,
-            :class:`lipsformer.layers.block.CPLMlp`: 1-Lipschitz for ``||W|| <= 1``).
+            :class:`lipsformer.layers.block.CPLMlp`: 1-Lipschitz for ``||W|| <= 1``) [mlp].
     """
 
-    norm: str = "center"
-    attn: str = "scsa"
-    tau: float = 10.0
-    learn_tau: bool = False
-    v_norm: bool = False
-    nu: float = 1.0
-    tied_qk: bool = False
-    alpha_init: Optional[float] = None
-    init: str = "spectral"
-    conv_blocks: str = "D"
-    fused_attn: bool = True
-    attlip_eta: float = 1.0
-    attlip_steps: Tuple[int, int] = (2, 20)
-    attlip_tol: float = DEFAULT_TOL
-    residual: str = "add"
-    act: str = "gelu"
-    linear: str = "plain"
-    attlip_prox: bool = False
-    stage_act: str = "none"
-    alpha_range: Tuple[float, float] = (0.0, 1.0)
-    attlip_reflect: bool = False
-    mlp: str = "mlp"
+    norm: str = UNSET
+    attn: str = UNSET
+    tau: float = UNSET
+    learn_tau: bool = UNSET
+    v_norm: bool = UNSET
+    nu: float = UNSET
+    tied_qk: bool = UNSET
+    alpha_init: Optional[float] = UNSET
+    init: str = UNSET
+    conv_blocks: str = UNSET
+    fused_attn: bool = UNSET
+    attlip_eta: float = UNSET
+    attlip_steps: Tuple[int, int] = UNSET
+    attlip_tol: float = UNSET
+    residual: str = UNSET
+    act: str = UNSET
+    linear: str = UNSET
+    attlip_prox: bool = UNSET
+    stage_act: str = UNSET
+    alpha_range: Tuple[float, float] = UNSET
+    attlip_reflect: bool = UNSET
+    mlp: str = UNSET
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is not UNSET and value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+    def __repr__(self) -> str:  # what its maker chose, as they would write it
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.chosen().items())})"
+
+    def chosen(self) -> dict:
+        """The fields this object sets (every field, for a model's resolved ``model.lipschitz``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not UNSET}
+
+    def __or__(self, other: Optional["LipschitzOptions"]) -> "LipschitzOptions":
+        if other is None:
+            return self
+        if not isinstance(other, LipschitzOptions):
+            raise TypeError(f"lipschitz must be a LipschitzOptions, got {type(other).__name__}")
+        return dataclasses.replace(self, **other.chosen())
 
     @classmethod
-    def from_kwargs(cls, owner: str, defaults: Mapping, options: Optional["LipschitzOptions"] = None,
-                    **kwargs) -> "LipschitzOptions":
-        """``options`` (or ``cls(**defaults)``) with ``kwargs`` replaced; an unknown name is a ``TypeError``
-        worded as Python words one for ``owner``'s signature."""
+    def resolve(cls, owner: str, family_defaults: Mapping, options: Optional["LipschitzOptions"] = None,
+                **kwargs) -> "LipschitzOptions":
+        """A model's Lipschitz choices, every field set: :data:`RELEASED`, then ``family_defaults``, then the
+        fields ``options`` sets (a variant's preset already under them, see :func:`preset`), then ``kwargs``,
+        each replacing the one before. An unknown keyword is a ``TypeError`` worded as Python words one for
+        ``owner``'s signature; ``options`` of another type is one too."""
         names = {f.name for f in dataclasses.fields(cls)}
         for key in kwargs:
             if key not in names:
                 raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
-        return dataclasses.replace(options or cls(**defaults), **kwargs)
+        return cls(**RELEASED) | cls(**family_defaults) | options | cls(**kwargs)
 
     def kernel(self) -> AttentionKernel:
         """A fresh attention kernel of this choice (``attn`` other than ``attlip``)."""
@@ -148,3 +198,19 @@ class LipschitzOptions:
         """The :class:`lipsformer.layers.LipsBlock` arguments these options set (``alpha_init`` resolved)."""
         return dict(norm=self.norm, conv_blocks=self.conv_blocks, alpha_init=alpha_init, act=self.act,
                     residual=self.residual, alpha_range=tuple(self.alpha_range), mlp=self.mlp)
+
+
+# The released LipsFormer-Swin's choices: what a field no family, preset, object or keyword sets takes.
+RELEASED = MappingProxyType(dict(
+    norm="center", attn="scsa", tau=10.0, learn_tau=False, v_norm=False, nu=1.0, tied_qk=False, alpha_init=None,
+    init="spectral", conv_blocks="D", fused_attn=True, attlip_eta=1.0, attlip_steps=(2, 20), attlip_tol=DEFAULT_TOL,
+    residual="add", act="gelu", linear="plain", attlip_prox=False, stage_act="none",
+    alpha_range=(0.0, 1.0), attlip_reflect=False, mlp="mlp"))
+assert set(RELEASED) == {f.name for f in dataclasses.fields(LipschitzOptions)}, "every option needs its default"
+
+
+def preset(values: Mapping, kwargs: dict) -> dict:
+    """A registered variant's ``kwargs`` with its preset Lipschitz choices (e.g. :data:`CERTIFIABLE`) under the
+    caller's: the caller's ``lipschitz`` object and keyword arguments replace any preset field, as they replace
+    the family's defaults."""
+    return dict(kwargs, lipschitz=LipschitzOptions(**values) | kwargs.get("lipschitz"))

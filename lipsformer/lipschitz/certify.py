@@ -34,9 +34,12 @@ last layer and is reported beside it as ``certified_radius_global``).
 Margins are always taken from a float32 forward with autocast off (:func:`predict_certified`), whatever precision
 the rest of evaluation runs in; a model whose weights are not float32 or wider certifies nothing.
 """
+import contextlib
+import functools
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.data import resolve_data_config
@@ -145,23 +148,61 @@ def pairwise_radius(logits: torch.Tensor, lipschitz: PixelLipschitz) -> torch.Te
     return radius.amin(1).clamp_min(0.0)
 
 
+@contextlib.contextmanager
+def evaluation_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside; afterwards every module is back in the mode it was in (a model in train mode
+    with frozen parts in eval mode, as training keeps them, comes back so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:  # parents first: a child's own mode is set after its parent's
+            if m.training != mode:
+                m.train(mode)
+
+
+def _in_evaluation_mode(fn):
+    """``fn(model, ...)`` run under :func:`evaluation_mode` of its ``model``."""
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with evaluation_mode(model):
+            return fn(model, *args, **kwargs)
+    return wrapper
+
+
 def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optional[PixelLipschitz] = None,
                       max_steps: int = 1000) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Predictions and certified radii of a batch of normalised ``images``: ``(logits, pred, radius)``.
 
-    The one call behind ``eval.py --certify-eps``. The forward runs in eval mode, in float32 with autocast off
-    (an Accelerate-prepared model's mixed-precision wrapper is bypassed), with every AttLip solved to its
-    tolerance (:func:`~lipsformer.layers.attlip.solve_to_tolerance`, raising past ``max_steps``), so the radius is
-    sound for the logits returned: the pairwise rule's (:func:`pairwise_radius`; ``certified_radius(logits, L)`` is the
-    global rule's). ``lipschitz`` defaults to :func:`pixel_lipschitz` of ``model``.
+    The one call behind ``eval.py --certify-eps``. The forward runs in eval mode (the model is given back in the
+    mode it came in), in float32 with autocast off (an Accelerate-prepared model's mixed-precision wrapper is
+    bypassed), with every AttLip solved to its tolerance (:func:`~lipsformer.layers.attlip.solve_to_tolerance`,
+    raising past ``max_steps``), so the radius is sound for the logits returned: the pairwise rule's
+    (:func:`pairwise_radius`; ``certified_radius(logits, L)`` is the global rule's). ``lipschitz`` defaults to
+    :func:`pixel_lipschitz` of ``model``. Where the bound is infinite nothing is certified (every radius 0) and a
+    ``UserWarning`` says why (e.g. an attention without a finite bound).
     """
     bare = getattr(model, "module", model)
+    with evaluation_mode(bare):
+        _check_float32(bare)
+        L = pixel_lipschitz(bare) if lipschitz is None else lipschitz  # the eval-mode map's bound, its divisors
+        out = _certified_forward(bare, images, L, max_steps)           # the ones the forward divides by
+    if not L.finite:
+        warnings.warn(f"predict_certified: nothing is certified (every radius is 0): {L.reason}", stacklevel=2)
+    return out
+
+
+def _check_float32(bare: nn.Module) -> None:
     dtypes = {p.dtype for p in bare.parameters() if p.is_floating_point()}
     if any(torch.finfo(d).bits < 32 for d in dtypes):
         raise NoBoundError(f"certificates need float32 margins; the model's weights are {sorted(map(str, dtypes))}: "
                            f"load it in float32 (autocast for the rest of evaluation is fine)")
-    bare.eval()  # first: the bound is the eval-mode map's, its divisors the ones the forward below divides by
-    L = pixel_lipschitz(bare) if lipschitz is None else lipschitz
+
+
+def _certified_forward(bare: nn.Module, images: torch.Tensor, L: PixelLipschitz,
+                       max_steps: int = 1000) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`predict_certified`'s ``(logits, pred, radius)`` of ``bare`` in eval mode, under the bound ``L``."""
     forward = getattr(bare, "_original_forward", bare.forward)  # Accelerate keeps the forward before autocast
     with torch.no_grad(), torch.autocast(images.device.type, enabled=False), solve_to_tolerance(bare, max_steps):
         logits = forward(images.float()).float()
@@ -174,6 +215,7 @@ def certified_accuracy(radius: torch.Tensor, correct: torch.Tensor, eps: Sequenc
     return {float(e): 100.0 * float((correct.bool() & (radius > e)).sum()) / n for e in eps}
 
 
+@_in_evaluation_mode
 def pgd_l2(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: Union[float, torch.Tensor],
            mean: torch.Tensor, std: torch.Tensor, steps: int = 20, restarts: int = 3, step_size: Optional[float] = None,
            seed: int = 0) -> torch.Tensor:
@@ -184,7 +226,6 @@ def pgd_l2(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: Un
     (Carlini & Wagner) with normalised gradient steps of ``step_size`` (default ``2.5 eps / steps``), projected
     back onto the ball and the [0, 1] box; an image counts as fooled as soon as any iterate changes its prediction.
     """
-    model.eval()
     b = pixels.shape[0]
     eps_t = torch.as_tensor(eps, dtype=pixels.dtype, device=pixels.device).expand(b).reshape(b, 1, 1, 1)
     alpha = eps_t * 2.5 / steps if step_size is None else torch.full_like(eps_t, step_size)
@@ -219,6 +260,7 @@ def pgd_l2(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: Un
     return fooled.detach()
 
 
+@_in_evaluation_mode
 def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[Sequence[int]],
                     certify_eps: Sequence[float] = (), attack_eps: Sequence[float] = (), attack_steps: int = 20,
                     attack_restarts: int = 3, report: Optional[LipschitzReport] = None) -> dict:
@@ -234,11 +276,11 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     ``radius`` and ``radius_global`` (per image, by index) and ``solver_steps`` (per AttLip block, the most gradient evaluations its certified solve took on any window).
     """
     bare = accelerator.unwrap_model(model)
-    L = pixel_lipschitz(bare, report)
+    _check_float32(bare)
+    L = pixel_lipschitz(bare, report)  # in eval mode (the decorator): the bound of the map certified below
     built = tuple(eval_data_config(bare)["input_size"][1:])
     mean, std = normalization(bare)
     mean, std = mean.to(accelerator.device), std.to(accelerator.device)
-    model.eval()
     solved = [(name, m) for name, m in bare.named_modules() if isinstance(m, AttLip)]
     steps: Dict[str, int] = {}  # per AttLip block, the most gradient evaluations any window of any batch took
     keys, radii, globals_, corrects, robusts, valid = [], [], [], [], [], []
@@ -253,7 +295,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
                                f"eval.py --img-size) to certify there")
         stand_ins = len(batch[2]) if len(batch) > 2 else 0
         read = torch.arange(len(images), device=images.device) < len(images) - stand_ins
-        logits, pred, radius = predict_certified(bare, images, L)
+        logits, pred, radius = _certified_forward(bare, images, L)  # the result's reason says why, not a warning
         radius_global = certified_radius(logits, L)
         for name, m in solved:
             steps[name] = max(steps.get(name, 0), m.last_solve.steps)

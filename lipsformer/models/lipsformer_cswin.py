@@ -18,7 +18,7 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
-from ..layers.options import CERTIFIABLE
+from ..layers.options import CERTIFIABLE, preset
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
                     pretrained_cfg, rename_prefix)
@@ -132,7 +132,8 @@ class LipsFormerCSwin(LipsFormerBase):
             divide and cropped back, so stage ``i`` maps are ceil(H / (patch * 2^i)) high.
         lipschitz, and its fields as keyword arguments: the Lipschitz choices, as for the Swin family
             (:class:`lipsformer.layers.LipschitzOptions`); with ``attn="attlip"`` each stripe branch is an AttLip
-            block on its half of the channels. Defaults: the released CSwin code's, tau 12 and ``alpha_init``
+            block on its half of the channels. Defaults, for every field neither the object nor a keyword sets:
+            the released CSwin code's, tau 12 and ``alpha_init``
             0.2 (its ``ScaleLayer`` default; the ``alpha=dict(init_t=0.05)`` it is given is never used);
             ``alpha_init=None`` means ``1 / sum(depths)`` as for Swin.
     """
@@ -160,8 +161,7 @@ class LipsFormerCSwin(LipsFormerBase):
             **lipschitz_kwargs,
     ):
         super().__init__()
-        lips = LipschitzOptions.from_kwargs(type(self).__name__, self.lipschitz_defaults, lipschitz,
-                                            **lipschitz_kwargs)
+        lips = LipschitzOptions.resolve(type(self).__name__, self.lipschitz_defaults, lipschitz, **lipschitz_kwargs)
         if not len(depths) == len(num_heads) == len(split_size):
             raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and split_size "
                              f"{tuple(split_size)} must have the same length")
@@ -320,4 +320,5 @@ def lipsformer_cswin_t_cert(pretrained: bool = False, **kwargs) -> LipsFormerCSw
     (:data:`lipsformer.layers.options.CERTIFIABLE`; AttLip runs in each stripe branch), so ``lipschitz_report``
     bounds it by 1 and ``predict_certified`` gives radii in pixel space. Preprocessing mean 0.5, std 1
     (``certified_cfg``: no 1/std factor in the bound). No weights; recipe: configs/lipsformer_cswin_t_cert.yaml."""
-    return _create_lipsformer_cswin("lipsformer_cswin_t_cert", pretrained, **{**CSWIN_T, **CERTIFIABLE, **kwargs})
+    kwargs = preset(CERTIFIABLE, dict(CSWIN_T, **kwargs))  # the caller's lipschitz object and keywords over it
+    return _create_lipsformer_cswin("lipsformer_cswin_t_cert", pretrained, **kwargs)

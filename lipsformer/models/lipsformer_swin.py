@@ -15,7 +15,7 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
-from ..layers.options import CERTIFIABLE
+from ..layers.options import CERTIFIABLE, preset
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
                     pretrained_cfg, rename_prefix)
@@ -139,11 +139,12 @@ class LipsFormerSwin(LipsFormerBase):
         lipschitz: the Lipschitz choices as one :class:`lipsformer.layers.LipschitzOptions`; its fields
             (``norm``, ``attn``, ``tau``, ``learn_tau``, ``v_norm``, ``nu``, ``tied_qk``, ``alpha_init``, ``init``,
             ``conv_blocks``, ``fused_attn``, ``attlip_eta``, ``attlip_steps``, ``attlip_tol``, ``residual``, ``act``,
-            ``linear``, ``attlip_prox``, ``stage_act``) are also keyword arguments, replacing the object's.
-            Defaults: the released Swin (tau 10, alpha 1 / sum(depths)).
+            ``linear``, ``attlip_prox``, ``stage_act``) are also keyword arguments, replacing the object's; a
+            field neither sets is the family's default (:meth:`LipschitzOptions.resolve`). Defaults: the released
+            Swin (tau 10, alpha 1 / sum(depths)).
     """
 
-    lipschitz_defaults = {}  # the released Swin's values are LipschitzOptions' own defaults
+    lipschitz_defaults = {}  # the released Swin's values are the base of every family (options.RELEASED)
 
     def __init__(
             self,
@@ -166,8 +167,7 @@ class LipsFormerSwin(LipsFormerBase):
             **lipschitz_kwargs,
     ):
         super().__init__()
-        lips = LipschitzOptions.from_kwargs(type(self).__name__, self.lipschitz_defaults, lipschitz,
-                                            **lipschitz_kwargs)
+        lips = LipschitzOptions.resolve(type(self).__name__, self.lipschitz_defaults, lipschitz, **lipschitz_kwargs)
         if len(depths) != len(num_heads):
             raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} must have the same length")
         self.window_size = window_size
@@ -339,4 +339,5 @@ def lipsformer_swin_t_cert(pretrained: bool = False, **kwargs) -> LipsFormerSwin
     linear maps, no norms), so ``lipschitz_report`` bounds it by 1 and ``predict_certified`` gives radii in pixel
     space. Preprocessing mean 0.5, std 1 (``certified_cfg``: no 1/std factor in the bound). No weights;
     recipe: configs/lipsformer_swin_t_cert.yaml."""
-    return _create_lipsformer_swin("lipsformer_swin_t_cert", pretrained, **{**SWIN_T, **CERTIFIABLE, **kwargs})
+    kwargs = preset(CERTIFIABLE, dict(SWIN_T, **kwargs))  # the caller's lipschitz object and keywords over it
+    return _create_lipsformer_swin("lipsformer_swin_t_cert", pretrained, **kwargs)
