@@ -78,6 +78,7 @@ def base(tmp_path_factory):
     train(load_config(cfg, [f"output_dir={root / 'run'}"]))
     reset_accelerate()
     (root / "a_file").write_text("not a folder")
+    (root / "bad.yaml").write_text("model: [lipsformer_swin_t\nlr: 1\n")
     return root
 
 
@@ -123,6 +124,7 @@ MODEL_KWARGS = [  # model arguments the constructor refuses
     ("model_kwargs.depths=1,1", ["depths"]),
     ("model_kwargs.img_size=64", ["model_kwargs.img_size duplicates the top-level key img_size"]),
     ("model_kwargs.attn=nosuch", ["nosuch"]),
+    ("model_kwargs.depths=[1,1", ["--set model_kwargs.depths=[1,1: not valid YAML at line 1, column 5"]),
 ]
 
 
@@ -327,6 +329,22 @@ def checkpoint_cases(base: Path) -> list:
     return cases
 
 
+def test_random_pickles_are_damaged_files_not_code(base, capsys):
+    """Random bytes behind a pickle's opening: the unpickler raised IndexError, UnicodeDecodeError, ... (a
+    traceback), or the message said the file held objects that could run code."""
+    from lipsformer import convert
+    rng = random.Random(SEED)
+    folder = base / "pickles"
+    folder.mkdir(exist_ok=True)
+    for k in range(40):
+        path = folder / f"pickle_{k}.pth"
+        path.write_bytes(rng.choice([b"", b"\x80\x02", b"\x80\x04", b"PK\x03\x04"])
+                         + rng.randbytes(rng.choice([1, 10, 100, 1000])))
+        line = refused(capsys, convert.main, [path, "--model", "lipsformer_swin_t", "--out", base / "converted"], base,
+                       f"cannot read {path}: truncated or not a checkpoint")
+        assert "could run code" not in line
+
+
 def test_unusable_checkpoints_are_one_line_exit_2_and_write_nothing(base, capsys):
     import json
     for path, model_args, fragments in checkpoint_cases(base):
@@ -360,7 +378,8 @@ def test_unusable_checkpoints_are_one_line_exit_2_and_write_nothing(base, capsys
 BAD_FLAG_VALUES = {
     "train.py": {
         "--config": [("{root}/nope.yaml", ["config file", "nope.yaml: no such file"]),
-                     ("{root}/data", ["is a folder"]), ("{root}/data/train/class_0/0.jpg", ["not a text (UTF-8)"])],
+                     ("{root}/data", ["is a folder"]), ("{root}/data/train/class_0/0.jpg", ["not a text (UTF-8)"]),
+                     ("{root}/bad.yaml", ["bad.yaml: not valid YAML at line 2, column 3"])],
         "--data-dir": [("{root}/nope", ["no such folder"]), ("{root}/a_file", ["no such folder"])],
         "--output-dir": [("{root}/a_file", ["a_file is a file, not a folder"])],
         "--resume": [("{root}/nope", ["--resume", "no such folder"]),
@@ -432,6 +451,9 @@ def test_every_flag_with_a_wrong_value_is_one_line_exit_2_and_writes_nothing(bas
         if flag == "--pretrained=yes":
             argv = argv[2:]  # instead of --checkpoint
         refused(capsys, module.main, argv, base, *fragments)
+    if script == "eval.py":  # it said the unknown model had no published weights
+        refused(capsys, module.main, ["--model", "lipsformer_swin_x", "--pretrained", "--data-dir", base / "data"],
+                base, "unknown model 'lipsformer_swin_x' (did you mean lipsformer_swin_t")
 
 
 # -- 5. the other commands ----------------------------------------------------------------------------------------
@@ -477,6 +499,15 @@ def test_a_solver_that_cannot_reach_its_tolerance_is_one_line(base, capsys):
 
 
 # -- the boundary itself ------------------------------------------------------------------------------------------
+def test_a_list_on_the_command_line_is_a_list():
+    """--set model_kwargs.depths=1,1,1,1 reached the model as the string's characters."""
+    from lipsformer.engine.config import load_config
+    cfg = load_config(None, ["model_kwargs.depths=1,1,2,1", "betas=0.9,0.99", "freeze=patch_embed,stages.0",
+                             "pretrained=lipsformer_swin_t.official_in1k", "model=lipsformer_swin_t"])
+    assert cfg.model_kwargs == {"depths": [1, 1, 2, 1]} and cfg.betas == (0.9, 0.99)
+    assert cfg.freeze == "patch_embed,stages.0"  # a string key keeps its commas
+
+
 def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
     from lipsformer.engine import train as loop
     from lipsformer.engine.checkpoint import intact_checkpoint, latest_checkpoint
