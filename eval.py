@@ -7,20 +7,16 @@
         --certify-eps 0.1 0.25 0.5 --attack-eps 0.1 0.25 0.5 --predictions preds.csv
     accelerate launch eval.py ... (every image is counted once across processes)
 """
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
-from lipsformer.data import EVAL_DATASETS, TransformError
-from lipsformer.engine.config import ConfigError
-from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, TooManyBadSamples, WeightsUnavailable, \
-    evaluate_model, write_predictions
-from lipsformer.engine.processes import ends_processes
-from lipsformer.lipschitz.bounds import NoBoundError
+from lipsformer.cli import ArgumentParser, command, json_value
+from lipsformer.data import EVAL_DATASETS
+from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
+from lipsformer.errors import UsageError
 from lipsformer.lipschitz.certify import parse_eps
-from lipsformer.weights import CheckpointError
 
 
 def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
@@ -44,9 +40,8 @@ def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
     return "robustness: " + " | ".join(parts)
 
 
-@ends_processes
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Evaluate a LipsFormer on ImageNet val, ReaL or v2.")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="eval.py", description=__doc__)
     parser.add_argument("--model", help="registered model name (optional when the checkpoint's config names it)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="weight file, train.py output folder, or exported folder")
@@ -67,7 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION, metavar="F",
                         help="unreadable images are skipped and counted; stop when more than this fraction "
                              "fails (training's max_bad_fraction rule)")
-    parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
+    parser.add_argument("--model-args", type=json_value, default={}, metavar="JSON",
                         help='model arguments for a checkpoint without a config, e.g. \'{"img_size": 32}\'')
     parser.add_argument("--img-size", type=int, help="build the model for this input size and preprocess at it "
                         "(default: the size the checkpoint or its --model-args name)")
@@ -84,6 +79,12 @@ def main(argv=None) -> int:
                         help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")
     parser.add_argument("--attack-steps", type=int, default=20, help="PGD steps per restart")
     parser.add_argument("--attack-restarts", type=int, default=3, help="PGD random restarts")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.model and args.pretrained:
         parser.error("--pretrained needs --model")
@@ -91,34 +92,18 @@ def main(argv=None) -> int:
         parser.error(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
     for option, path in (("--output", args.output), ("--predictions", args.predictions)):
         if path and not Path(path).parent.is_dir():  # found now, not after the evaluation
-            print(f"error: {option} {path}: no folder {Path(path).parent}", file=sys.stderr)
-            return 2
-    try:
-        certify_eps = parse_eps(args.certify_eps, "--certify-eps")
-        attack_eps = parse_eps(args.attack_eps, "--attack-eps")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result, samples = evaluate_model(
-            args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
-            real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
-            workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
-            img_size=args.img_size, crop_pct=args.crop_pct, interpolation=args.interpolation,
-            certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
-            attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
-    except (CheckpointError, ConfigError, FileNotFoundError, NoBoundError) as e:  # bad input: one line naming it
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except WeightsUnavailable as e:  # a runtime fault (the network), not bad input
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except TooManyBadSamples as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return 3
-    except TransformError as e:
-        print(f"stopped: {e.line}", file=sys.stderr)
-        return 3
+            raise UsageError(f"{option} {path}: no folder {Path(path).parent}")
+        if path and Path(path).is_dir():
+            raise UsageError(f"{option} {path} is a folder; name the file to write")
+    certify_eps = parse_eps(args.certify_eps, "--certify-eps")
+    attack_eps = parse_eps(args.attack_eps, "--attack-eps")
+    result, samples = evaluate_model(
+        args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
+        real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
+        workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
+        img_size=args.img_size, crop_pct=args.crop_pct, interpolation=args.interpolation,
+        certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
+        attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
     classes, probs, names = result.pop("classes"), result.pop("probs"), result.pop("label_names")
     radius, radius_global = result.pop("radius", None), result.pop("radius_global", None)
     if not result.pop("is_main_process"):

@@ -8,39 +8,36 @@ The folder (``checkpoints/MODEL.TAG`` by default) holds ``model.safetensors`` an
 ``timm.create_model("local-dir:checkpoints/MODEL.TAG", pretrained=True)`` or
 ``timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=".../model.safetensors"))``.
 """
-import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
-from .weights import CheckpointError, check_model_args, create_from_checkpoint, export, sha256_of
+from .cli import ArgumentParser, command, json_value
+from .errors import UsageError
+from .weights import check_model_args, create_from_checkpoint, export, sha256_of
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
 
+@command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lipsformer.convert", description=__doc__)
     parser.add_argument("source", help="a released .pth, a weight file, a train.py output folder, or an export")
     parser.add_argument("--model", help="registered model name (needed when the source does not say)")
-    parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
+    parser.add_argument("--model-args", type=json_value, default={}, metavar="JSON",
                         help='model arguments the source was built with, e.g. \'{"img_size": 32}\'')
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights")
     parser.add_argument("--tag", default="converted", help="pretrained tag of the output folder's name")
     parser.add_argument("--out", help="output folder (default: checkpoints/MODEL.TAG)")
     args = parser.parse_args(argv)
     if not TAG.fullmatch(args.tag):  # it names a folder under checkpoints/: a name, never a path
-        print(f"error: --tag must be a name of letters, digits, '_' and '-' (the folder is checkpoints/MODEL.TAG), "
-              f"got {args.tag!r}", file=sys.stderr)
-        return 2
-    try:
-        model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema,
-                                       **check_model_args(args.model_args))
-        name = model.pretrained_cfg["architecture"]
-        out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source, tag=args.tag)
-    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--tag must be a name of letters, digits, '_' and '-' (the folder is "
+                         f"checkpoints/MODEL.TAG), got {args.tag!r}")
+    if args.out and Path(args.out).exists():  # found now, not after the weights are read
+        raise UsageError(f"--out {args.out} already exists; remove it or choose another output folder")
+    model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema, **check_model_args(args.model_args))
+    name = model.pretrained_cfg["architecture"]
+    out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source, tag=args.tag)
     print(f"wrote {out} (model.safetensors sha256 {sha256_of(out / 'model.safetensors')})\n"
           f'load it with timm.create_model("local-dir:{out}", pretrained=True)')
     return 0

@@ -5,15 +5,23 @@
 fvcore counts one multiply-add as one FLOP. ``scaled_dot_product_attention`` is counted as the
 two matmuls it replaces (q k^T and attn v), so fused and unfused attention give the same count.
 """
-import argparse
 import json
 import logging
+import sys
+import warnings
+from pathlib import Path
 from typing import Dict, Optional
 
-import timm
 import torch
-from fvcore.nn import FlopCountAnalysis
-from fvcore.nn.jit_handles import get_shape
+
+from .cli import ArgumentParser, command
+from .errors import UsageError
+from .weights import build_model, check_model_name
+
+with warnings.catch_warnings():  # fvcore.nn's focal_loss module calls torch.jit.script on import (deprecated)
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+    from fvcore.nn import FlopCountAnalysis
+    from fvcore.nn.jit_handles import get_shape
 
 # Paper Table 2 / DESIGN.md: params (M), GFLOPs at 224x224, ImageNet-1k top-1 (None where not given).
 PAPER: Dict[str, dict] = {
@@ -42,7 +50,7 @@ def _sdpa_flop_jit(inputs, outputs) -> int:
 def count_params(name: str, **kwargs) -> int:
     """Parameter count, built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        model = timm.create_model(name, **kwargs)
+        model = build_model(name, **kwargs)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -61,7 +69,7 @@ def measure(name: str, flops: bool = True) -> dict:
     """Params (M) and GFLOPs at the model's default input size, beside the paper's figures."""
     row = dict(model=name, params_m=count_params(name) / 1e6)
     if flops:
-        model = timm.create_model(name, init="xavier")  # the init does not change the count; skip the SVDs
+        model = build_model(name, init="xavier")  # the init does not change the count; skip the SVDs
         row["gflops"] = count_flops(model, model.pretrained_cfg["input_size"]) / 1e9
     paper = PAPER.get(name, {})
     row.update({f"paper_{k}": v for k, v in paper.items()})
@@ -72,12 +80,17 @@ def _fmt(v: Optional[float], spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(PAPER), help="model names (default: all)")
+@command
+def main(argv=None) -> int:
+    parser = ArgumentParser(prog="python -m lipsformer.flops", description=__doc__)
+    parser.add_argument("--models", nargs="*", default=list(PAPER), help="model names (default: all of the paper's)")
     parser.add_argument("--no-flops", action="store_true", help="parameters only (fast)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
+    for name in args.models:  # every name before the first row
+        check_model_name(name)
+    if args.json and not Path(args.json).parent.is_dir():
+        raise UsageError(f"--json {args.json}: no folder {Path(args.json).parent}")
     rows = []
     print(f"{'model':<22}{'params (M)':>12}{'paper':>8}{'GFLOPs':>9}{'paper':>8}{'top-1 (paper)':>15}")
     for name in args.models:
@@ -89,7 +102,8 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,10 +9,10 @@ import collections
 import hashlib
 import json
 import os
-import pickle
 import shutil
+import warnings
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import timm
 import torch
@@ -20,9 +20,11 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from timm.data import resolve_model_data_config
-from timm.models import save_for_hf
+from timm.models import get_pretrained_cfg, save_for_hf
 
 from .data.classes import read_class_names
+from .errors import Mistake, did_you_mean
+from .engine.config import ConfigError
 from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step, readable_as_outputs
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
@@ -37,8 +39,46 @@ def input_size_metadata(input_size) -> dict:
     return {INPUT_SIZE_KEY: json.dumps([int(v) for v in input_size])}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Mistake, ValueError):
     """A weight file that cannot be used: unreadable, unsafe, for another model, or with the wrong hash."""
+
+
+class ModelArgsError(ConfigError):
+    """A model name timm does not know, or a model argument the model's constructor refuses (a config's or a
+    command line's)."""
+
+
+def check_model_name(name: str) -> str:
+    """``name`` unless timm knows no such model (a tag after the dot is left to timm; ``hf-hub:`` and
+    ``local-dir:`` sources too), else a :class:`ModelArgsError` with the closest registered names."""
+    arch = str(name).split(".", 1)[0]
+    if ":" not in arch and not timm.is_model(arch):
+        raise ModelArgsError(f"unknown model {name!r}{did_you_mean(arch, timm.list_models())}; "
+                             f"timm.list_models('lipsformer_*') lists the zoo")
+    return name
+
+
+def has_published_weights(name: str) -> bool:
+    """Whether timm has weights to download for ``name`` (``MODEL`` or ``MODEL.TAG``); an unknown tag is no (timm's
+    registry raises for it)."""
+    try:
+        cfg = get_pretrained_cfg(name)
+    except RuntimeError:  # timm: "Invalid pretrained tag (TAG) for MODEL"
+        return False
+    return cfg is not None and bool(cfg.url or cfg.hf_hub_id or cfg.file)
+
+
+def build_model(name: str, **kwargs) -> torch.nn.Module:
+    """``timm.create_model(name, **kwargs)`` for a name and arguments a user gave: an unknown name, or an argument
+    the constructor refuses (an unknown keyword, a choice it does not have, a size that does not divide), is a
+    :class:`ModelArgsError` naming the model."""
+    check_model_name(name)
+    try:
+        return timm.create_model(name, **kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, Mistake):  # ours already says what to fix (a CheckpointError, ...)
+            raise
+        raise ModelArgsError(f"{name}: {e}") from None
 
 
 class _InertConfig:
@@ -55,7 +95,7 @@ _SAFE_GLOBALS = [(_InertConfig, "yacs.config.CfgNode"), argparse.Namespace]
 def check_model_args(model_args) -> dict:
     """``--model-args`` of eval.py, convert and the Lipschitz command: a JSON object of model arguments."""
     if not isinstance(model_args, dict):
-        raise ValueError(f"--model-args must be a JSON object of model arguments, e.g. '{{\"img_size\": 32}}'; got "
+        raise ModelArgsError(f"--model-args must be a JSON object of model arguments, e.g. '{{\"img_size\": 32}}'; got "
                          f"{json.dumps(model_args)}")
     return model_args
 
@@ -93,21 +133,13 @@ def read_checkpoint(path, use_ema: bool = False) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file {path}")
-    try:
-        if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors":
+        try:
             checkpoint = load_file(str(path))
-        else:
-            with torch.serialization.safe_globals(_SAFE_GLOBALS):
-                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        unsafe = ", ".join(_unsafe_globals(path)[:5])
-        raise CheckpointError(
-            f"refused to load {path}: it holds pickled objects that weights-only loading does not allow"
-            f"{f' ({unsafe})' if unsafe else ''}, which could run code; nothing in it was run. "
-            f"Load it only if you trust its origin, and save its state dict as safetensors. ({str(e)[:200]})"
-        ) from None
-    except (RuntimeError, SafetensorError, EOFError, OSError) as e:
-        raise CheckpointError(f"cannot read {path}: truncated or not a checkpoint ({str(e)[:200]})") from None
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {path}: truncated or not a checkpoint ({_first_line(e)})") from None
+    else:
+        checkpoint = load_pickled(path, _SAFE_GLOBALS)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a state dict")
     try:
@@ -120,10 +152,46 @@ def read_checkpoint(path, use_ema: bool = False) -> dict:
     return state_dict
 
 
-def _unsafe_globals(path):
+def load_pickled(path, safe_globals=(), load: Callable = torch.load,
+                 damaged: str = "truncated or not a checkpoint") -> Any:
+    """``load(path)`` with weights-only unpickling (``torch.load``, or Accelerate's ``load``, which adds NumPy's
+    arrays), allowing ``safe_globals`` too. Damaged bytes make the unpickler raise almost any type (IndexError,
+    KeyError, EOFError, struct.error, UnicodeDecodeError, UnpicklingError, ...): every failure here is a
+    CheckpointError naming the file, and says it holds code only when its pickle names globals that weights-only
+    loading refuses (found by reading the opcodes, not by running them)."""
+    with warnings.catch_warnings():  # random bytes can claim any pickle protocol; torch warns about it
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            try:
+                return load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                unsafe = _unsafe_globals(path)
+                if unsafe:
+                    raise CheckpointError(
+                        f"refused to load {path}: it holds pickled objects that weights-only loading does not "
+                        f"allow ({', '.join(unsafe[:5])}), which could run code; nothing in it was run. Load it only "
+                        f"if you trust its origin, and save its state dict as safetensors") from None
+                raise CheckpointError(f"cannot read {path}: {damaged} ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """What an unpickler's error says, in one line: torch's weights-only errors open with a paragraph about
+    ``weights_only`` and give the reason after ``WeightsUnpickler error:``."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    marker = "WeightsUnpickler error:"
+    at = next((i for i, ln in enumerate(lines) if ln.startswith(marker) or ln.endswith(marker)), None)
+    if at is not None:
+        rest = lines[at].split(marker, 1)[1].strip()
+        return (rest or (lines[at + 1] if at + 1 < len(lines) else ""))[:200]
+    return (lines or [""])[0][:200]
+
+
+def _unsafe_globals(path) -> List[str]:
+    """The globals a torch file's pickle names that weights-only loading does not allow (call inside the same
+    ``safe_globals``); none when the file cannot be disassembled (damaged bytes, not code)."""
     try:
-        return torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:  # a damaged archive: the caller's message already says it was refused
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # noqa: BLE001 - a damaged or legacy (not zip) file: nothing can be said about code in it
         return []
 
 
@@ -268,7 +336,7 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     overlay.update(file=str(file), state_dict=state_dict, custom_load=False)
     if "num_classes" in args:
         overlay["num_classes"] = head.shape[0] if new_head and head is not None else args["num_classes"]
-    net = timm.create_model(model, pretrained=True, pretrained_cfg_overlay=overlay, **args)
+    net = build_model(model, pretrained=True, pretrained_cfg_overlay=overlay, **args)
     net.pretrained_cfg.pop("state_dict", None)  # the weights are in the model; do not keep a second copy
     return net
 

@@ -84,7 +84,7 @@ def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_id
     capsys.readouterr()
     assert main(["--config", str(config), "--output-dir", str(run), "--resume", "auto", "--set", "global_batch=4"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "config error: global_batch 4 differs from the checkpoint's 8: ")
+        "error: global_batch 4 differs from the checkpoint's 8: ")
 
 
 def test_a_kill_during_the_preemption_checkpoint_leaves_the_previous_one_the_newest_intact(tmp_path):

@@ -269,7 +269,7 @@ def test_train_cli_prints_one_line_and_exits_2_for_a_tag_without_weights(tmp_pat
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "config error: pretrained 'lipsformer_cswin_t': no published weights under that name (published for "
+        "error: pretrained 'lipsformer_cswin_t': no published weights under that name (published for "
         "lipsformer_cswin_t: none); use init_checkpoint for weights of your own"]
     assert not (tmp_path / "r").exists()
 

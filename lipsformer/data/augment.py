@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator
 from PIL import Image, ImageOps
 from timm.data import auto_augment
 
+from ..errors import Stopped
+
 
 def posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
     """timm's posterize op with Pillow < 13's result at bits <= 0: every channel value 0 (a black image)."""
@@ -51,7 +53,7 @@ def portable(transform: Any) -> Any:
     return transform
 
 
-class TransformError(RuntimeError):
+class TransformError(Stopped, RuntimeError):
     """An image's transform raised: a bug in the pipeline, not a bad image, so the run stops.
 
     :attr:`line` is the one line to show: the image, the transform (with the magnitude it drew) and the exception.

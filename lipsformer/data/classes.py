@@ -10,16 +10,24 @@ in label order), read back as timm's ``pretrained_cfg["label_names"]``, which ``
 into the exported ``config.json``. A 1000-class model without names is taken to know ImageNet-1k's synsets
 (timm's ``infer_imagenet_subset``) when the folder is named by synsets.
 """
+import itertools
 import json
+import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from timm.data import ImageNetInfo, infer_imagenet_subset
+from timm.data import ImageNetInfo, get_img_extensions, infer_imagenet_subset
 from timm.data.readers.reader_image_folder import ReaderImageFolder
 
+from ..errors import Mistake
 
-class ClassMismatch(ValueError):
+
+class ClassMismatch(Mistake, ValueError):
     """The class folders found cannot be matched to the model's classes."""
+
+
+class FolderLayoutError(Mistake, ValueError):
+    """An image folder that is not one folder of images per class."""
 
 
 def _listed(names: Sequence[str], n: int = 5) -> str:
@@ -70,6 +78,43 @@ def model_class_names(model, found: Sequence[str] = ()) -> Optional[List[str]]:
         if found and set(found) <= set(synsets):
             return list(synsets)
     return None
+
+
+def _extensions() -> str:
+    return ", ".join(sorted(get_img_extensions()))
+
+
+def no_images_message(folder) -> str:
+    """What a folder without a single image holds, and what it should hold."""
+    folder = Path(folder)
+    files = [Path(r, f) for r, _, fs in itertools.islice(os.walk(folder), 1000) for f in fs][:3]
+    found = f"; found {', '.join(str(f.relative_to(folder)) for f in files)}" if files else " (it is empty)"
+    return (f"{folder} holds no images ({_extensions()}) in class folders{found}; it should hold one sub-folder of "
+            f"images per class")
+
+
+def check_class_folders(root, samples: Sequence[Tuple[str, int]], class_to_idx: Dict[str, int],
+                        allow_empty: bool = False) -> None:
+    """A :class:`FolderLayoutError` naming what to fix unless ``root`` is one folder of images per class, as timm's
+    folder reader found it (``samples``: ``(path, label)``; ``class_to_idx``: by the folder's leaf name): images lying
+    directly in ``root``, images in a folder inside a class folder (timm would take its name for a class of its own),
+    and, unless ``allow_empty``, a class folder holding no image (timm drops it: another class count, other labels)."""
+    root = Path(root)
+    loose = [Path(p).name for p, _ in samples if Path(p).parent == root]
+    if loose:
+        raise FolderLayoutError(f"{root} holds images directly ({_listed(loose, 3)}): put each image in its class's "
+                                f"folder, {root}/CLASS/IMAGE")
+    nested = next((Path(p).parent for p, _ in samples if Path(p).parent.parent != root), None)
+    if nested is not None:
+        raise FolderLayoutError(f"{nested} is a folder inside a class folder: timm would take its images for a class "
+                                f"of its own, {nested.name!r}; keep one level of folders, {root}/CLASS/IMAGE")
+    if not allow_empty:
+        empty = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")
+                       and e.name not in class_to_idx)
+        if empty:
+            raise FolderLayoutError(f"{root}/{empty[0]} holds no images ({_extensions()})"
+                                    f"{f' (nor do {_listed(empty[1:], 3)})' if len(empty) > 1 else ''}: add its images "
+                                    f"or remove the folder; every class folder needs at least one")
 
 
 def reader_classes(dataset) -> Optional[List[str]]:

@@ -1,7 +1,9 @@
 """Datasets that report, rather than hide, the images they cannot read."""
+import contextlib
 import logging
 import random
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -13,6 +15,7 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from torchvision.transforms import Grayscale
 
 from .augment import apply_transform, portable
+from .classes import FolderLayoutError, no_images_message
 
 _logger = logging.getLogger(__name__)
 
@@ -82,10 +85,12 @@ class SafeImageDataset(Dataset):
         return str(self.reader.filename(index, absolute=True))
 
     def __getitem__(self, index: int) -> Tuple[Optional[Any], int, str]:
-        img, target = self.reader[index][:2]
-        try:
-            img = Image.open(img).convert("RGB")  # convert() decodes, so truncated files fail here
-        except Exception as e:  # PIL raises several kinds for corrupt or empty files
+        target = None
+        try:  # the reader opens the file: no permission, a dangling link or a folder fail here, not later
+            source, target = self.reader[index][:2]
+            with contextlib.closing(source) if hasattr(source, "close") else contextlib.nullcontext():
+                img = Image.open(source).convert("RGB")  # convert() decodes, so truncated files fail here
+        except Exception as e:  # PIL raises several kinds for corrupt or empty files, open() OSErrors
             path = self.filename(index)
             _logger.warning(f"skipped unreadable image {path}: {e}")
             return None, -1 if target is None else target, path
@@ -158,7 +163,13 @@ def create_dataset(name: str, root: Optional[str], split: str, transform, is_tra
     """A folder (``name=''``) or any timm dataset name; map-style ones count unreadable images and,
     given a ``seed``, augment each sample reproducibly; streamed ones (``wds/``, ``hfids/``) shuffle with it."""
     streamed = {} if seed is None else dict(seed=seed)  # wds/, hfids/, tfds/ shuffle shards and samples with it
-    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size, **streamed)
+    try:
+        ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size,
+                                 **streamed)
+    except RuntimeError as e:  # timm's folder reader raises it for one thing: no image found
+        if name:
+            raise
+        raise FolderLayoutError(no_images_message(Path(root) / split)) from e
     if hasattr(ds, "reader") and isinstance(ds, torch.utils.data.Dataset) and hasattr(ds.reader, "__getitem__"):
         return SafeImageDataset(ds.reader, transform, seed=seed)
     ds.transform = transform  # iterable (wds/...) datasets: timm's own error handling applies

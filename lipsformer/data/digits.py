@@ -2,11 +2,14 @@
 
     python -m lipsformer.data.digits output/digits [--size 32]
 """
-import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from ..cli import ArgumentParser, command, positive_int
+from ..errors import Mistake
 
 
 def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
@@ -14,11 +17,20 @@ def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
 
     Idempotent: a folder already complete (marked by ``root/.complete``) is left as it is.
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise Mistake("the digits come from scikit-learn, which is not installed: pip install scikit-learn "
+                      "(or the dev extra: pip install -e '.[dev]')") from None
 
     root = Path(root)
     if (root / ".complete").exists():
         return root
+    for path in (root, *root.parents):  # found before the first image is written
+        if path.exists():
+            if not path.is_dir():
+                raise Mistake(f"{root}: {path} is a file, not a folder; choose another folder for the digits")
+            break
     digits = load_digits()
     for i, (image, label) in enumerate(zip(digits.images, digits.target)):
         split = "val" if i % val_every == 0 else "train"
@@ -30,9 +42,15 @@ def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
     return root
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root")
-    parser.add_argument("--size", type=int, default=32)
-    args = parser.parse_args()
+@command
+def main(argv=None) -> int:
+    parser = ArgumentParser(prog="python -m lipsformer.data.digits", description=__doc__)
+    parser.add_argument("root", help="the folder to write (train/ and val/ inside)")
+    parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels")
+    args = parser.parse_args(argv)
     print(write_digits_folder(args.root, args.size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,8 @@ from timm.data.readers.reader_image_folder import find_images_and_targets
 from torch.utils.data import Dataset
 
 from .augment import apply_transform
-from .classes import ClassMismatch, class_mapping, model_class_names
+from .classes import ClassMismatch, FolderLayoutError, check_class_folders, class_mapping, model_class_names, \
+    no_images_message
 
 EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
 Sample = Tuple[str, Tuple[int, ...]]
@@ -38,7 +39,8 @@ def imagenet_samples(folder, model=None) -> List[Sample]:
     name among ``model``'s classes (:mod:`lipsformer.data.classes`), or its sorted place without a model."""
     images, class_to_idx = find_images_and_targets(str(folder))
     if not images:
-        raise FileNotFoundError(f"no images in class folders under {folder}")
+        raise FolderLayoutError(no_images_message(folder))
+    check_class_folders(folder, images, class_to_idx, allow_empty=True)
     if model is None:
         return [(path, (target,)) for path, target in images]
     found = sorted(class_to_idx, key=class_to_idx.get)

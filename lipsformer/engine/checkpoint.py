@@ -7,22 +7,23 @@ running code, so a damaged or unsafe checkpoint is named instead of crashing (or
 import json
 import logging
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
 from accelerate.utils import load as accelerate_load
+from accelerate.utils.other import TORCH_SAFE_GLOBALS  # what Accelerate's load allows: NumPy's arrays
 from safetensors import SafetensorError, safe_open
 
-from ..weights import CheckpointError, sha256_of
+from ..errors import Stopped
+from ..weights import CheckpointError, load_pickled, sha256_of
 from .run_folder import MANIFEST, RunFolder, readable_as_outputs
 
 _logger = logging.getLogger(__name__)
 
 
-class SaveFailed(RuntimeError):
+class SaveFailed(Stopped, RuntimeError):
     """A checkpoint or weight file could not be written (disk full, ...); what was written before is intact."""
 
 
@@ -119,16 +120,7 @@ def check_loadable(folder: Path, model: torch.nn.Module) -> None:
             raise CheckpointError(f"{weights} does not fit this run's model: {len(wrong)} tensors differ in name or "
                                   f"shape, e.g. {', '.join(wrong[:3])}")
     for path in sorted(folder.glob("*.pkl")) + sorted(folder.glob("*.bin")):
-        try:
-            accelerate_load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            if "Unsupported global" not in str(e):  # torch reports damaged data through the same type
-                raise CheckpointError(f"cannot read {path}: truncated or damaged ({str(e)[:200]})") from None
-            raise CheckpointError(f"refused {path}: it holds pickled objects that weights-only loading does not "
-                                  f"allow, which could run code; nothing in it was run") from None
-        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes can raise any type (struct.error, ...)
-            raise CheckpointError(f"cannot read {path}: truncated or damaged ({type(e).__name__}: "
-                                  f"{str(e)[:200]})") from None
+        load_pickled(path, TORCH_SAFE_GLOBALS, load=accelerate_load, damaged="truncated or damaged")
 
 
 def verify_checkpoint(folder: Path, model: torch.nn.Module) -> None:

@@ -1,16 +1,20 @@
 """The training recipe: one typed dataclass, loaded from YAML, overridden by ``--set key=value``."""
 import dataclasses
+import io
+import math
+import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import yaml
 
+from ..errors import Mistake, did_you_mean
 from .speed import COMPILE_MODES
 
 
-class ConfigError(ValueError):
+class ConfigError(Mistake, ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
 
 
@@ -24,12 +28,56 @@ RESTORED_ON_RESUME = ("epochs", "opt", "lr", "betas", "eps", "weight_decay", "la
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
 
 
+# timm.data.create_dataset's sources besides an image folder (dataset: '').
+DATASET_PREFIXES = ("hfds", "hfids", "wds", "tfds", "torch")
 # Keys with a fixed set of values.
 CHOICES = {
     "mixed_precision": ("bf16", "fp16", "no"),
     "on_nonfinite": ("stop", "skip"),
     "sched": SCHEDULERS,
     "compile_mode": COMPILE_MODES,
+    "interpolation": ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"),  # timm's str_to_interp_mode
+}
+
+
+class Range(NamedTuple):
+    """The values a number may take (each value of a list or tuple key); ``says``: how a message puts it."""
+
+    low: float
+    high: float = math.inf
+    low_in: bool = True
+    high_in: bool = False
+    says: str = ""
+
+    def __contains__(self, v) -> bool:
+        return (self.low <= v if self.low_in else self.low < v) and (v <= self.high if self.high_in else v < self.high)
+
+    def describe(self) -> str:
+        return self.says or (f"in {'[' if self.low_in else '('}{self.low:g}, {self.high:g}"
+                             f"{']' if self.high_in else ')'}")
+
+
+_AT_LEAST_1, _ZERO_OR_MORE = Range(1, says="at least 1"), Range(0, says="0 or more")
+_POSITIVE = Range(0, low_in=False, says="positive (or null)")
+# Every number of TrainConfig (tests/test_mistakes.py holds that each has a row): values torch / timm would refuse
+# late, after the run wrote its folder, or would quietly misuse (a negative clip_grad flips the gradients).
+RANGES = {
+    "num_classes": _AT_LEAST_1, "drop_path": Range(0, 1), "img_size": _AT_LEAST_1, "crop_pct": Range(0, 2, False, True),
+    "workers": _ZERO_OR_MORE, "max_bad_fraction": Range(0, 1, True, True),
+    "epochs": _AT_LEAST_1, "global_batch": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "lr": Range(0, low_in=False),
+    "betas": Range(0, 1), "eps": Range(0), "weight_decay": Range(0), "decay_epochs": _POSITIVE,
+    "decay_milestones": _AT_LEAST_1, "decay_rate": _POSITIVE, "warmup_epochs": Range(0, says="at least 0"),
+    "min_lr": Range(0), "clip_grad": _POSITIVE, "label_smoothing": Range(0, 1), "reprob": Range(0, 1, True, True),
+    "hflip": Range(0, 1, True, True), "scale": Range(0, 1, False, True), "mixup": Range(0), "cutmix": Range(0),
+    "ema_decay": Range(0, 1, says="in [0, 1) (0 or null: no EMA)"),
+    "seed": Range(0, 2 ** 32 - 1, True, True, "in [0, 2**32 - 1]"),
+    "checkpoint_every_steps": _AT_LEAST_1, "keep_last": _AT_LEAST_1, "log_every_steps": _AT_LEAST_1,
+    "eval_every_epochs": _AT_LEAST_1, "lipschitz_target": _POSITIVE, "lipschitz_gamma_max": _POSITIVE,
+    "lipschitz_weight_max": _POSITIVE, "lipschitz_every_steps": _AT_LEAST_1, "lipschitz_conv_max": _POSITIVE,
+    "margin_eps": Range(0, says="a number >= 0"), "margin_bound": _POSITIVE, "lipschitz_tau_max": _POSITIVE,
+    "attlip_train_steps": Range(1, says="a non-empty list of step counts >= 1 (null: the model's own)"),
+    "compile_memory_budget": Range(0, 1, False, True), "layer_decay": Range(0, 1, False, True),
+    "freeze_stages": _ZERO_OR_MORE,
 }
 
 
@@ -61,7 +109,7 @@ class TrainConfig:
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.05
-    sched: str = "cosine"  # a timm scheduler (create_scheduler_v2), stepped per optimizer update: see SCHEDULERS
+    sched: str = "cosine"  # a timm scheduler (create_scheduler_v2), stepped per optimizer update
     decay_epochs: Optional[float] = None  # step: epochs between decays (required); wsd / rsqrt: decay phase length
     decay_milestones: Optional[List[int]] = None  # multistep: the epochs to decay at (required)
     decay_rate: Optional[float] = None  # step / multistep: lr factor per decay; poly: the power (null: timm's 0.1)
@@ -76,13 +124,13 @@ class TrainConfig:
     mixup: float = 0.8
     cutmix: float = 1.0
     ema_decay: Optional[float] = 0.99984
-    mixed_precision: str = "bf16"  # bf16 | fp16 | no
+    mixed_precision: str = "bf16"
     # run
     seed: int = 0
     output_dir: str = "output/run"
     checkpoint_every_steps: int = 1000  # optimizer steps; a checkpoint is also written at every epoch end
     keep_last: int = 3
-    on_nonfinite: str = "stop"  # stop | skip
+    on_nonfinite: str = "stop"
     log_every_steps: int = 50
     eval_every_epochs: int = 1
     # bound keeping (lipsformer.lipschitz.constraints): keep the certified network bound under a target
@@ -101,7 +149,7 @@ class TrainConfig:
     attlip_train_steps: Optional[List[int]] = None
     # speed (lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding
     compile: bool = False  # torch.compile the prepared model, static shapes
-    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     compile_memory_budget: Optional[float] = None  # partitioner's activation memory budget in (0, 1]; None: 1.0
     channels_last: bool = False  # NHWC weights and input batches
     grad_checkpointing: bool = False  # recompute each block's activations in backward
@@ -119,62 +167,31 @@ class TrainConfig:
         """Every check a config can fail without running anything lives here, each naming its key."""
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
-                raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("epochs", "global_batch", "batch_size", "checkpoint_every_steps", "keep_last",
-                    "lipschitz_every_steps", "num_classes", "log_every_steps", "eval_every_epochs"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError(f"ema_decay must be in [0, 1) (0 or null: no EMA), got {self.ema_decay}")
-        for key in ("lipschitz_target", "lipschitz_tau_max", "lipschitz_weight_max"):
-            if getattr(self, key) is not None and getattr(self, key) <= 0:
-                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
-        ranges = {  # (low, high, low inclusive, high inclusive): values torch / timm would refuse late or misuse
-            "lr": (0.0, float("inf"), False, False), "min_lr": (0.0, float("inf"), True, False),
-            "weight_decay": (0.0, float("inf"), True, False), "label_smoothing": (0.0, 1.0, True, False),
-            "drop_path": (0.0, 1.0, True, False), "crop_pct": (0.0, 2.0, False, True),
-            "mixup": (0.0, float("inf"), True, False), "cutmix": (0.0, float("inf"), True, False),
-            "reprob": (0.0, 1.0, True, True), "hflip": (0.0, 1.0, True, True)}
-        for key, (low, high, low_in, high_in) in ranges.items():
-            v = getattr(self, key)
-            if not ((low <= v if low_in else low < v) and (v <= high if high_in else v < high)):
-                raise ConfigError(f"{key} must be in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-                                  f", got {v}")
-        if self.workers < 0:
-            raise ConfigError(f"workers must be 0 or more, got {self.workers}")
-        if self.warmup_epochs < 0:
-            raise ConfigError(f"warmup_epochs must be at least 0, got {self.warmup_epochs}")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise ConfigError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+                raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}"
+                                  f"{did_you_mean(getattr(self, key), allowed)}")
+        for key, allowed in RANGES.items():
+            value = getattr(self, key)
+            values = value if isinstance(value, (list, tuple)) else () if value is None else (value,)
+            if any(v not in allowed for v in values):
+                raise ConfigError(f"{key} must be {allowed.describe()}, got {value}")
+        self._check_names()
         duplicated = sorted(set(self.model_kwargs) & set(MODEL_ARGS))
         if duplicated:
             raise ConfigError(", ".join(f"model_kwargs.{k} duplicates the top-level key {MODEL_ARGS[k]}"
                                         for k in duplicated) + "; set the top-level key instead")
         if (self.mixup > 0 or self.cutmix > 0) and self.batch_size % 2:
             raise ConfigError(f"mixup/cutmix need an even batch_size, got {self.batch_size}")
-        if self.compile_memory_budget is not None and not 0.0 < self.compile_memory_budget <= 1.0:
-            raise ConfigError(f"compile_memory_budget must be in (0, 1] (null: the compiler's default), "
-                              f"got {self.compile_memory_budget}")
         if self.pretrained and self.init_checkpoint:
             raise ConfigError("set one of pretrained (published weights) and init_checkpoint (a file or folder)")
         if self.init_use_ema and not self.init_checkpoint:
             raise ConfigError("init_use_ema applies to init_checkpoint, which is not set")
         if self.reset_head and not (self.pretrained or self.init_checkpoint):
             raise ConfigError("reset_head applies to pretrained or init_checkpoint weights; neither is set")
-        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
-            raise ConfigError(f"layer_decay must be in (0, 1] (null: off), got {self.layer_decay}")
-        if self.freeze_stages < 0:
-            raise ConfigError(f"freeze_stages must be 0 or more, got {self.freeze_stages}")
         if (self.freeze or self.freeze_stages) and self.lipschitz_target is not None:
             raise ConfigError("lipschitz_target rescales the residual weights (and lipschitz_weight_max / "
                               "lipschitz_conv_max the weights) of the whole model after every step, frozen ones "
                               "included: unset freeze / freeze_stages or lipschitz_target")
 
-        for key in ("lipschitz_conv_max", "margin_bound"):
-            if getattr(self, key) is not None and not getattr(self, key) > 0:
-                raise ConfigError(f"{key} must be positive (or null), got {getattr(self, key)}")
-        if not 0.0 <= self.margin_eps < float("inf"):
-            raise ConfigError(f"margin_eps must be a number >= 0 (0: off), got {self.margin_eps}")
         if self.margin_eps and self.margin_bound is None and self.lipschitz_target is None:
             raise ConfigError("margin_eps with margin_bound: null follows the bound kept by lipschitz_target; "
                               "set lipschitz_target, or a fixed margin_bound")
@@ -182,14 +199,38 @@ class TrainConfig:
             raise ConfigError("lipschitz_conv_max is applied when the bound is kept: set lipschitz_target too")
         if self.attlip_train_steps is not None:
             steps = self.attlip_train_steps
-            if not steps or min(steps) < 1:
-                raise ConfigError(f"attlip_train_steps must be a non-empty list of step counts >= 1 (null: the "
-                                  f"model's own), got {steps}")
+            if not steps:
+                raise ConfigError(f"attlip_train_steps must be {RANGES['attlip_train_steps'].describe()}, got {steps}")
             if len(steps) > self.epochs:
                 raise ConfigError(f"attlip_train_steps has {len(steps)} phases but the run has {self.epochs} epochs: "
                                   f"each phase needs at least one epoch")
         self._check_schedule()
         self._check_weight_source()
+
+    def _check_names(self) -> None:
+        """The keys that name something timm knows: the model, the optimizer, the augmentation policy; and the
+        crop scale's order."""
+        from ..weights import check_model_name
+        check_model_name(self.model)
+        from timm.optim import list_optimizers
+        known = list_optimizers()
+        if self.opt.lower().split("_")[-1] not in known:  # timm: NAME or lookahead_NAME
+            raise ConfigError(f"opt {self.opt!r} is not a timm optimizer{did_you_mean(self.opt.lower(), known)} "
+                              f"(timm.optim.list_optimizers() lists them)")
+        if self.aa:
+            from timm.data import create_transform
+            try:  # timm parses the policy string when the transform is built; here, before the run starts
+                create_transform(8, is_training=True, auto_augment=self.aa)
+            except (AssertionError, ValueError, KeyError, IndexError) as e:
+                raise ConfigError(f"aa {self.aa!r} is not a timm augmentation policy ({e}); e.g. "
+                                  f"rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, v0, original (null: none)") from None
+        prefix, slash, name = self.dataset.partition("/")
+        if self.dataset and not (slash and name and prefix.lower() in DATASET_PREFIXES):
+            raise ConfigError(f"dataset {self.dataset!r} is not a timm dataset name: PREFIX/NAME with PREFIX one of "
+                              f"{', '.join(DATASET_PREFIXES)}, or '' for the image folder data_dir"
+                              f"{did_you_mean(prefix.lower(), DATASET_PREFIXES)}")
+        if self.scale[0] > self.scale[1]:
+            raise ConfigError(f"scale must be (low, high) with low <= high, got {list(self.scale)}")
 
     def _check_schedule(self) -> None:
         """The decay keys: required where the schedule needs them, refused where it would ignore them."""
@@ -208,8 +249,6 @@ class TrainConfig:
         late = [m for m in self.decay_milestones or [] if not 0 < m < self.epochs]
         if late:
             raise ConfigError(f"decay_milestones must lie in (0, epochs={self.epochs}) to decay the lr, got {late}")
-        if self.decay_rate is not None and not self.decay_rate > 0:
-            raise ConfigError(f"decay_rate must be positive, got {self.decay_rate}")
 
     def _check_weight_source(self) -> None:
         """Keys that only act on loaded weights need a source; a source spelled another way is named."""
@@ -289,35 +328,127 @@ def _check_type(key: str, value: Any, hint) -> Any:
     return value
 
 
+def _type_name(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        return " | ".join(_type_name(a) for a in args if a is not type(None)) + " | null"
+    if origin in (list, List):
+        return f"list of {_type_name(args[0])}"
+    if origin in (tuple, Tuple):
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    if origin in (dict, Dict):
+        return "mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _comments() -> Dict[str, str]:
+    """The comment beside each field of TrainConfig's source, and each section heading before its first field
+    (as ``"# heading"`` under the key ``"^field"``)."""
+    import inspect
+    found, heading = {}, ""
+    tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(TrainConfig)).readline)
+    first = {}  # line -> the first name on it
+    for tok in tokens:
+        if tok.type == tokenize.NAME and tok.start[0] not in first:
+            first[tok.start[0]] = (tok.string, tok.start[1])
+            if tok.string in _HINTS and tok.start[1] == 4 and heading:
+                found["^" + tok.string], heading = heading, ""
+        elif tok.type == tokenize.COMMENT:
+            name, col = first.get(tok.start[0], ("", 0))
+            if name in _HINTS and col == 4:
+                found[name] = tok.string.lstrip("# ")
+            elif tok.start[1] == 4 and tok.start[0] not in first:
+                heading = tok.string.lstrip("# ")
+    return found
+
+
+def describe_keys() -> str:
+    """Every TrainConfig key with its type, its default and what it does (the comment beside it): the table of
+    ``train.py --list-keys``."""
+    notes, lines = _comments(), []
+    for f in dataclasses.fields(TrainConfig):
+        if "^" + f.name in notes:
+            lines.append(f"# {notes['^' + f.name]}")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True,
+                               width=1000).strip().removesuffix("...").strip()
+        if f.name in CHOICES:
+            note = f"one of {', '.join(CHOICES[f.name])}"
+        elif f.name in RANGES:
+            note = RANGES[f.name].describe().replace(" (or null)", "")
+        else:
+            note = ""
+        what = "; ".join(s for s in (notes.get(f.name, ""), note) if s)
+        lines.append(f"{f.name:<24} {_type_name(_HINTS[f.name]):<22} {shown:<22} {what}".rstrip())
+    return "\n".join(lines)
+
+
+def _unknown(keys) -> ConfigError:
+    return ConfigError("unknown config key(s): " + ", ".join(f"{k}{did_you_mean(k, _HINTS)}" for k in keys)
+                       + "; train.py --list-keys lists them")
+
+
 def check_type(key: str, value: Any) -> Any:
     """``value`` coerced to the type of TrainConfig's ``key``, or a ConfigError naming the key."""
     if key not in _HINTS:
-        raise ConfigError(f"unknown config key(s): {key}")
+        raise _unknown([key])
     return _check_type(key, value, _HINTS[key])
 
 
+class _Named(io.StringIO):
+    """Text PyYAML reads under a name of ours, which its errors then give (``--set lr=[1``)."""
+
+    def __init__(self, text: str, name: str):
+        super().__init__(text)
+        self.name = name
+
+
+def _is_list(key: str) -> bool:
+    return key.startswith("model_kwargs.") or typing.get_origin(_strip_optional(_HINTS.get(key))) in (list, tuple)
+
+
+def _strip_optional(hint):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def parse_override(item: str) -> Tuple[str, Any]:
+    """``key=value`` of ``--set``: the value as YAML; ``1,1,2`` is a list where the key takes one (a model
+    argument, or a list key such as betas), and ``no`` stays a word where the key's choices have it."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} must look like key=value")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    value = yaml.safe_load(_Named(raw, f"--set {item}"))
+    if isinstance(value, str) and "," in raw and raw[:1] not in "[{\"'" and _is_list(key):
+        value = yaml.safe_load(_Named(f"[{raw}]", f"--set {item}"))  # --set model_kwargs.depths=1,1,2,1
+    if isinstance(value, bool) and raw in CHOICES.get(key, ()):
+        value = raw  # YAML 1.1 reads no as a boolean: --set mixed_precision=no means the word
+    return key, value
+
+
 def load_config(path=None, overrides: Optional[List[str]] = None) -> TrainConfig:
-    """TrainConfig from a YAML file plus ``key=value`` overrides (values parsed as YAML)."""
+    """TrainConfig from a YAML file plus ``key=value`` overrides (values parsed as YAML). A file that is not YAML (or
+    not text) raises PyYAML's error naming the file and the place."""
     data: Dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} is a folder, not a YAML file" if Path(path).is_dir() else
+                              f"config file {path}: no such file")
+        with open(path, "rb") as f:  # bytes: PyYAML decodes them and names the file in any error
+            loaded = yaml.safe_load(f)
+        if not isinstance(loaded, (dict, type(None))):
             raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
-        data.update(loaded)
+        data.update(loaded or {})
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value")
-        key, raw = item.split("=", 1)
-        key = key.strip()
+        key, value = parse_override(item)
         if key.startswith("model_kwargs."):
-            data.setdefault("model_kwargs", {})
-            data["model_kwargs"] = dict(data["model_kwargs"], **{key.split(".", 1)[1]: yaml.safe_load(raw)})
+            kwargs = data.get("model_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise ConfigError(f"model_kwargs must be a mapping, got {kwargs!r}")
+            data["model_kwargs"] = dict(kwargs, **{key.split(".", 1)[1]: value})
             continue
-        value = yaml.safe_load(raw)
-        if isinstance(value, bool) and raw.strip() in CHOICES.get(key, ()):
-            value = raw.strip()  # YAML 1.1 reads no as a boolean: --set mixed_precision=no means the word
         data[key] = value
-    unknown = sorted(set(data) - set(_HINTS))
+    unknown = sorted(str(k) for k in set(data) - set(_HINTS))
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        raise _unknown(unknown)
     return TrainConfig(**{k: _check_type(k, v, _HINTS[k]) for k, v in data.items()})

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-import timm
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -16,8 +15,10 @@ from tqdm import tqdm
 
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import describe_samples, label_names
+from ..errors import Stopped
 from ..lipschitz.certify import certify_dataset
-from ..weights import CheckpointError, check_model_args, create_from_checkpoint, recorded_input_size
+from ..weights import (build_model, check_model_args, check_model_name, create_from_checkpoint, has_published_weights,
+                       recorded_input_size)
 from .config import ConfigError, TrainConfig
 from .finetune import WeightsUnavailable
 from .speed import compile_model, prepare_model
@@ -27,7 +28,7 @@ DEFAULT_MAX_BAD_FRACTION = TrainConfig.max_bad_fraction  # one threshold for tra
 _logger = logging.getLogger(__name__)
 
 
-class TooManyBadSamples(RuntimeError):
+class TooManyBadSamples(Stopped, RuntimeError):
     """More of a pass's images failed to load than ``max_bad_fraction`` allows (training, validation, eval.py)."""
 
 
@@ -203,10 +204,7 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
 def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_steps: int = 20,
                         attack_restarts: int = 3, batch_size: int = 1, workers: int = 0, model_args=None) -> None:
     """A ConfigError naming the setting unless the evaluation settings make sense (before any work starts)."""
-    try:
-        check_model_args(model_args or {})
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_model_args(model_args or {})
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
     if workers < 0:
@@ -227,17 +225,14 @@ def _create_model(model_name, checkpoint, use_ema: bool, model_args: dict):
     """The model to evaluate, from ``checkpoint`` or timm's published weights, and the input size (C, H, W) its
     weights were made at as they record it (:func:`~lipsformer.weights.recorded_input_size`; a published weight's
     config), or None where nothing records it. A model argument the constructor refuses (e.g. an ``img_size`` the
-    windows do not divide) is a ConfigError, a failed download a WeightsUnavailable."""
+    windows do not divide) is a ModelArgsError (:func:`~lipsformer.weights.build_model`), a failed download a
+    WeightsUnavailable."""
     try:
         if checkpoint is not None:
             model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
             return model, recorded_input_size(checkpoint, use_ema)
-        model = timm.create_model(model_name, pretrained=True, **model_args)
+        model = build_model(model_name, pretrained=True, **model_args)
         return model, tuple(model.pretrained_cfg["input_size"])
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError) as e:  # the constructor refused an argument
-        raise ConfigError(f"{model_name or checkpoint}: {e}") from None
     except OSError as e:  # urllib's URLError, requests' ConnectionError: no network, or the server refused
         if checkpoint is not None:
             raise
@@ -262,6 +257,8 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     if (checkpoint is None) == (not pretrained):
         raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
     check_eval_settings(img_size, crop_pct, attack_eps, attack_steps, attack_restarts, batch_size, workers, model_args)
+    if model_name:
+        check_model_name(model_name)
     model_args = dict(model_args or {})
     if img_size is not None:
         if model_args.get("img_size", img_size) != img_size:
@@ -271,8 +268,7 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     if pretrained and use_ema:
         raise ConfigError("--use-ema applies to --checkpoint; published weights hold one set")
     if pretrained:
-        published = timm.models.get_pretrained_cfg(model_name)
-        if published is None or not (published.url or published.hf_hub_id or published.file):
+        if not has_published_weights(model_name):
             raise ConfigError(f"{model_name} has no published weights; evaluate a --checkpoint instead")
     cpu = not torch.cuda.is_available()
     if cpu and amp == "fp16":  # as training refuses it

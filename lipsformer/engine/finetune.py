@@ -12,17 +12,18 @@ from typing import List, Optional, Tuple
 
 import timm
 import torch
-from timm.models import get_pretrained_cfg
 from timm.utils import freeze as timm_freeze
 
+from ..errors import DownloadFailed
 from ..layers.init import init_weights
+from .. import weights
 from ..weights import CheckpointError, create_from_checkpoint
 from .config import ConfigError, TrainConfig
 
 BACKBONE = "backbone"  # freeze: every parameter but the classifier's (a linear probe)
 
 
-class WeightsUnavailable(RuntimeError):
+class WeightsUnavailable(DownloadFailed, RuntimeError):
     """Published weights could not be fetched (no network, server down): a runtime fault, not a bad config."""
 
 
@@ -45,8 +46,7 @@ def pretrained_name(cfg: TrainConfig) -> str:
     if arch != cfg.model:
         raise ConfigError(f"pretrained {name!r} names weights of {arch}, but model is {cfg.model}; "
                           f"set model: {arch}, or a pretrained tag of {cfg.model}")
-    pcfg = get_pretrained_cfg(name)
-    if pcfg is None or not (pcfg.url or pcfg.hf_hub_id or pcfg.file):
+    if not weights.has_published_weights(name):
         published = ", ".join(timm.list_pretrained(f"{arch}.*")) or "none"
         raise ConfigError(f"pretrained {name!r}: no published weights under that name (published for {arch}: "
                           f"{published}); use init_checkpoint for weights of your own")
@@ -57,7 +57,7 @@ def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
     args = cfg.model_args()
     if cfg.pretrained:
         name = pretrained_name(cfg)
-        key, create = "pretrained", lambda: timm.create_model(name, pretrained=True, **args)
+        key, create = "pretrained", lambda: weights.build_model(name, pretrained=True, **args)
     else:
         name = cfg.init_checkpoint
         key, create = "init_checkpoint", lambda: create_from_checkpoint(
@@ -70,8 +70,6 @@ def _load(cfg: TrainConfig) -> Tuple[torch.nn.Module, str]:
         reason = getattr(e, "reason", None) or e
         raise WeightsUnavailable(f"{key} {name}: could not download its weights ({reason}); check the network, or "
                                  f"download them elsewhere and set init_checkpoint: FILE") from None
-    except (TypeError, ValueError) as e:  # the constructor refused a model argument, as in build_model
-        raise ConfigError(f"{cfg.model}: {e}") from None
 
 
 def classifier_name(model: torch.nn.Module) -> str:
@@ -118,12 +116,9 @@ def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
     """The run's model from scratch: ``timm.create_model`` with the config's model arguments. A model argument the
-    constructor refuses (an unknown name, a choice it does not have, a size that does not divide) is a ConfigError
-    naming the model."""
-    try:
-        return timm.create_model(cfg.model, **cfg.model_args())
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{cfg.model}: {e}") from None
+    constructor refuses (an unknown name, a choice it does not have, a size that does not divide) is a
+    ModelArgsError naming the model (:func:`lipsformer.weights.build_model`)."""
+    return weights.build_model(cfg.model, **cfg.model_args())
 
 
 def start_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.Module, ModelStart]:

@@ -1,23 +1,16 @@
 """The processes torchrun or ``accelerate launch`` start: ending them cleanly."""
-import functools
-from typing import Callable
-
-import torch.distributed as dist
 
 
-def ends_processes(main: Callable[..., int]) -> Callable[..., int]:
-    """Wrap a command's ``main``: once it returns an exit code (the errors it handles included), the process
-    group, if one was started, is destroyed while the interpreter is still whole.
+def end_process_group() -> None:
+    """Destroy the process group, if one was started, while the interpreter is still whole. Every command's
+    boundary (:func:`lipsformer.cli.command`) calls it once ``main`` has an exit code (the errors it tells in one
+    line included).
 
     Left to the interpreter's exit, gloo's worker threads can abort the process ("terminate called without an
     active exception", SIGABRT), now and then, after every result was written: torchrun then reports the run as
-    failed (pytorch/pytorch#190489). An exception ``main`` does not handle passes through with the group left
-    alone, since destroying it while another process may still be in a collective can hang.
+    failed (pytorch/pytorch#190489). After a bug or Ctrl-C the boundary leaves the group alone, since destroying it
+    while another process may still be in a collective can hang.
     """
-    @functools.wraps(main)
-    def run(*args, **kwargs) -> int:
-        code = main(*args, **kwargs)
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        return code
-    return run
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -21,14 +21,17 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, gather_ob
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from timm.data import Mixup, resolve_data_config
+from timm.data.readers.reader_image_folder import ReaderImageFolder
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
-from ..data import ClassMismatch, collate_skip_failed, create_dataset, create_loader_transform, relabel
-from ..data.classes import reader_classes, write_class_names
+from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
+from ..data.augment import TransformError
+from ..data.classes import check_class_folders, reader_classes, write_class_names
+from ..errors import Interrupted, Preempted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
 from ..layers.residual import WeightedResidual
@@ -49,12 +52,8 @@ from .speed import compile_model, prepare_model, set_tf32
 _logger = logging.getLogger(__name__)
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(Stopped, RuntimeError):
     """A non-finite loss or gradient stopped the run."""
-
-
-class Preempted(RuntimeError):
-    """A preemption signal stopped the run after the step it arrived in, with that step's checkpoint written."""
 
 
 # What a cluster scheduler sends before it stops a job (SLURM: ``--signal=USR1@120``; SIGTERM at preemption or
@@ -114,13 +113,13 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
         ds = create_dataset(cfg.dataset, cfg.data_dir, split, transform, is_training=training,
                             batch_size=cfg.batch_size, seed=cfg.seed)
+        reader = getattr(ds, "reader", None)
+        if isinstance(reader, ReaderImageFolder):  # one folder of images per class; a class without images is refused
+            check_class_folders(reader.root, reader.samples, reader.class_to_idx, allow_empty=not training)
         if training:
             classes = reader_classes(ds)
         elif classes is not None:  # val labels by class name, as train/ numbers them (data/classes.py)
-            try:
-                note = relabel(ds, classes, f"{split}/", f"{cfg.train_split}/'s")
-            except ClassMismatch as e:
-                raise ConfigError(str(e)) from None
+            note = relabel(ds, classes, f"{split}/", f"{cfg.train_split}/'s")
             if note:
                 accelerator.print(note)
         common = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, collate_fn=collate_skip_failed,
@@ -355,8 +354,8 @@ def _resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
                                     f"folder (with {RunFolder(path).config.name})")
         return path
     if latest_checkpoint(folder.root) is not None:
-        raise FileExistsError(f"{folder.root} already holds checkpoints; pass --resume auto to continue that run, "
-                              f"or choose another output_dir")
+        raise ConfigError(f"{folder.root} already holds checkpoints; pass --resume auto to continue that run, "
+                          f"or choose another output_dir")
     return None
 
 
@@ -409,9 +408,12 @@ def _verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Pa
     return intact
 
 
-def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
-    """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked."""
+def _start(cfg: TrainConfig, resume: Optional[str]):
+    """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked. Every check
+    comes before the first write. Returns the :class:`_Run`, or the summary of a run that the checkpoint resumed from
+    had finished (nothing to do, nothing written)."""
     folder = RunFolder(cfg.output_dir)
+    check_output(folder)
     accelerator = create_accelerator(cfg)
     set_tf32(cfg.tf32)
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
@@ -435,11 +437,6 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     train_loader, val_loader = build_loaders(cfg, model, accelerator)
     classes = reader_classes(train_loader.dataset)
     check_classes(cfg, classes)
-    if accelerator.is_main_process:  # every check above came first: a refused run writes nothing
-        folder.root.mkdir(parents=True, exist_ok=True)
-        cfg.save(folder.config)
-        if classes is not None:  # the weights' class names, for eval.py and exports (data/classes.py)
-            write_class_names(folder.classes, classes)
     optimizer = build_optimizer(cfg, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged
@@ -458,13 +455,21 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
         except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
             raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
         notice = _move_position(state, cfg, accelerator, train_loader, updates_per_epoch)
+        if _finished(state, cfg, folder, len(train_loader) * cfg.batch_size * accelerator.num_processes):
+            return dict(output_dir=str(folder.root), checkpoint=str(resume_from), epochs=cfg.epochs, step=state.step,
+                        last=str(folder.weights()), finished_before=True)
         accelerator.print(f"resumed from {resume_from} (step {state.step}: epoch {state.epoch + 1}, "
                           f"{state.batch_in_epoch} of its batches done)")
         if notice:
             accelerator.print(notice)
-        if accelerator.is_main_process:  # rows logged after that checkpoint are logged again from here
+    if accelerator.is_main_process:  # every check above came first: a refused run writes nothing
+        folder.root.mkdir(parents=True, exist_ok=True)
+        cfg.save(folder.config)
+        if classes is not None:  # the weights' class names, for eval.py and exports (data/classes.py)
+            write_class_names(folder.classes, classes)
+        if resume_from is not None:  # rows logged after that checkpoint are logged again from here
             folder.keep_metrics_until(state.step, state.epoch)
-    else:
+    if resume_from is None:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
     keep = None
@@ -485,6 +490,23 @@ def _start(cfg: TrainConfig, resume: Optional[str]) -> _Run:
     if keep is not None:
         run.keep_bound()
     return run
+
+
+def _finished(state: TrainState, cfg: TrainConfig, folder: RunFolder, epoch_samples: int) -> bool:
+    """Whether the checkpoint resumed from ends the run: every epoch's batches used (``epoch_samples``: the samples an
+    epoch takes here) and the final weights written after them."""
+    done = state.epoch >= cfg.epochs or (state.epoch == cfg.epochs - 1 and state.samples_in_epoch >= epoch_samples)
+    return done and folder.weights().is_file() and (not cfg.ema_decay or folder.weights(ema=True).is_file())
+
+
+def check_output(folder: RunFolder) -> None:
+    """A ConfigError unless ``output_dir`` is (or can become) a folder: it and every parent that exists are folders."""
+    for path in (folder.root, *folder.root.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"output_dir {folder.root}: {path} is a file, not a folder; choose another "
+                                  f"output_dir")
+            return
 
 
 def _move_position(state: TrainState, cfg: TrainConfig, accelerator: Accelerator, train_loader,
@@ -540,13 +562,23 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     """Train per ``cfg``; ``resume`` is ``None``, ``"auto"`` (newest checkpoint in the output folder) or a path.
 
     SIGTERM and SIGUSR1 (:data:`PREEMPTION_SIGNALS`) stop the run after the optimizer step they arrive in, with
-    that step's checkpoint written, by raising :class:`Preempted`.
+    that step's checkpoint written, by raising :class:`Preempted`; Ctrl-C raises :class:`Interrupted` naming the
+    newest checkpoint. Returns the run's summary; resumed from the checkpoint that ended a finished run, nothing is
+    done and the summary says ``finished_before``.
     """
     preemption = _Preemption()
     with preemption.watching():
         run = _start(cfg, resume)
+        if isinstance(run, dict):  # the checkpoint resumed from is the end of the run: nothing to do
+            return run
         run.preemption = preemption
-        return _train(run)
+        try:
+            return _train(run)
+        except KeyboardInterrupt as e:
+            raise Interrupted(f"training stopped at step {run.state.step} (Ctrl-C); newest checkpoint: "
+                              f"{run.last_good or 'none written yet'}; continue with --resume auto") from e
+        except TransformError as e:
+            raise TransformError(f"{e.line}; the newest checkpoint is the last one written before it") from e
 
 
 def _train(run: _Run) -> dict:

@@ -21,6 +21,7 @@ from timm.layers import register_notrace_module
 from torch.autograd import forward_ad
 from torch import nn
 
+from ..errors import Mistake
 from .windows import pad_to_multiple, window_partition, window_reverse
 
 
@@ -100,7 +101,7 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
 DEFAULT_TOL = 1e-4
 
 
-class SolverToleranceError(RuntimeError):
+class SolverToleranceError(Mistake, RuntimeError):
     """AttLip's proximal solve did not reach its tolerance within the hard cap of :func:`solve_to_tolerance`:
     a certificate resting on that tolerance would be unsound, so none is given."""
 

@@ -3,17 +3,17 @@
     python -m lipsformer.lipschitz --model lipsformer_swin_t --model-args '{"v_norm": true}'
     python -m lipsformer.lipschitz --model lipsformer_cswin_t --checkpoint run/ --measure network stages.2.blocks.0
 """
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
-import timm
 import torch
 
-from ..weights import CheckpointError, check_model_args, create_from_checkpoint
-from .bounds import NoBoundError, lipschitz_report
+from ..cli import ArgumentParser, command, json_value
+from ..errors import UsageError, did_you_mean
+from ..weights import build_model, check_model_args, create_from_checkpoint
+from .bounds import lipschitz_report
 from .estimate import jacobian_norm
 
 
@@ -43,12 +43,13 @@ def measure(model, names, input_size, iters: int = 20, seed: int = 0) -> dict:
     return out
 
 
+@command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lipsformer.lipschitz", description=__doc__)
     parser.add_argument("--model", help="registered model name (optional with a checkpoint that names it)")
     parser.add_argument("--checkpoint", help="weight file, training run folder or exported folder")
     parser.add_argument("--input-size", type=int, nargs=3, metavar=("C", "H", "W"), help="default: the model's")
-    parser.add_argument("--model-args", type=json.loads, default={}, metavar="JSON",
+    parser.add_argument("--model-args", type=json_value, default={}, metavar="JSON",
                         help='e.g. \'{"v_norm": true}\' (SCSA with normalised v, inside Theorem 1)')
     parser.add_argument("--measure", nargs="+", default=[], metavar="NAME",
                         help="measure the Jacobian norm of 'network' or of submodules (e.g. stages.2.blocks.0)")
@@ -57,32 +58,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).parent.is_dir():  # found now, not after the bounds are computed
-            print(f"error: {option} {path}: no folder {Path(path).parent}", file=sys.stderr)
-            return 2
-    try:
-        kwargs = dict(check_model_args(args.model_args))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            raise UsageError(f"{option} {path}: no folder {Path(path).parent}")
+    if not args.checkpoint and not args.model:
+        parser.error("pass --model or --checkpoint")
+    if args.input_size and min(args.input_size) < 1:
+        parser.error(f"--input-size takes three positive numbers, C H W; got {' '.join(map(str, args.input_size))}")
+    kwargs = dict(check_model_args(args.model_args))
     if args.input_size:
         kwargs.update(in_chans=args.input_size[0], img_size=tuple(args.input_size[1:]))
     if args.measure:
         kwargs["fused_attn"] = False  # forward-mode AD goes through the explicit softmax
-    try:
-        if args.checkpoint:
-            model = create_from_checkpoint(args.checkpoint, args.model, **kwargs)
-        elif args.model:
-            model = timm.create_model(args.model, **kwargs)
-        else:
-            parser.error("pass --model or --checkpoint")
-    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        report = lipschitz_report(model)
-    except NoBoundError as e:  # a module type with no registered bound: say which, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.checkpoint:
+        model = create_from_checkpoint(args.checkpoint, args.model, **kwargs)
+    else:
+        model = build_model(args.model, **kwargs)
+    known = dict(model.named_modules())
+    unknown = [n for n in args.measure if n != "network" and n not in known]
+    if unknown:
+        raise UsageError(f"--measure: {model.pretrained_cfg.get('architecture', args.model)} has no module "
+                         f"{unknown[0]!r}{did_you_mean(unknown[0], [n for n in known if n])}; give 'network' or a "
+                         f"module name such as stages.0.blocks.0")
+    report = lipschitz_report(model)  # a module type with no registered bound: a NoBoundError naming it
     name = model.pretrained_cfg.get("architecture", args.model)
     print(f"{name}: certified Lipschitz bounds (l2), as log10")
     print(f"{'part':<12} {'log10 bound':>12}")
@@ -95,11 +91,7 @@ def main(argv=None) -> int:
     measured = {}
     if args.measure:
         size = (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)
-        try:
-            measured = measure(model, args.measure, size)
-        except AttributeError as e:
-            print(f"error: --measure: {e}", file=sys.stderr)
-            return 2
+        measured = measure(model, args.measure, size)
         for n, value in measured.items():
             print(f"measured Jacobian norm of {n}: {value:.4g} (a lower bound)")
     if args.json:  # strict JSON: a bound that is not finite is null (json's Infinity token is not JSON)

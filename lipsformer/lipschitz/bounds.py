@@ -33,6 +33,7 @@ from timm.layers.adaptive_avgmax_pool import (AdaptiveAvgMaxPool2d, AdaptiveCatA
                                               FastAdaptiveCatAvgMaxPool, FastAdaptiveMaxPool)
 from torch import nn
 
+from ..errors import Mistake
 from ..layers import AttentionKernel, AttLip, AttLipMixer, CenterNorm, ConvexResidual, GroupSort
 from ..layers.normalized import NormalizedConv2d, NormalizedLinear
 from ..layers.attention import KimL2Attention
@@ -107,7 +108,7 @@ def conv_bound(conv: nn.Conv2d, input_hw: Tuple[int, int]) -> float:
 
 
 # -- the registry ---------------------------------------------------------------------------------------
-class NoBoundError(TypeError, ValueError):
+class NoBoundError(Mistake, TypeError, ValueError):
     """A module or attention kind with no registered bound: no certificate is computed for what is not known."""
 
 

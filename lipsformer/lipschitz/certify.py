@@ -46,6 +46,7 @@ from timm.data import resolve_data_config
 from torch import nn
 
 from ..data.datasets import eval_data_config
+from ..errors import UsageError
 from ..layers.attlip import AttLip, solve_to_tolerance
 from .bounds import LipschitzReport, NoBoundError, lipschitz_report
 
@@ -337,14 +338,14 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
 
 
 def parse_eps(values: Sequence[str], flag: str) -> Tuple[float, ...]:
-    """Radii given on a command line: non-negative finite numbers, else a ValueError naming the flag and value."""
+    """Radii given on a command line: non-negative finite numbers, else a UsageError naming the flag and value."""
     out = []
     for v in values:
         try:
             e = float(v)
         except ValueError:
-            raise ValueError(f"{flag} takes non-negative numbers (l2 radii in [0, 1] pixel space), got {v!r}") from None
+            raise UsageError(f"{flag} takes non-negative numbers (l2 radii in [0, 1] pixel space), got {v!r}") from None
         if not math.isfinite(e) or e < 0:
-            raise ValueError(f"{flag} takes non-negative numbers (l2 radii in [0, 1] pixel space), got {v!r}")
+            raise UsageError(f"{flag} takes non-negative numbers (l2 radii in [0, 1] pixel space), got {v!r}")
         out.append(e)
     return tuple(out)

@@ -27,6 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..errors import Stopped
 from ..layers import AttentionKernel, CenterNorm, ConvexResidual, NormalizedConv2d, NormalizedLinear
 from .bounds import conv_bound, lipschitz_report, matrix_norm
 
@@ -34,7 +35,7 @@ from .bounds import conv_bound, lipschitz_report, matrix_norm
 _CONV_INPUT_HW: "weakref.WeakKeyDictionary[nn.Conv2d, Tuple[int, int]]" = weakref.WeakKeyDictionary()
 
 
-class BoundUnreachable(ValueError):
+class BoundUnreachable(Stopped, ValueError):
     """The target cannot be met by shrinking residual weights (the layers outside residuals exceed it)."""
 
 
