@@ -175,7 +175,7 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     cfg = load_config(write_config(tmp_path), ["epochs=1"])
     train(cfg)
     before = (Path(cfg.output_dir) / "last.safetensors").read_bytes()
-    with pytest.raises(FileExistsError, match="--resume auto"):
+    with pytest.raises(ConfigError, match="--resume auto"):
         train(cfg)
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
 
