@@ -181,26 +181,39 @@ def test_conv_blocks_rejects_unknown_configuration():
         ConvBlocks(8, "E")
 
 
-@pytest.mark.parametrize("k", [7, 3])
-def test_depthwise_conv_for_the_compiler_has_the_modules_outputs_and_gradients(k):
-    """_CompiledDepthwiseConv, which torch.compile traces on the CPU, run eagerly against the nn.Conv2d it stands
-    for (a map that is not square, so that H and W cannot be swapped unnoticed)."""
-    from lipsformer.layers.conv_blocks import _CompiledDepthwiseConv
-    conv = nn.Conv2d(8, 8, k, padding=k // 2, groups=8)
-    x, g = torch.randn(2, 9, 11, 8, requires_grad=True), torch.randn(2, 9, 11, 8)
+@pytest.mark.parametrize("k, shape, chunk", [
+    (7, (2, 9, 11, 8), None), (3, (2, 9, 11, 8), None),
+    (7, (5, 4, 6, 3), 2 * 4 * 6 * 3),  # two images per convolution, and a last group of one
+    (5, (3, 2, 3, 4), 1)])  # kernel larger than the map
+def test_depthwise_conv_has_the_modules_outputs_and_gradients(monkeypatch, k, shape, chunk):
+    """_DepthwiseConv, which a float32 CPU training step takes, in float64 against the nn.Conv2d it stands for (a
+    map that is not square, so that H and W cannot be swapped unnoticed): outputs equal, gradients of input, weight
+    and bias to float64 rounding, in eager mode (the weight gradient by swapped-role convolutions, in groups of
+    images) and through the compiler's sums (:func:`_dw_weight_grad`, run eagerly here)."""
+    from lipsformer.layers import conv_blocks
+    if chunk is not None:
+        monkeypatch.setattr(conv_blocks, "_DW_GRAD_CHUNK", chunk)
+    C = shape[-1]
+    conv = nn.Conv2d(C, C, k, padding=k // 2, groups=C).double()
+    x, g = torch.randn(*shape, dtype=torch.float64, requires_grad=True), torch.randn(*shape, dtype=torch.float64)
     ref = conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-    out = _CompiledDepthwiseConv.apply(x, conv.weight, conv.bias)
-    torch.testing.assert_close(out, ref)
-    for got, want in zip(torch.autograd.grad(out, (x, conv.weight, conv.bias), g),
-                         torch.autograd.grad(ref, (x, conv.weight, conv.bias), g)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = torch.autograd.grad(ref, (x, conv.weight, conv.bias), g)
+    for compiled in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiled)
+        out = conv_blocks._DepthwiseConv.apply(x, conv.weight, conv.bias)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for got, expected in zip(torch.autograd.grad(out, (x, conv.weight, conv.bias), g), want):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    if x.numel() < 100:  # and against finite differences, where that is cheap
+        monkeypatch.undo()
+        assert torch.autograd.gradcheck(conv_blocks._DepthwiseConv.apply, (x, conv.weight, conv.bias), fast_mode=True)
 
 
-def test_conv_blocks_take_the_compilers_depthwise_conv_only_for_a_float32_cpu_training_trace(monkeypatch):
+def test_conv_blocks_take_the_fast_depthwise_conv_only_for_a_float32_cpu_training_step(monkeypatch):
     from lipsformer.layers import conv_blocks
     taken = []
-    real = conv_blocks._CompiledDepthwiseConv.apply
-    monkeypatch.setattr(conv_blocks._CompiledDepthwiseConv, "apply", lambda *a: taken.append(1) or real(*a))
+    real = conv_blocks._DepthwiseConv.apply
+    monkeypatch.setattr(conv_blocks._DepthwiseConv, "apply", lambda *a: taken.append(1) or real(*a))
     x = torch.randn(1, 7, 7, 8)
 
     def takes(blocks=None, x=x, **autocast) -> bool:
@@ -211,9 +224,9 @@ def test_conv_blocks_take_the_compilers_depthwise_conv_only_for_a_float32_cpu_tr
         assert torch.allclose(out.float(), blocks.dw1(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).float(), atol=1e-2)
         return bool(taken)
 
-    assert not takes()  # eager: the module
+    assert takes()  # eager
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert takes()
+    assert takes()  # and traced by torch.compile
     assert not takes(dtype=torch.bfloat16)
     assert not takes(ConvBlocks(8, "D").eval())  # torch.export and the ONNX exporter trace here
     assert not takes(ConvBlocks(8, "D").double(), x.double())
