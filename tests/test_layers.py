@@ -364,11 +364,73 @@ def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_inp
                          (lambda t: gelu_residual(x, t, s), lambda t: x + F.gelu(t) * s)):
         torch.testing.assert_close(torch.func.jvp(fused, (u,), (tangent,)), torch.func.jvp(plain, (u,), (tangent,)))
     # autograd alone keeps GELU's input and output; the fused ops keep the input only
-    params = {t.untyped_storage().data_ptr() for t in (w, s)}
+    params = {t.untyped_storage().data_ptr() for t in (w, b, s)}
     for fused, plain in ((lambda: gelu_linear(u, w, b), lambda: F.linear(F.gelu(u), w, b)),
                          (lambda: gelu_residual(x, u, s), lambda: x + F.gelu(u) * s)):
         assert len(_saved_storages(fused)[1] - params) == 1
         assert len(_saved_storages(plain)[1] - params) == 2
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linear_with_a_folded_output_scale_has_exact_gradients_and_keeps_no_output(gelu):
+    """fused_linear(u, W, b, s) = s * linear(act(u), W, b): float64 gradients of every input (s included) against
+    finite differences and against autograd of the plain expression; backward keeps u and the parameters only."""
+    from lipsformer.layers.gelu import fused_linear
+    act = F.gelu if gelu else (lambda t: t)
+    u = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    for bias in (b, None):
+        for scale in (s, None):
+            fused = lambda *a: fused_linear(*a, gelu=gelu)  # noqa: E731
+            assert torch.autograd.gradcheck(fused, (u, w, bias, scale))
+            plain = F.linear(act(u), w, bias) * (1 if scale is None else scale)
+            out = fused(u, w, bias, scale)
+            torch.testing.assert_close(out, plain)
+            inputs = [t for t in (u, w, bias, scale) if t is not None]
+            g = torch.randn_like(out)
+            for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(plain, inputs, g)):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = {t.untyped_storage().data_ptr() for t in (w, b, s)}
+    assert _saved_storages(lambda: fused_linear(u, w, b, s, gelu=gelu))[1] - params == {u.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backward_keeps(name, monkeypatch):
+    """LipsBlock folds each weighted residual's alpha into its branch's last linear map (ScaledOutput). In float64,
+    with DropPath drawing the same masks, outputs and every gradient equal those of ``res(x, branch(x))``; backward
+    keeps fewer bytes (no branch output for alpha's gradient)."""
+    import timm
+
+    from conftest import TINY, family
+    from lipsformer.layers import LipsBlock
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.5, **TINY[family(name)]).double().train()
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+
+    def run():
+        model.zero_grad()
+        torch.manual_seed(1)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if not isinstance(t, nn.Parameter):
+                total += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+        out.square().mean().backward()
+        return out, [p.grad.clone() for p in model.parameters()], total
+
+    folded = run()
+    monkeypatch.setattr(LipsBlock, "_residual", staticmethod(lambda res, branch, x: res(x, branch(x))))
+    plain = run()
+    torch.testing.assert_close(folded[0], plain[0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(folded[1], plain[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert folded[2] < plain[2]
 
 
 def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
@@ -376,7 +438,7 @@ def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
     from lipsformer.layers.gelu import gelu_linear, gelu_residual
     u, x = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
     w, s = torch.randn(5, 4), torch.randn(4)
-    assert "Gelu" in type(gelu_linear(u, w).grad_fn).__name__
+    assert type(gelu_linear(u, w).grad_fn).__name__ == "_FusedLinearBackward"
     assert "Gelu" in type(gelu_residual(x, u, s).grad_fn).__name__
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert type(gelu_linear(u, w).grad_fn).__name__ == "MmBackward0"
