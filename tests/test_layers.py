@@ -66,6 +66,25 @@ def test_scsa_equals_explicit_softmax_formula(fused, with_bias, nu):
     torch.testing.assert_close(out, _explicit_scsa(q, k, v, 10.0, bias, nu=nu))
 
 
+@pytest.mark.parametrize("scale", [1.0, 10.0, 0.3])
+def test_l2_normalize_backward_keeps_its_contiguous_output_and_has_exact_gradients(scale):
+    """The recorded l2_normalize (_L2Normalize): float64 gradients against finite differences and against autograd
+    of the plain expression; its output is contiguous from a transposed input, and backward keeps that output and
+    the row norms, not the input (so a projection that q and k are views of is not kept)."""
+    from lipsformer.layers.attention import _L2Normalize, l2_normalize
+    x = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: l2_normalize(t, 1e-12, scale), (x,))
+    out = l2_normalize(x, 1e-12, scale)
+    assert type(out.grad_fn).__name__ == "_L2NormalizeBackward" and out.is_contiguous()
+    plain = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12) * scale
+    torch.testing.assert_close(out, plain)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(plain, x, g)[0],
+                               rtol=1e-12, atol=1e-12)
+    _, kept = _saved_storages(lambda: _L2Normalize.apply(x, 1e-12, scale))
+    assert x.untyped_storage().data_ptr() not in kept and len(kept) == 2
+
+
 def test_scsa_learnable_tau_gets_gradient_and_matches_fixed():
     q, k, v = _qkv()
     tau = torch.tensor(12.0, dtype=torch.float64, requires_grad=True)
