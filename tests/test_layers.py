@@ -35,6 +35,28 @@ def test_centernorm_jacobian_spectral_norm_is_d_over_d_minus_1(dim):
     assert torch.linalg.matrix_norm(jac, ord=2).item() == pytest.approx(dim / (dim - 1), rel=1e-12)
 
 
+def test_centernorm_backward_is_exact_and_keeps_what_autograd_keeps():
+    """The recorded CenterNorm (_CenterNorm, a shorter backward): float64 gradients of input, weight and bias against
+    finite differences and against autograd of eq. 2; one activation kept, as autograd keeps."""
+    norm = CenterNorm(6).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(6))
+        norm.bias.copy_(torch.randn(6))
+    x = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+    from lipsformer.layers.norm import _CenterNorm
+    assert torch.autograd.gradcheck(lambda t, w, b: _CenterNorm.apply(t, w, b, 6 / 5), (x, norm.weight, norm.bias))
+    out = norm(x)
+    assert type(out.grad_fn).__name__ == "_CenterNormBackward"
+    plain = norm.weight * 6 / 5 * (x - x.mean(-1, keepdim=True)) + norm.bias
+    torch.testing.assert_close(out, plain)
+    g = torch.randn_like(out)
+    inputs = (x, norm.weight, norm.bias)
+    for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(plain, inputs, g)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
+    assert len(_saved_storages(norm, x)[1] - params) == 1
+
+
 def test_centernorm_rejects_one_channel():
     with pytest.raises(ValueError, match="at least 2 channels"):
         CenterNorm(1)
