@@ -232,8 +232,9 @@ def test_depthwise_conv_has_the_modules_outputs_and_gradients(monkeypatch, k, sh
     and bias to float64 rounding, in eager mode (the weight gradient by swapped-role convolutions, in groups of
     images) and through the compiler's sums (:func:`_dw_weight_grad`, run eagerly here)."""
     from lipsformer.layers import conv_blocks
-    if chunk is not None:
+    if chunk is not None:  # elements per convolution and thread
         monkeypatch.setattr(conv_blocks, "_DW_GRAD_CHUNK", chunk)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     C = shape[-1]
     conv = nn.Conv2d(C, C, k, padding=k // 2, groups=C).double()
     x, g = torch.randn(*shape, dtype=torch.float64, requires_grad=True), torch.randn(*shape, dtype=torch.float64)

@@ -69,9 +69,9 @@ def _dw_conv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     return _nhwc(F.conv2d(_nchw(x), weight, bias, padding=weight.shape[-1] // 2, groups=weight.shape[0]))
 
 
-# Elements of (x, grad) one convolution of :func:`_dw_weight_grad_eager` takes: a stage-1 image of Swin-T
-# (56 x 56 x 96) alone, stage 3 four at a time. Larger groups leave the cache (stage 1, batch 8: 8.3 ms for one
-# image at a time, 21 ms for all eight, 36 ms for oneDNN's weight gradient; one thread).
+# Elements of (x, grad) one convolution of :func:`_dw_weight_grad_eager` takes, per thread: a stage-1 image of
+# Swin-T (56 x 56 x 96) alone, stage 3 four at a time. Larger groups leave the cache (stage 1, batch 8: 8.3 ms for
+# one image at a time, 21 ms for all eight, 36 ms for oneDNN's weight gradient; one thread).
 _DW_GRAD_CHUNK = 56 * 56 * 96
 
 
@@ -83,7 +83,7 @@ def _dw_weight_grad_eager(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.
     H x W kernel per channel, a k x k output, summed over the group's images. oneDNN's own depth-wise weight
     gradient is 3-14 times slower (stage 1 to stage 4 of Swin-T, one thread)."""
     B, H, W, C = x.shape
-    step = max(1, _DW_GRAD_CHUNK // (H * W * C))
+    step = max(1, _DW_GRAD_CHUNK * torch.get_num_threads() // (H * W * C))  # oneDNN splits the channels
     out = None
     for b in range(0, B, step):
         xs, gs = x[b:b + step], grad[b:b + step]
