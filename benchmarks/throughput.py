@@ -92,8 +92,24 @@ def train_time(model, x, device, amp, iters: int) -> float:
     return (CLOCK[0]() - start) / iters
 
 
-def profile_train_step(model, x, device, amp, top: int) -> str:
-    """The ``top`` operators of one training step by their own time (where a model spends it)."""
+# operator families of a training step, for the profile's summary (first match; the rest is "other")
+OP_FAMILIES = (
+    ("matrix products", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("attention (softmax, fused SDPA)", ("softmax", "scaled_dot_product")),
+    ("convolutions", ("convolution",)),
+    ("GELU", ("gelu",)),
+    ("LayerNorm", ("layer_norm",)),
+    ("copies (copy_, cat, clone, index)", ("aten::copy_", "aten::cat", "aten::clone", "aten::index", "aten::roll",
+                                          "aten::stack", "aten::constant_pad_nd")),
+    ("elementwise and reductions", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::addcmul", "aten::sum",
+                                    "aten::mean", "aten::pow", "aten::rsqrt", "aten::neg", "aten::where",
+                                    "aten::fill_", "aten::bernoulli_", "aten::all", "aten::isneginf")),
+)
+
+
+def profile_train_step(model, x, device, amp, top: int) -> tuple:
+    """The ``top`` operators of one training step by their own time (where a model spends it), and the own time
+    (ms) of each operator family (:data:`OP_FAMILIES`)."""
     from torch.profiler import ProfilerActivity, profile
     target = torch.zeros(x.shape[0], dtype=torch.long, device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -104,7 +120,12 @@ def profile_train_step(model, x, device, amp, top: int) -> str:
         sync(device)
     model.zero_grad(set_to_none=True)
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=top)
+    families = dict.fromkeys([f for f, _ in OP_FAMILIES] + ["other"], 0.0)
+    for event in prof.key_averages():
+        if event.key.startswith("aten::"):
+            family = next((f for f, keys in OP_FAMILIES if any(k in event.key for k in keys)), "other")
+            families[family] += getattr(event, key) / 1e3
+    return prof.key_averages().table(sort_by=key, row_limit=top), families
 
 
 def train_memory(model, x, device, amp) -> float:
@@ -390,9 +411,23 @@ def main(argv=None) -> None:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(setup=desc, rows=rows), indent=2))
+    families = {}
     for name, model in models.items() if args.profile else ():
         print(f"\n{name}: one training step, batch {args.train_batch}")
-        print(profile_train_step(model.train(), x_train, device, args.amp, args.profile))
+        table, families[name] = profile_train_step(model.train(), x_train, device, args.amp, args.profile)
+        print(table)
+    if families:  # where each model's step differs from the baseline's, by operator family
+        print(f"\nown time (ms) by operator family, one training step, batch {args.train_batch}; each model's "
+              f"difference to {args.baseline} in brackets")
+        print(f"{'family':<36}" + "".join(f" {n[:24]:>24}" for n in families))
+        base = families[args.baseline]
+        for family in list(base) + ["total"]:
+            cells = []
+            for fam in families.values():
+                value = sum(fam.values()) if family == "total" else fam[family]
+                ref = sum(base.values()) if family == "total" else base[family]
+                cells.append(f"{value:>9.0f}" + (f" ({value - ref:+7.0f})" if fam is not base else " " * 10))
+            print(f"{family:<36}" + "".join(f" {c:>24}" for c in cells))
 
 
 if __name__ == "__main__":
