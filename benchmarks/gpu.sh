@@ -3,31 +3,47 @@
 #
 #   make gpu-wheels                      # first, where pip reaches PyPI: the wheels such a machine lacks -> .whl/
 #   bash benchmarks/gpu.sh [--released /path/to/LipsFormer] [--out results/DIR] [--python python3]
+#       [--only tests,matrix,base]
 #
-# Uses the machine's own Python and torch (never replaced). Steps, each under its own time limit so that the
-# whole run ends within 10 minutes on one H100 (a step that runs out is killed and reported missing):
+# Uses the machine's own Python and torch (never replaced). Steps, each under its own time limit (a step that runs
+# out is killed and reported missing); all of them take up to about 13 minutes on one H100. Where one command may
+# run 10 minutes at most, run them in two with the same --out (the report gathers every result in the folder):
+#   bash benchmarks/gpu.sh --out results/gpu --only tests,base && bash benchmarks/gpu.sh --out results/gpu --only matrix
 #   1. installs the project and each dependency missing or too old from .whl/ into a target folder
 #      (pip --no-index --no-deps), then checks and records every version (versions.json);
 #   2. pytest -m gpu (gpu_tests.log, gpu_tests.xml);
-#   3. benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16, eager then compiled:
-#      lipsformer_swin_t and lipsformer_cswin_t against swin_tiny (and the released implementation with
-#      --released), lipsformer_swin_b against swin_base (throughput_*.json, *.log);
-#   4. one JSON (gpu.json) and one markdown table (gpu.md) of it all.
+#   3. benchmarks/throughput.py --matrix --device cuda --amp bf16 (issue 35's training benchmark; 7 min at
+#      most): eager at batch 64 and 256, then compiled at batch 256 with the compiler's default and
+#      compile_memory_budget 0.8, one process each: lipsformer_swin_t and lipsformer_cswin_t against swin_tiny
+#      (and the released implementation with --released), inference and training img/s, ratios, per-FLOP ratios,
+#      the bytes autograd saves and the peak allocated (throughput_matrix.json, .log);
+#   4. benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16: lipsformer_swin_b against
+#      swin_base, eager (throughput_base_eager.json, .log);
+#   5. one JSON (gpu.json) and one markdown table (gpu.md) of it all.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=python3
 OUT="results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
 RELEASED=""
+ONLY="tests,matrix,base"
 SITE=${LIPSFORMER_SITE:-/tmp/lipsformer-site}
 while [ $# -gt 0 ]; do
   case "$1" in
     --released) RELEASED=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
-    *) echo "error: unknown argument $1 (--released PATH, --out DIR, --python PYTHON)" >&2; exit 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    *) echo "error: unknown argument $1 (--released PATH, --out DIR, --python PYTHON, --only STEPS)" >&2; exit 2 ;;
   esac
 done
+for step in ${ONLY//,/ }; do
+  case "$step" in
+    tests|matrix|base) ;;
+    *) echo "error: --only takes steps among tests, matrix, base (comma-separated), got $step" >&2; exit 2 ;;
+  esac
+done
+want() { [[ ",$ONLY," == *",$1,"* ]]; }
 mkdir -p "$OUT"
 START=$(date +%s)
 stamp() { echo "== $(( $(date +%s) - START )) s: $*"; }
@@ -58,24 +74,29 @@ open(sys.argv[1], "w").write(json.dumps(v, indent=2))
 print(v)
 EOF
 
-stamp "GPU tests"
-timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 --junitxml "$OUT/gpu_tests.xml" \
-  tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+if want tests; then
+  stamp "GPU tests"
+  timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 --junitxml "$OUT/gpu_tests.xml" \
+    tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+fi
 
 bench() {  # bench NAME SECONDS ARGS...: one throughput.py run, its JSON and log under $OUT
   local name=$1 seconds=$2; shift 2
   stamp "throughput $name"
-  timeout "$seconds" "$PY" benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16 \
+  timeout "$seconds" "$PY" benchmarks/throughput.py --device cuda --amp bf16 \
     --json "$OUT/throughput_$name.json" "$@" 2>&1 | tee "$OUT/throughput_$name.log"
   [ -f "$OUT/throughput_$name.json" ] || echo "throughput $name: no result (failed or out of time, see its log)"
 }
 REL=()
 [ -n "$RELEASED" ] && REL=(--released "$RELEASED")
-bench tiny_eager 45 --reps 3 --iters 5 --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
-bench base_eager 35 --reps 3 --iters 3 --baseline swin_base_patch4_window7_224 --models lipsformer_swin_b
-bench tiny_compiled 150 --reps 2 --iters 5 --compile --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
-bench base_compiled 90 --reps 2 --iters 3 --compile --baseline swin_base_patch4_window7_224 \
-  --models lipsformer_swin_b
+if want matrix; then
+  bench matrix 420 --matrix --train-batches 64 256 --compiled-batches 256 --reps 3 --iters 5 --compiled none 0.8 \
+    --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
+fi
+if want base; then
+  bench base_eager 45 --batch 256 --train-batch 256 --reps 3 --iters 3 --baseline swin_base_patch4_window7_224 \
+    --models lipsformer_swin_b
+fi
 
 stamp "report"
 "$PY" benchmarks/gpu_check.py report "$OUT"

@@ -100,13 +100,26 @@ def report(results: str) -> int:
              "| run | model | GFLOPs | infer img/s | ratio | train img/s | ratio | train peak MB | ratio |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     no_train = " | ".join([""] * 4)
+    matrix = []
     for run, part in parts.items():
-        base = part["rows"][0]
+        bases = {}  # the baseline of each group: the first row of a run, or of a --matrix run's mode and batch
         for r in part["rows"]:
+            group = (r.get("mode"), r.get("threads"), r.get("batch"))
+            base = bases.setdefault(group, r)
+            label = run.removeprefix("throughput_") + (f" {r['mode']} b{r['batch']}" if "mode" in r else "")
             train = (f"{r['train_img_s']:.0f} | {r['train_ratio']:.2f} | {r['train_memory_mb']:.0f} | "
                      f"{r['train_memory_mb'] / base['train_memory_mb']:.2f}") if "train_img_s" in r else no_train
-            lines.append(f"| {run.removeprefix('throughput_')} | {r['model']} | {r['gflops']:.2f} | "
+            lines.append(f"| {label} | {r['model']} | {r['gflops']:.2f} | "
                          f"{r['infer_img_s']:.0f} | {r['infer_ratio']:.2f} | {train} |")
+        saved = [r for r in part["rows"] if "saved_mb" in r]
+        # --matrix: per-FLOP ratios and the bytes autograd saves, against each group's baseline
+        matrix += [f"| {run.removeprefix('throughput_')} | {r['mode']} | {r['batch']} | {r['model']} | "
+                   f"{r['train_per_flop']:.2f} | {r['saved_mb']:.0f} | {r['saved_ratio']:.2f} | "
+                   f"{' '.join(r['missed']) or '-'} |" for r in saved]
+    if matrix:
+        lines += ["", "Training benchmark (`--matrix`; the train peak MB above is the peak allocated):", "",
+                  "| run | mode | batch | model | train per-FLOP | saved MB | ratio | missed targets |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"] + matrix
     lines += ["", "setups:"] + [f"- {run}: {part['setup']}" for run, part in parts.items()]
     if tests.get("sdpa_kernels"):
         lines += ["", "SDPA kernel per attention kind:"] + [f"- {k}: {v}" for k, v in tests["sdpa_kernels"].items()]

@@ -7,6 +7,7 @@
   (``sdpa_kernel`` restricted to flash / memory-efficient / cuDNN raises where only the math kernel applies),
   and the profiler names the one that ran (recorded as a junit property, see benchmarks/gpu.sh);
 - ``torch.compile`` forward and backward with ``fullgraph=True`` (a graph break is an error);
+- a training step without host synchronisation (CUDA's sync debug mode);
 - ``accelerate launch`` training on one GPU in bf16 and fp16 with a mid-epoch resume, and FSDP2 with the EMA.
 
 Models are tiny but keep every head 16 or 32 wide: the fused kernels need head sizes that are multiples of 8.
@@ -170,6 +171,36 @@ def test_compiled_forward_and_backward_without_graph_breaks(name):
     flat, ref = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, eager_grads))
     assert _rel(flat, ref) < 1e-1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", list(GPU_TINY))
+def test_a_training_step_makes_no_host_synchronisation(name):
+    """Forward, loss, backward and an AdamW step (train.py's optimizer) in training mode, fp32 and bf16 autocast,
+    under CUDA's sync debug mode: a synchronising call (``.item()``, ``bool(tensor)``, ``nonzero``, a copy to the
+    host) raises. The CPU counterpart counts the ops under the profiler (tests/test_host_sync.py)."""
+    from timm.optim import create_optimizer_v2
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, drop_path_rate=0.2, init="xavier", **GPU_TINY[name])
+    model = model.to(DEVICE).train()
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    x, y = torch.randn(4, 3, 64, 64, device=DEVICE), torch.arange(4, device=DEVICE)
+
+    def step(dtype):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        step(dtype)  # first calls: lazy initialisation, the optimizer's state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(dtype)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
 
 
 def _launch(*args, cwd=ROOT):

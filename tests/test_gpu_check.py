@@ -79,6 +79,22 @@ def test_report_tables_every_run_in_order(tmp_path):
                                                                                  "throughput_tiny_compiled"}
 
 
+def test_report_tables_a_training_matrix_against_each_groups_baseline(tmp_path):
+    """throughput.py --matrix rows (mode, threads, batch): ratios against the first row of each group."""
+    rows = []
+    for mode, batch, peak in (("eager", 64, 1000.0), ("compiled none", 256, 3000.0)):
+        rows += [dict(mode=mode, threads=16, batch=batch, model=m, gflops=4.5, infer_img_s=1000.0, infer_ratio=1.0,
+                      train_img_s=300.0, train_ratio=1.0, train_memory_mb=peak * f, saved_mb=500.0 * f,
+                      saved_ratio=f, train_per_flop=1.1, missed=missed)
+                 for m, f, missed in (("swin_tiny_patch4_window7_224", 1.0, []),
+                                      ("lipsformer_swin_t", 1.5, ["saved_ratio"]))]
+    (tmp_path / "throughput_matrix.json").write_text(json.dumps(dict(setup="matrix", rows=rows)))
+    gpu_check.report(str(tmp_path))
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| matrix compiled none b256 | lipsformer_swin_t | 4.50 | 1000 | 1.00 | 300 | 1.00 | 4500 | 1.50 |" in md
+    assert "| matrix | eager | 64 | lipsformer_swin_t | 1.10 | 750 | 1.50 | saved_ratio |" in md
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the stop on a machine without CUDA")
 def test_gpu_sh_installs_the_project_then_stops_in_one_line_without_cuda(tmp_path):
     # the command's first step, as a GPU machine runs it (no registry: pip --no-index into a target folder), then
@@ -92,3 +108,13 @@ def test_gpu_sh_installs_the_project_then_stops_in_one_line_without_cuda(tmp_pat
     assert proc.stderr.strip().splitlines()[-1] == "error: torch sees no CUDA device"
     assert (site / "lipsformer" / "models" / "lipsformer_swin.py").is_file()
     assert not (out / "versions.json").exists() and not (out / "gpu_tests.log").exists()
+
+
+def test_gpu_sh_refuses_an_unknown_step_in_one_line(tmp_path):
+    import subprocess
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--out", str(tmp_path / "out"), "--only",
+                           "tests,bench"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --only takes steps among tests, matrix, base (comma-separated), got bench"]
+    assert not (tmp_path / "out").exists()

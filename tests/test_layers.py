@@ -35,6 +35,28 @@ def test_centernorm_jacobian_spectral_norm_is_d_over_d_minus_1(dim):
     assert torch.linalg.matrix_norm(jac, ord=2).item() == pytest.approx(dim / (dim - 1), rel=1e-12)
 
 
+def test_centernorm_backward_is_exact_and_keeps_what_autograd_keeps():
+    """The recorded CenterNorm (_CenterNorm, a shorter backward): float64 gradients of input, weight and bias against
+    finite differences and against autograd of eq. 2; one activation kept, as autograd keeps."""
+    norm = CenterNorm(6).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(6))
+        norm.bias.copy_(torch.randn(6))
+    x = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+    from lipsformer.layers.norm import _CenterNorm
+    assert torch.autograd.gradcheck(lambda t, w, b: _CenterNorm.apply(t, w, b, 6 / 5), (x, norm.weight, norm.bias))
+    out = norm(x)
+    assert type(out.grad_fn).__name__ == "_CenterNormBackward"
+    plain = norm.weight * 6 / 5 * (x - x.mean(-1, keepdim=True)) + norm.bias
+    torch.testing.assert_close(out, plain)
+    g = torch.randn_like(out)
+    inputs = (x, norm.weight, norm.bias)
+    for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(plain, inputs, g)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
+    assert len(_saved_storages(norm, x)[1] - params) == 1
+
+
 def test_centernorm_rejects_one_channel():
     with pytest.raises(ValueError, match="at least 2 channels"):
         CenterNorm(1)
@@ -64,6 +86,25 @@ def test_scsa_equals_explicit_softmax_formula(fused, with_bias, nu):
     bias = torch.randn(3, 10, 10, dtype=torch.float64) if with_bias else None
     out = scsa(q, k, v, 10.0, bias, nu=nu, fused=fused)
     torch.testing.assert_close(out, _explicit_scsa(q, k, v, 10.0, bias, nu=nu))
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0, 0.3])
+def test_l2_normalize_backward_keeps_its_contiguous_output_and_has_exact_gradients(scale):
+    """The recorded l2_normalize (_L2Normalize): float64 gradients against finite differences and against autograd
+    of the plain expression; its output is contiguous from a transposed input, and backward keeps that output and
+    the row norms, not the input (so a projection that q and k are views of is not kept)."""
+    from lipsformer.layers.attention import _L2Normalize, l2_normalize
+    x = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: l2_normalize(t, 1e-12, scale), (x,))
+    out = l2_normalize(x, 1e-12, scale)
+    assert type(out.grad_fn).__name__ == "_L2NormalizeBackward" and out.is_contiguous()
+    plain = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12) * scale
+    torch.testing.assert_close(out, plain)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(plain, x, g)[0],
+                               rtol=1e-12, atol=1e-12)
+    _, kept = _saved_storages(lambda: _L2Normalize.apply(x, 1e-12, scale))
+    assert x.untyped_storage().data_ptr() not in kept and len(kept) == 2
 
 
 def test_scsa_learnable_tau_gets_gradient_and_matches_fixed():
@@ -181,26 +222,40 @@ def test_conv_blocks_rejects_unknown_configuration():
         ConvBlocks(8, "E")
 
 
-@pytest.mark.parametrize("k", [7, 3])
-def test_depthwise_conv_for_the_compiler_has_the_modules_outputs_and_gradients(k):
-    """_CompiledDepthwiseConv, which torch.compile traces on the CPU, run eagerly against the nn.Conv2d it stands
-    for (a map that is not square, so that H and W cannot be swapped unnoticed)."""
-    from lipsformer.layers.conv_blocks import _CompiledDepthwiseConv
-    conv = nn.Conv2d(8, 8, k, padding=k // 2, groups=8)
-    x, g = torch.randn(2, 9, 11, 8, requires_grad=True), torch.randn(2, 9, 11, 8)
+@pytest.mark.parametrize("k, shape, chunk", [
+    (7, (2, 9, 11, 8), None), (3, (2, 9, 11, 8), None),
+    (7, (5, 4, 6, 3), 2 * 4 * 6 * 3),  # two images per convolution, and a last group of one
+    (5, (3, 2, 3, 4), 1)])  # kernel larger than the map
+def test_depthwise_conv_has_the_modules_outputs_and_gradients(monkeypatch, k, shape, chunk):
+    """_DepthwiseConv, which a float32 CPU training step takes, in float64 against the nn.Conv2d it stands for (a
+    map that is not square, so that H and W cannot be swapped unnoticed): outputs equal, gradients of input, weight
+    and bias to float64 rounding, in eager mode (the weight gradient by swapped-role convolutions, in groups of
+    images) and through the compiler's sums (:func:`_dw_weight_grad`, run eagerly here)."""
+    from lipsformer.layers import conv_blocks
+    if chunk is not None:  # elements per convolution and thread
+        monkeypatch.setattr(conv_blocks, "_DW_GRAD_CHUNK", chunk)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    C = shape[-1]
+    conv = nn.Conv2d(C, C, k, padding=k // 2, groups=C).double()
+    x, g = torch.randn(*shape, dtype=torch.float64, requires_grad=True), torch.randn(*shape, dtype=torch.float64)
     ref = conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-    out = _CompiledDepthwiseConv.apply(x, conv.weight, conv.bias)
-    torch.testing.assert_close(out, ref)
-    for got, want in zip(torch.autograd.grad(out, (x, conv.weight, conv.bias), g),
-                         torch.autograd.grad(ref, (x, conv.weight, conv.bias), g)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = torch.autograd.grad(ref, (x, conv.weight, conv.bias), g)
+    for compiled in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiled)
+        out = conv_blocks._DepthwiseConv.apply(x, conv.weight, conv.bias)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for got, expected in zip(torch.autograd.grad(out, (x, conv.weight, conv.bias), g), want):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    if x.numel() < 100:  # and against finite differences, where that is cheap
+        monkeypatch.undo()
+        assert torch.autograd.gradcheck(conv_blocks._DepthwiseConv.apply, (x, conv.weight, conv.bias), fast_mode=True)
 
 
-def test_conv_blocks_take_the_compilers_depthwise_conv_only_for_a_float32_cpu_training_trace(monkeypatch):
+def test_conv_blocks_take_the_fast_depthwise_conv_only_for_a_float32_cpu_training_step(monkeypatch):
     from lipsformer.layers import conv_blocks
     taken = []
-    real = conv_blocks._CompiledDepthwiseConv.apply
-    monkeypatch.setattr(conv_blocks._CompiledDepthwiseConv, "apply", lambda *a: taken.append(1) or real(*a))
+    real = conv_blocks._DepthwiseConv.apply
+    monkeypatch.setattr(conv_blocks._DepthwiseConv, "apply", lambda *a: taken.append(1) or real(*a))
     x = torch.randn(1, 7, 7, 8)
 
     def takes(blocks=None, x=x, **autocast) -> bool:
@@ -211,9 +266,9 @@ def test_conv_blocks_take_the_compilers_depthwise_conv_only_for_a_float32_cpu_tr
         assert torch.allclose(out.float(), blocks.dw1(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).float(), atol=1e-2)
         return bool(taken)
 
-    assert not takes()  # eager: the module
+    assert takes()  # eager
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert takes()
+    assert takes()  # and traced by torch.compile
     assert not takes(dtype=torch.bfloat16)
     assert not takes(ConvBlocks(8, "D").eval())  # torch.export and the ONNX exporter trace here
     assert not takes(ConvBlocks(8, "D").double(), x.double())
@@ -351,11 +406,73 @@ def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_inp
                          (lambda t: gelu_residual(x, t, s), lambda t: x + F.gelu(t) * s)):
         torch.testing.assert_close(torch.func.jvp(fused, (u,), (tangent,)), torch.func.jvp(plain, (u,), (tangent,)))
     # autograd alone keeps GELU's input and output; the fused ops keep the input only
-    params = {t.untyped_storage().data_ptr() for t in (w, s)}
+    params = {t.untyped_storage().data_ptr() for t in (w, b, s)}
     for fused, plain in ((lambda: gelu_linear(u, w, b), lambda: F.linear(F.gelu(u), w, b)),
                          (lambda: gelu_residual(x, u, s), lambda: x + F.gelu(u) * s)):
         assert len(_saved_storages(fused)[1] - params) == 1
         assert len(_saved_storages(plain)[1] - params) == 2
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linear_with_a_folded_output_scale_has_exact_gradients_and_keeps_no_output(gelu):
+    """fused_linear(u, W, b, s) = s * linear(act(u), W, b): float64 gradients of every input (s included) against
+    finite differences and against autograd of the plain expression; backward keeps u and the parameters only."""
+    from lipsformer.layers.gelu import fused_linear
+    act = F.gelu if gelu else (lambda t: t)
+    u = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    for bias in (b, None):
+        for scale in (s, None):
+            fused = lambda *a: fused_linear(*a, gelu=gelu)  # noqa: E731
+            assert torch.autograd.gradcheck(fused, (u, w, bias, scale))
+            plain = F.linear(act(u), w, bias) * (1 if scale is None else scale)
+            out = fused(u, w, bias, scale)
+            torch.testing.assert_close(out, plain)
+            inputs = [t for t in (u, w, bias, scale) if t is not None]
+            g = torch.randn_like(out)
+            for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(plain, inputs, g)):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = {t.untyped_storage().data_ptr() for t in (w, b, s)}
+    assert _saved_storages(lambda: fused_linear(u, w, b, s, gelu=gelu))[1] - params == {u.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backward_keeps(name, monkeypatch):
+    """LipsBlock folds each weighted residual's alpha into its branch's last linear map (ScaledOutput). In float64,
+    with DropPath drawing the same masks, outputs and every gradient equal those of ``res(x, branch(x))``; backward
+    keeps fewer bytes (no branch output for alpha's gradient)."""
+    import timm
+
+    from conftest import TINY, family
+    from lipsformer.layers import LipsBlock
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.5, **TINY[family(name)]).double().train()
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+
+    def run():
+        model.zero_grad()
+        torch.manual_seed(1)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if not isinstance(t, nn.Parameter):
+                total += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+        out.square().mean().backward()
+        return out, [p.grad.clone() for p in model.parameters()], total
+
+    folded = run()
+    monkeypatch.setattr(LipsBlock, "_residual", staticmethod(lambda res, branch, x: res(x, branch(x))))
+    plain = run()
+    torch.testing.assert_close(folded[0], plain[0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(folded[1], plain[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert folded[2] < plain[2]
 
 
 def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
@@ -363,7 +480,7 @@ def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
     from lipsformer.layers.gelu import gelu_linear, gelu_residual
     u, x = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
     w, s = torch.randn(5, 4), torch.randn(4)
-    assert "Gelu" in type(gelu_linear(u, w).grad_fn).__name__
+    assert type(gelu_linear(u, w).grad_fn).__name__ == "_FusedLinearBackward"
     assert "Gelu" in type(gelu_residual(x, u, s).grad_fn).__name__
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert type(gelu_linear(u, w).grad_fn).__name__ == "MmBackward0"

@@ -8,7 +8,7 @@ classifier of another class count is re-created. The optimizer, schedule and EMA
 ``--resume`` restores a fine-tuning run like any other, so its starting weights are not loaded again.
 """
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import timm
 import torch

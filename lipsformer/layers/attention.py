@@ -13,21 +13,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gelu import _records_grad
+
 ATTENTIONS = ("scsa", "dot", "l2")
 
 
-def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    r"""Smoothed l2 row normalisation of LipsFormer eq. 6: :math:`x / \sqrt{\|x\|^2 + \epsilon}`."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+class _L2Normalize(torch.autograd.Function):
+    """:func:`l2_normalize` keeping its (contiguous) output and the per-row ``1 / norm`` for backward instead of
+    its input: the attention's matrix products keep the same output, and the projection that ``x`` is a view of
+    is kept by nobody (three C-wide activations per block less, with the values' own copy)."""
+
+    @staticmethod
+    def forward(ctx, x, eps, scale):
+        r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
+        torch.mul(x, r * scale, out=out)
+        ctx.save_for_backward(out, r)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, r = ctx.saved_tensors
+        # d(s x r)/dx g = s r (g - x_hat (x_hat . g)) = r (s g - out (out . g) / s), x_hat = x r = out / s
+        dot = (out * grad).sum(-1, keepdim=True) / ctx.scale
+        return r * (ctx.scale * grad - out * dot), None, None
+
+
+def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+    r"""Smoothed l2 row normalisation of LipsFormer eq. 6, times ``scale`` (a positive float):
+    :math:`s\,x / \sqrt{\|x\|^2 + \epsilon}`. Recorded for backward, it returns a contiguous tensor and keeps
+    that output (:class:`_L2Normalize`; outside torch.func and torch.compile, which see the plain ops)."""
+    if _records_grad(x) and scale > 0:
+        return _L2Normalize.apply(x, eps, float(scale))
+    return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
 
 
 def _softmax_attention(q, k, v, scale, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
-    """softmax(scale * q k^T + bias) v, fused or explicit."""
+    """softmax(scale * q k^T + bias) v, fused or explicit. On the CPU a bias that needs a gradient sends SDPA to its
+    unfused math path, which adds work to the explicit one (q and k scaled apart, masked-row checks in the softmax):
+    there the explicit path runs."""
     if bias is not None:
         bias = bias.to(q.dtype)
+        if fused and bias.requires_grad and torch.is_grad_enabled() and q.device.type == "cpu":
+            fused = False
     if fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    logits = (q * scale) @ k.transpose(-2, -1)
+    logits = (q * scale if scale != 1.0 else q) @ k.transpose(-2, -1)
     if bias is not None:
         logits = logits + bias
     return logits.softmax(-1) @ v
@@ -40,14 +72,17 @@ def scsa(q, k, v, tau, bias=None, nu: Optional[float] = None, eps: float = 1e-12
 
     with rows :math:`\hat q_i = q_i / \sqrt{\|q_i\|^2 + \epsilon}` (same for k). ``nu=None``
     keeps ``v`` unnormalised, as the released code does; a float (or tensor) ``nu`` normalises
-    ``v`` and scales by ``nu``, as the paper does. ``tau`` may be a float or a 0-d tensor.
+    ``v`` and scales by ``nu``, as the paper does. ``tau`` may be a float or a 0-d tensor; a float is folded into
+    the normalisation of q.
     """
-    q, k = l2_normalize(q, eps), l2_normalize(k, eps)
+    if isinstance(tau, torch.Tensor):  # learnable: SDPA's scale must be a float
+        q = l2_normalize(q, eps) * tau.to(q.dtype)
+    else:
+        q = l2_normalize(q, eps, float(tau))
+    k = l2_normalize(k, eps)
     if nu is not None:
-        v = l2_normalize(v, eps) * nu
-    if isinstance(tau, torch.Tensor):  # learnable: fold into q, SDPA's scale must be a float
-        return _softmax_attention(q * tau.to(q.dtype), k, v, 1.0, bias, fused)
-    return _softmax_attention(q, k, v, float(tau), bias, fused)
+        v = l2_normalize(v, eps, nu) if isinstance(nu, float) else l2_normalize(v, eps) * nu
+    return _softmax_attention(q, k, v, 1.0, bias, fused)
 
 
 def dot_attention(q, k, v, bias=None, fused: bool = True):

@@ -1,5 +1,5 @@
 """The LipsFormer block (LipsFormer Fig. 1, Table 1), shared by the Swin and CSwin families."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import Mlp
@@ -8,17 +8,18 @@ from torch import nn
 from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
 from .norm import create_norm
-from .residual import create_residual
+from .residual import ScaledOutput, WeightedResidual, create_residual, scaled_linear
 
 
-class GeluMlp(Mlp):
+class GeluMlp(Mlp, ScaledOutput):
     """timm's Mlp (``fc1``, GELU, ``fc2``), with the GELU fused into ``fc2`` (:func:`gelu_linear`) unless a
-    dropout sits between them, so backward keeps the hidden layer once instead of twice."""
+    dropout sits between them, so backward keeps the hidden layer once instead of twice; ``out_scale`` is folded
+    into ``fc2`` (:class:`~lipsformer.layers.residual.ScaledOutput`)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.training and self.drop1.p > 0:
-            return super().forward(x)
-        return self.drop2(gelu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias))
+            return self.drop2(scaled_linear(self.norm(self.drop1(self.act(self.fc1(x)))), self.fc2, out_scale))
+        return self.drop2(gelu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias, out_scale))
 
 
 class CPLMlp(nn.Module):
@@ -79,5 +80,14 @@ class LipsBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.convs(x)
-        x = self.norm1(self.res_attn(x, self.attn(x)))
-        return self.norm2(self.res_mlp(x, self.mlp(x)))
+        x = self.norm1(self._residual(self.res_attn, self.attn, x))
+        return self.norm2(self._residual(self.res_mlp, self.mlp, x))
+
+    @staticmethod
+    def _residual(res: nn.Module, branch: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``res(x, branch(x))``; a weighted residual's ``alpha`` is folded into the branch's last linear map when the
+        branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), so that backward keeps no copy of the
+        branch's output for alpha's gradient (two C-wide activations per block)."""
+        if isinstance(res, WeightedResidual) and isinstance(branch, ScaledOutput):
+            return res.add_scaled(x, branch(x, out_scale=res.alpha))
+        return res(x, branch(x))

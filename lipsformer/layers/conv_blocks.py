@@ -71,12 +71,39 @@ def _dw_conv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     return _nhwc(F.conv2d(_nchw(x), weight, bias, padding=weight.shape[-1] // 2, groups=weight.shape[0]))
 
 
-class _CompiledDepthwiseConv(torch.autograd.Function):
-    """A depth-wise convolution (stride 1, padding ``k // 2``) on (B, H, W, C), with its weight gradient from
-    :func:`_dw_weight_grad` instead of oneDNN's, whose depth-wise weight gradient is the slowest kernel of an eager
-    LipsFormer training step on the CPU (README Speed). Only traced by ``torch.compile`` on the CPU (see
-    :meth:`ConvBlocks._dw`). The forward pass and the input gradient (the convolution with the flipped kernel)
-    are oneDNN's convolutions."""
+# Elements of (x, grad) one convolution of :func:`_dw_weight_grad_eager` takes, per thread: a stage-1 image of
+# Swin-T (56 x 56 x 96) alone, stage 3 four at a time. Larger groups leave the cache (stage 1, batch 8: 8.3 ms for
+# one image at a time, 21 ms for all eight, 36 ms for oneDNN's weight gradient; one thread).
+_DW_GRAD_CHUNK = 56 * 56 * 96
+
+
+def _dw_weight_grad_eager(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor:
+    """The weight gradient of a stride-1 depth-wise ``k`` x ``k`` convolution padded by ``k // 2`` from its input
+    and output gradient, both (B, H, W, C), as oneDNN *forward* depth-wise convolutions with the roles swapped:
+    ``grad_w[c, i, j] = sum_{b,h,w} x_pad[b, h+i, w+j, c] grad[b, h, w, c]`` is, for a group of images, the
+    convolution of the input (images and channels as the channels of one map) with the output gradient as an
+    H x W kernel per channel, a k x k output, summed over the group's images. oneDNN's own depth-wise weight
+    gradient is 3-14 times slower (stage 1 to stage 4 of Swin-T, one thread)."""
+    B, H, W, C = x.shape
+    step = max(1, _DW_GRAD_CHUNK * torch.get_num_threads() // (H * W * C))  # oneDNN splits the channels
+    out = None
+    for b in range(0, B, step):
+        xs, gs = x[b:b + step], grad[b:b + step]
+        n = xs.shape[0]
+        maps = xs.permute(1, 2, 0, 3).reshape(1, H, W, n * C).permute(0, 3, 1, 2)  # (1, n*C, H, W) channels-last
+        kernels = gs.permute(0, 3, 1, 2).reshape(n * C, 1, H, W)
+        part = F.conv2d(maps, kernels, padding=k // 2, groups=n * C).view(n, C, k, k).sum(0)
+        out = part if out is None else out + part
+    return out.unsqueeze(1)  # (C, 1, k, k)
+
+
+class _DepthwiseConv(torch.autograd.Function):
+    """A depth-wise convolution (stride 1, padding ``k // 2``) on (B, H, W, C) for a float32 CPU training step,
+    with the weight gradient computed by forward convolutions (:func:`_dw_weight_grad_eager`) or, under
+    ``torch.compile``, by :func:`_dw_weight_grad` instead of oneDNN's depth-wise weight gradient, the slowest kernel
+    of a LipsFormer training step on the CPU (README Speed). The forward pass and the input gradient (the
+    convolution with the flipped kernel) are oneDNN's convolutions. It keeps what the module's autograd keeps: the
+    input and the weight."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -91,7 +118,8 @@ class _CompiledDepthwiseConv(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # stride 1, padding k // 2: the transposed convolution is the flipped one
             grad_x = _dw_conv(grad, weight.flip(2, 3))
         if ctx.needs_input_grad[1]:
-            grad_w = _dw_weight_grad(x, grad, weight.shape[-1])
+            weight_grad = _dw_weight_grad if torch.compiler.is_compiling() else _dw_weight_grad_eager
+            grad_w = weight_grad(x, grad, weight.shape[-1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 1, 2))
         return grad_x, grad_w, grad_b
@@ -156,18 +184,19 @@ class ConvBlocks(nn.Module):
         return x
 
     def _dw(self, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-        """The depth-wise ``conv`` on (B, H, W, C) ``x``: the module on a channels-last view, or, when
-        ``torch.compile`` traces a float32 CPU training step, :class:`_CompiledDepthwiseConv` (the same forward,
-        a faster weight gradient; GPUs and autocast keep the module until measured, and so do ``torch.export``
-        and the ONNX exporter, which trace models in eval mode, ``torch.func`` transforms, a frozen weight, an
-        even kernel (the flipped-kernel input gradient needs an odd one), a subclass or a module with hooks)."""
+        """The depth-wise ``conv`` on (B, H, W, C) ``x``: the module on a channels-last view, or, in a float32 CPU
+        training step (eager or traced by ``torch.compile``), :class:`_DepthwiseConv` (the same forward, a faster
+        weight gradient). GPUs and autocast keep the module until measured, and so do evaluation (``torch.export``
+        and the ONNX exporter trace models in eval mode), torch.fx tracing, ``torch.func`` transforms, a frozen
+        weight, an even kernel (the flipped-kernel input gradient needs an odd one), a subclass or a module with
+        hooks."""
         weight = conv.weight
-        if (self.training and torch.compiler.is_compiling() and torch.is_grad_enabled() and weight.requires_grad
+        if (self.training and not isinstance(x, torch.fx.Proxy) and torch.is_grad_enabled() and weight.requires_grad
                 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
                 and not torch.is_autocast_enabled("cpu") and not torch._C._are_functorch_transforms_active()
                 and type(conv) is nn.Conv2d and conv.kernel_size[0] % 2 == 1
                 and not (conv._forward_hooks or conv._forward_pre_hooks)):
-            return _CompiledDepthwiseConv.apply(x, weight, conv.bias)
+            return _DepthwiseConv.apply(x, weight, conv.bias)
         return _nhwc(conv(_nchw(x)))
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
-"""GELU fused with the operation that consumes it, keeping only the pre-activation for backward.
+"""GELU fused with the operation that consumes it, keeping only the pre-activation for backward; linear maps with
+a per-output-channel scale folded in, keeping no output for the scale's gradient.
 
 Autograd would keep both the GELU's input (for its derivative) and its output (for the weight gradient of the
 next layer, or the gradient of a residual weight). These functions keep the input alone and recompute the GELU
@@ -19,25 +20,46 @@ def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward(grad_out.to(u.dtype), u)
 
 
-class _GeluLinear(torch.autograd.Function):
+def _folded(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[torch.Tensor]):
+    """``weight`` and ``bias`` with the per-output-channel ``scale`` multiplied in (both as given when it is None)."""
+    if scale is None:
+        return weight, bias
+    return weight * scale.unsqueeze(1), None if bias is None else bias * scale
+
+
+class _FusedLinear(torch.autograd.Function):
+    """``F.linear(h, weight * scale[:, None], bias * scale)`` with ``h = GELU(u)`` or ``u``, keeping for backward
+    only ``u`` and the parameters: not the GELU's output (recomputed), not the scaled weight (recomputed), not the
+    output (the scale's gradient comes from the weight's: ``rowsum(W * grad_W') + b * grad_b'``)."""
+
     @staticmethod
-    def forward(ctx, u, weight, bias):
-        ctx.save_for_backward(u, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(F.gelu(u), weight, bias)
+    def forward(ctx, u, weight, bias, scale, gelu):
+        ctx.save_for_backward(u, weight, bias, scale)
+        ctx.gelu = gelu
+        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale))
 
     @staticmethod
     def backward(ctx, grad):
-        u, weight = ctx.saved_tensors
-        grad_u = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_u = _gelu_grad(grad @ weight.to(grad.dtype), u)
-        if ctx.needs_input_grad[1]:
-            h = F.gelu(u).to(grad.dtype)
-            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_u, grad_w, grad_b
+        u, weight, bias, scale = ctx.saved_tensors
+        need_u, need_w, need_b, need_s = ctx.needs_input_grad[:4]
+        grad_u = grad_w = grad_b = grad_s = None
+        if need_u:
+            grad_h = grad @ _folded(weight, None, scale)[0].to(grad.dtype)
+            grad_u = _gelu_grad(grad_h, u) if ctx.gelu else grad_h.to(u.dtype)
+        flat = grad.reshape(-1, grad.shape[-1])
+        if need_w or need_s:
+            h = (F.gelu(u) if ctx.gelu else u).to(grad.dtype)
+            folded_w = (flat.t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)  # the scaled weight's gradient
+            grad_w = folded_w if scale is None else folded_w * scale.unsqueeze(1)
+        if bias is not None and (need_b or need_s):
+            folded_b = flat.sum(0).to(bias.dtype)
+            grad_b = folded_b if scale is None else folded_b * scale
+        if need_s:
+            grad_s = (folded_w * weight).sum(1)
+            if bias is not None:
+                grad_s = grad_s + folded_b * bias
+            grad_s = grad_s.to(scale.dtype)
+        return grad_u, grad_w if need_w else None, grad_b if need_b else None, grad_s, None
 
 
 class _GeluResidual(torch.autograd.Function):
@@ -62,17 +84,29 @@ def _records_grad(*tensors) -> bool:
     """Whether autograd will record the op for a backward pass, outside torch.func and torch.compile; otherwise
     the plain ops run. Under torch.func transforms ``jvp`` would need a custom rule, which torch.compile cannot
     trace. Under torch.compile the compiler's partitioner chooses what backward keeps whichever form it traces
-    (a compiled Swin-T step kept the same bytes either way), and the plain ops compile faster."""
+    (a compiled Swin-T step kept the same bytes either way), and the plain ops compile faster. torch.fx tracing
+    records the plain ops."""
+    if any(isinstance(t, torch.fx.Proxy) for t in tensors):
+        return False
     return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
             and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling())
 
 
 @register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
-def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(F.gelu(u), weight, bias)``, saving only ``u`` (and the weight) for backward."""
-    if not _records_grad(u, weight, bias):
-        return F.linear(F.gelu(u), weight, bias)
-    return _GeluLinear.apply(u, weight, bias)
+def fused_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 scale: Optional[torch.Tensor] = None, gelu: bool = False) -> torch.Tensor:
+    """``scale * F.linear(GELU(u) if gelu else u, weight, bias)`` (``scale`` per output channel, or None), saving
+    only ``u`` and the parameters for backward."""
+    if not _records_grad(u, weight, bias, scale):
+        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale))
+    return _FusedLinear.apply(u, weight, bias, scale, gelu)
+
+
+@register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
+def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(F.gelu(u), weight, bias)`` (times ``scale``), saving only ``u`` (and the parameters) for backward."""
+    return fused_linear(u, weight, bias, scale, gelu=True)
 
 
 @register_notrace_function  # reason: chooses its autograd form from the grad mode at run time

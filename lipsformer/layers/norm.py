@@ -2,7 +2,36 @@
 import torch
 from torch import nn
 
+from .gelu import _records_grad
+
 NORMS = ("center", "layer", "none")
+
+
+class _CenterNorm(torch.autograd.Function):
+    """:class:`CenterNorm`'s forward with a backward in four passes over the activation: autograd's, through the
+    mean and the broadcast affine map, took nine (stage 1 of Swin-T: 13.8 ms against LayerNorm's 2.3 ms). Keeps the
+    centred input, as autograd does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale):
+        xc = x - x.mean(-1, keepdim=True)
+        ctx.save_for_backward(xc, weight)
+        ctx.scale = scale
+        return torch.addcmul(bias, xc, weight * scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_xc = grad * (weight * ctx.scale)
+            grad_x = grad_xc - grad_xc.mean(-1, keepdim=True)
+        if ctx.needs_input_grad[1]:
+            grad_w = (rows * xc.reshape(rows.shape)).sum(0) * ctx.scale
+        if ctx.needs_input_grad[2]:
+            grad_b = rows.sum(0)
+        return grad_x, grad_w, grad_b, None
 
 
 class CenterNorm(nn.Module):
@@ -25,6 +54,8 @@ class CenterNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _records_grad(x, self.weight, self.bias):
+            return _CenterNorm.apply(x, self.weight, self.bias, self.scale)
         x = x - x.mean(-1, keepdim=True)
         return torch.addcmul(self.bias, x, self.weight * self.scale)
 

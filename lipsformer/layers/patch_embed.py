@@ -50,4 +50,7 @@ class PatchEmbed(nn.Module):
             pad_h, pad_w = -H % self.patch_size[0], -W % self.patch_size[1]
             if pad_h or pad_w:
                 x = F.pad(x, (0, pad_w, 0, pad_h))
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+        # a channels-last input makes oneDNN write the embedding channels-last, so that (B, H, W, C) below is
+        # row-major: from an NCHW output it was a permuted view, and every stage-1 operation inherited that layout
+        # (the MLP's first linear layer copied its input, the depth-wise convolutions ran NCHW)
+        return self.norm(self.proj(x.contiguous(memory_format=torch.channels_last)).permute(0, 2, 3, 1))

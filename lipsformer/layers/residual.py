@@ -1,14 +1,33 @@
 """Residual shortcuts: LipsFormer's weighted residual (Sec. 4.1.3, Table 1) and a convex combination that is
 1-Lipschitz whenever its branch is."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .gelu import gelu_residual
+from .gelu import fused_linear, gelu_residual
 
 RESIDUALS = ("add", "convex")
+
+
+class ScaledOutput:
+    """A residual branch that ends in a linear map and can fold a per-channel output scale into it: its
+    ``forward(x, out_scale)`` returns ``out_scale * f(x)`` through :func:`scaled_linear` (``out_scale=None``:
+    ``f(x)``). :class:`lipsformer.layers.LipsBlock` gives it a weighted residual's ``alpha``."""
+
+
+def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``scale * linear(h)``, ``scale`` per output channel, as one linear map with the scale folded into its weight
+    and bias (:func:`lipsformer.layers.gelu.fused_linear`). Backward then keeps only ``h`` (which the linear map
+    keeps anyway) and the parameters: no copy of the output for the scale's gradient, which comes from the folded
+    map's own (``rowsum(W * grad_W') + b * grad_b'``). A module with its own forward (not ``nn.Linear``'s) or with
+    hooks is called and its output scaled."""
+    if scale is None:
+        return linear(h)
+    if type(linear).forward is not nn.Linear.forward or linear._forward_hooks or linear._forward_pre_hooks:
+        return linear(h) * scale
+    return fused_linear(h, linear.weight, linear.bias, scale)
 
 
 class WeightedResidual(nn.Module):
@@ -34,6 +53,13 @@ class WeightedResidual(nn.Module):
         if self.training and isinstance(self.drop_path, DropPath):
             scale = scale * self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1)))
         return gelu_residual(x, fx, scale) if gelu else torch.addcmul(x, fx, scale)
+
+    def add_scaled(self, x: torch.Tensor, scaled_fx: torch.Tensor) -> torch.Tensor:
+        """``x + DropPath(scaled_fx)`` for a branch output already multiplied by ``alpha`` (a :class:`ScaledOutput`
+        branch given ``out_scale=alpha``): the same sum as :meth:`forward`, with the same DropPath draws."""
+        if self.training and isinstance(self.drop_path, DropPath):
+            return torch.addcmul(x, scaled_fx, self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1))))
+        return x + scaled_fx
 
 
 class ConvexResidual(nn.Module):

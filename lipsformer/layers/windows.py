@@ -24,6 +24,17 @@ def window_reverse(windows: torch.Tensor, window: Tuple[int, int], H: int, W: in
     return x.reshape(-1, H, W, C)
 
 
+@register_notrace_function  # reason: int arguments may be traced values
+def window_reverse_heads(out: torch.Tensor, window: Tuple[int, int], H: int, W: int) -> torch.Tensor:
+    """Attention output per window and head, (B * nH * nW, heads, wh * ww, d), to (B, H, W, heads * d): heads
+    merged and windows put back in one copy. Always a copy (``clone``, then a view): a reshape that is a view for one
+    kernel's output layout and a copy for another's would trace differently for the exporters."""
+    wh, ww = window
+    heads, d = out.shape[1], out.shape[3]
+    x = out.view(-1, H // wh, W // ww, heads, wh, ww, d).permute(0, 1, 4, 2, 5, 3, 6)
+    return x.clone(memory_format=torch.contiguous_format).view(-1, H, W, heads * d)
+
+
 @register_notrace_function  # reason: the padding comes from the input's shape
 def pad_to_multiple(x: torch.Tensor, multiple: Tuple[int, int]) -> torch.Tensor:
     """Zero-pad (B, H, W, C) at the bottom and right so H and W divide by ``multiple``; ``x`` itself when they do.

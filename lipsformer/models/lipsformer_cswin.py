@@ -19,6 +19,7 @@ from torch import nn
 
 from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.options import CERTIFIABLE, preset
+from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
                     pretrained_cfg, rename_prefix)
@@ -27,7 +28,7 @@ __all__ = ["LipsFormerCSwin"]
 
 
 @register_notrace_module  # reason: stripes and padding read the input's shape
-class CrossShapedAttention(nn.Module):
+class CrossShapedAttention(nn.Module, ScaledOutput):
     """CSwin attention on (B, H, W, C) with locally-enhanced positional encoding (LePE).
 
     With two branches, channels ``[:C/2]`` (the first half of the heads) attend inside vertical
@@ -60,9 +61,10 @@ class CrossShapedAttention(nn.Module):
         H, W = resolution
         self.windows = [(H, W)] if self.full else [(H, self.split_size), (self.split_size, W)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C). The stripes span the input's own H and W; a size the split does not
-        divide (``strict_img_size=False``) is padded with zeros and cropped back."""
+        divide (``strict_img_size=False``) is padded with zeros and cropped back. ``out_scale`` is folded into the
+        projection (:class:`ScaledOutput`)."""
         B, H, W, C = x.shape
         if not self.full:
             x = pad_to_multiple(x, (self.split_size, self.split_size))
@@ -84,7 +86,7 @@ class CrossShapedAttention(nn.Module):
         x = outs[0] if nb == 1 else torch.cat(outs, dim=-1)
         if (Hp, Wp) != (H, W):
             x = x[:, :H, :W]
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(scaled_linear(x, self.proj, out_scale))
 
     def extra_repr(self) -> str:
         return f"windows={self.windows}, branch_heads={self.branch_heads}"

@@ -16,7 +16,8 @@ from torch import nn
 
 from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.options import CERTIFIABLE, preset
-from ..layers.windows import pad_to_multiple, window_partition, window_reverse
+from ..layers.residual import ScaledOutput, scaled_linear
+from ..layers.windows import pad_to_multiple, window_partition, window_reverse_heads
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
                     pretrained_cfg, rename_prefix)
 
@@ -32,7 +33,7 @@ def relative_position_index(window: Tuple[int, int]) -> torch.Tensor:
 
 
 @register_notrace_module  # reason: window partitioning and padding read the input's shape
-class WindowAttention(nn.Module):
+class WindowAttention(nn.Module, ScaledOutput):
     """Multi-head attention inside non-overlapping windows of (B, H, W, C), with relative position bias."""
 
     def __init__(self, dim: int, num_heads: int, window: Tuple[int, int], kernel: AttentionKernel,
@@ -72,9 +73,10 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(n, n, self.num_heads).permute(2, 0, 1).unsqueeze(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C); a size the window does not divide (``strict_img_size=False``) is padded
-        with zeros and cropped back."""
+        with zeros and cropped back. ``out_scale`` is folded into the projection (:class:`ScaledOutput`), which runs
+        on the tokens put back in place (a linear map per token: the same values as in window order)."""
         B, H, W, C = x.shape
         x = pad_to_multiple(x, self.window)
         Hp, Wp = x.shape[1:3]
@@ -83,12 +85,10 @@ class WindowAttention(nn.Module):
         q, k, v = self.kernel.split(self.qkv(windows).view(Bw, N, self.kernel.num_proj, self.num_heads, -1))
         if self.kernel.kim:
             v = self.kernel.kim_values(q, self.qkv, self.num_heads)
-        out = self.kernel(q, k, v, self.position_bias()).transpose(1, 2)
-        # an explicit copy, not reshape: the fused CPU kernel's output makes reshape trace as a view, which the
-        # torch.export-based ONNX exporter then replays on an unfused, differently laid out output and fails
-        out = out.clone(memory_format=torch.contiguous_format).view(Bw, N, C)
-        out = window_reverse(self.proj_drop(self.proj(out)), self.window, Hp, Wp)
-        return out if (Hp, Wp) == (H, W) else out[:, :H, :W]
+        out = window_reverse_heads(self.kernel(q, k, v, self.position_bias()), self.window, Hp, Wp)
+        if (Hp, Wp) != (H, W):
+            out = out[:, :H, :W]
+        return self.proj_drop(scaled_linear(out, self.proj, out_scale))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, window={self.window}"
