@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from .attention import ATTENTIONS, AttentionKernel
-from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, AttLipMixer
+from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, FORMS, AttLipMixer
 from .conv_blocks import ACTS, CONV_BLOCKS, create_act
 from .init import INITS
 from .norm import NORMS
@@ -22,7 +22,7 @@ from .residual import RESIDUALS
 STAGE_ACTS = ("none", *ACTS)
 # the fields that name a choice, and their choices: checked when the options are made
 CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
-               act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS)
+               act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS, attlip_form=tuple(FORMS))
 
 
 # The certifiable configuration (issue 17), the one home of its choices: every layer 1-Lipschitz by construction
@@ -30,6 +30,9 @@ CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks
 # (a family's own defaults, e.g. CSwin's tau, stay under them); keyword arguments still replace any of them.
 CERTIFIABLE = MappingProxyType(dict(
     attn="attlip",          # AttLip Thm 4: 1-Lipschitz for any weights
+    attlip_form="orthogonal",  # W = diag(s_h) Q: no Gram product in the solve, which starts from the uniform-
+                            # attention prox (Swin-T at 224, random weights: 2 to 5 gradient evaluations a window on
+                            # average instead of 12; benchmarks/certified_speed.py)
     attlip_steps=(2, FIRST_PASS_STEPS),  # evaluation takes the certified solve's first pass, as many evaluations as
                             # it may: plain evaluation (train.py's validation, eval.py) gives the certified outputs
     norm="none",            # CenterNorm would add D/(D-1) max|gamma| per norm
@@ -60,6 +63,11 @@ class LipschitzOptions:
         fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax).
         attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
             evaluation) and solver tolerance; see :class:`lipsformer.layers.AttLipMixer`.
+        attlip_form: ``attn="attlip"``: ``general`` (the paper's, W any matrix: :class:`lipsformer.layers.AttLip`)
+            | ``orthogonal`` (``W = diag(s_h) Q``, Q orthogonal: the same block with a scalar Gram product per head,
+            :class:`lipsformer.layers.attlip.OrthogonalAttLip`; the certifiable models' default). Their weights
+            differ in name (``weight`` / ``rotation`` and ``scale``), so a checkpoint of one form does not load
+            into the other.
         residual: ``add`` (LipsFormer's ``x + alpha f(x)``, bound ``1 + max|alpha| Lip(f)``) | ``convex``
             (``(1 - a) x + a f(x)`` with one scalar ``a`` in [0, 1]: 1-Lipschitz when ``f`` is;
             :class:`lipsformer.layers.residual.ConvexResidual`).
@@ -98,6 +106,7 @@ class LipschitzOptions:
     linear: str = "plain"
     attlip_prox: bool = False
     stage_act: str = "none"
+    attlip_form: str = "general"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -126,7 +135,7 @@ class LipschitzOptions:
         the family's ``attention(kernel)`` with a fresh kernel."""
         if self.attn == "attlip":
             return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
-                                       delta=not self.attlip_prox)
+                                       delta=not self.attlip_prox, form=self.attlip_form)
         return lambda: attention(self.kernel())
 
     def stage_activation(self) -> nn.Module:

@@ -139,7 +139,8 @@ class LipsFormerSwin(LipsFormerBase):
         lipschitz: the Lipschitz choices as one :class:`lipsformer.layers.LipschitzOptions`; its fields
             (``norm``, ``attn``, ``tau``, ``learn_tau``, ``v_norm``, ``nu``, ``tied_qk``, ``alpha_init``, ``init``,
             ``conv_blocks``, ``fused_attn``, ``attlip_eta``, ``attlip_steps``, ``attlip_tol``, ``residual``, ``act``,
-            ``linear``, ``attlip_prox``, ``stage_act``) are also keyword arguments, replacing the object's.
+            ``linear``, ``attlip_prox``, ``stage_act``, ``attlip_form``) are also keyword arguments, replacing the
+            object's.
             Defaults: the released Swin (tau 10, alpha 1 / sum(depths)).
     """
 
