@@ -16,6 +16,7 @@ import torch
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
+from ..layers.attlip import form_mismatch
 from ..weights import CheckpointError, sha256_of
 from .run_folder import MANIFEST, RunFolder
 
@@ -115,6 +116,9 @@ def check_loadable(folder: Path, model: torch.nn.Module) -> None:
         ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         wrong = sorted(set(saved) ^ set(ours)) + [f"{k} {saved[k]} vs {ours[k]}" for k in sorted(set(saved) & set(ours))
                                                    if saved[k] != ours[k]]
+        form = form_mismatch(saved, ours)
+        if form:
+            raise CheckpointError(f"{weights} does not fit this run's model: {form}")
         if wrong:  # resuming needs every tensor as it was (check_state_dict would let a new classifier through)
             raise CheckpointError(f"{weights} does not fit this run's model: {len(wrong)} tensors differ in name or "
                                   f"shape, e.g. {', '.join(wrong[:3])}")
