@@ -10,7 +10,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -63,6 +63,39 @@ def count_flops(model: torch.nn.Module, input_size=(3, 224, 224)) -> int:
     analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     with torch.no_grad():
         return int(analysis.total())
+
+
+def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _conv_backward(grad_out, x, w, bias, stride, padding, dilation, transposed, output_padding, groups,
+                   output_mask, out_shape=None) -> int:
+    """The input and weight gradients of a convolution, each as many multiply-adds as its forward (torch's own
+    formula ignores ``groups``: a depth-wise 7x7 conv's backward came out 9x its forward)."""
+    from torch.utils.flop_counter import conv_flop_count
+    return conv_flop_count(x, w, grad_out, transposed) * (int(output_mask[0]) + int(output_mask[1]))
+
+
+def count_multiply_adds(fn: Callable[[], object]) -> int:
+    """Multiply-adds of every matrix product and convolution ``fn()`` runs, forward and backward, however many
+    the data decides (a solver's iterations): torch's ``FlopCounterMode`` (two FLOPs per multiply-add, halved
+    here), with the CPU's fused attention counted as q k^T plus attn v (and its backward), as ``count_flops``
+    counts it, and grouped convolutions' backward counted by their groups. On a forward it gives fvcore's count;
+    elementwise passes are not counted by either."""
+    from torch.utils.flop_counter import FlopCounterMode
+    custom = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+              torch.ops.aten.convolution_backward: _conv_backward}
+    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+        fn()
+    return counter.get_total_flops() // 2
 
 
 def measure(name: str, flops: bool = True) -> dict:

@@ -25,6 +25,7 @@ from timm.models import get_pretrained_cfg, save_for_hf
 from .data.classes import read_class_names
 from .errors import Mistake, did_you_mean
 from .engine.config import ConfigError
+from .layers.attlip import form_mismatch, state_dict_form
 from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step, readable_as_outputs
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
@@ -210,6 +211,10 @@ def check_state_dict(state_dict: dict, model: torch.nn.Module, source) -> None:
         return (key == stem and len(theirs) == 4 and theirs[1] == source_chans
                 and (theirs[0], *theirs[2:]) == (mine[0], *mine[2:]))
 
+    form = form_mismatch(state_dict, ours)
+    if form:
+        name = (model.pretrained_cfg or {}).get("architecture", type(model).__name__)
+        raise CheckpointError(f"{source} does not fit {name}: {form}")
     missing = [k for k in ours if k not in state_dict]
     unexpected = [k for k in state_dict if k not in ours]
     shapes = [f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
@@ -328,6 +333,9 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
     args = dict(meta.get("model_args") or {})
     args.update(kwargs)
+    form = state_dict_form(state_dict)
+    if form is not None and "attlip_form" not in args:  # the form the file's AttLip weights are (a run of a
+        args["attlip_form"] = form  # *_cert model from before 'orthogonal' became its default holds 'general')
     head = next((state_dict[k] for k in ("head.fc.weight", "head.weight") if k in state_dict), None)  # ours, released
     if "num_classes" not in args and head is not None:
         args["num_classes"] = head.shape[0]

@@ -29,8 +29,9 @@ def set_tol(model, tol):
             m.tol = tol
 
 
-def test_early_stopped_solver_certifies_smaller_radii_never_larger():
-    model = small()
+@pytest.mark.parametrize("form", ["general", "orthogonal"])
+def test_early_stopped_solver_certifies_smaller_radii_never_larger(form):
+    model = small(attlip_form=form)
     mean, std = normalization(model)
     images = (torch.rand(4, 3, 16, 16) - mean) / std
     with pytest.raises(SolverToleranceError, match="hard cap 2"):  # a cap fails loudly, never stops early
@@ -40,7 +41,7 @@ def test_early_stopped_solver_certifies_smaller_radii_never_larger():
     set_tol(model, 3e-4)  # stopped earlier: a larger residual is allowed, and charged
     loose_L = pixel_lipschitz(model)
     loose_logits, loose_pred, loose = predict_certified(model, images, loose_L)
-    assert loose_L.defect > 100 * pixel_lipschitz(small()).defect
+    assert loose_L.defect > 100 * pixel_lipschitz(small(attlip_form=form)).defect
     w = lipschitz_report(model).head  # the pairwise rule: 2 ||w_c - w_j|| D_b off each logit difference
     Lb, Db = loose_L.backbone * loose_L.input_scale, loose_L.backbone_defect
     assert Db > 0 and loose_L.backbone < loose_L.network
@@ -73,8 +74,9 @@ def test_the_pairwise_radius_is_never_below_the_global_one_and_charges_the_backb
     assert (radius >= glob).all() and (radius > 1.2 * glob).sum() >= 6
 
 
-def test_pgd_at_the_certified_radius_flips_none_on_inputs_hardest_for_the_solver():
-    model = small()
+@pytest.mark.parametrize("form", ["general", "orthogonal"])
+def test_pgd_at_the_certified_radius_flips_none_on_inputs_hardest_for_the_solver(form):
+    model = small(attlip_form=form)
     mean, std = normalization(model)
     candidates = torch.cat([torch.rand(4, 3, 16, 16), torch.ones(1, 3, 16, 16),
                             (torch.arange(16 * 16).view(1, 1, 16, 16) % 2).float().expand(1, 3, 16, 16)])
@@ -181,7 +183,7 @@ def test_a_window_is_not_called_stalled_far_above_its_rounding_floor(monkeypatch
     assert float(ratio.max()) > 1
 
 
-@pytest.mark.parametrize("scale", [1.0, 5.0])
+@pytest.mark.parametrize("scale", [0.5, 5.0])
 def test_solver_counts_the_multiply_adds_it_makes(scale):
     """SolveStats' multiply-adds (solve and float64 check) are what the profiler counts in their matrix products,
     exactly, also when windows finish in float64 (scale 5): benchmarks/certified_speed.py reports them per image."""
@@ -276,3 +278,69 @@ def test_certify_dataset_reports_the_solver_steps_of_every_attlip_block(fresh_ac
     blocks = [name for name, m in model.named_modules() if isinstance(m, AttLip)]
     assert sorted(out["solver_steps"]) == sorted(blocks)
     assert all(s >= 1 for s in out["solver_steps"].values())
+
+
+def test_platform_float32_exp_is_within_the_error_the_residual_bound_assumes():
+    """prox_residual32's bound charges each float32 exp a relative error of EXP_REL_ERROR32 (2^-18, 64 ulp; SLEEF
+    and CUDA document 1 and 2 ulp): measured here against float64 on 2^21 arguments covering [-104, 0], and on
+    every float32 in [-1, 0) with a 2^-12 step of its exponent bits' neighbourhood."""
+    t = torch.cat([torch.linspace(-104.0, 0.0, 2 ** 21), -torch.rand(2 ** 18, generator=torch.Generator().manual_seed(0))])
+    got, ref = torch.exp(t).double(), torch.exp(t.double())
+    normal = ref > torch.finfo(torch.float32).tiny
+    worst = float(((got - ref).abs() / ref)[normal].max())
+    assert worst <= attlip.EXP_REL_ERROR32 / 8  # room to spare (about 1 ulp, 6e-8, on this machine)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 2.0])
+def test_float32_residual_and_its_bound_cover_the_float64_residual(scale):
+    """At the solver's float32 output, |r32 - r64| <= e for every group (so r32 + e bounds the exact residual),
+    while r32 alone is below r64 for some groups (the bound is needed); the bound grows with the scores, and where
+    it does not settle a group the certified solve evaluates that group in float64."""
+    from lipsformer.layers.attlip import DiagonalWeight, prox_residual32
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 16, 8, generator=gen) * scale
+    w = DiagonalWeight(2 * torch.rand(96, 1, 1, generator=gen), 8)
+    y, stats = attlip_prox_certified(x, w, 1, 1.0, 1e-4)
+    r, e = prox_residual32(y, x, w, 1.0)
+    r64 = prox_residual64(y, x, w, 1, 1.0)
+    assert ((r - r64).abs() <= e).all() and (r < r64).any()
+    assert stats.float64_windows == 0 and stats.residual <= 1e-4
+    assert stats.float64_checks == int(((r + e) > 1e-4).sum())  # float64 exactly where the bound did not settle
+    assert (scale < 1) == (stats.float64_checks == 0)
+
+
+def test_orthogonal_form_counts_its_multiply_adds_rotations_and_checks_included():
+    """The orthogonal block's SolveStats count what the profiler counts in its matrix products: the two rotations,
+    the per-head solves and the float32 check, and the float64 checks where the float32 bound did not settle."""
+    from lipsformer.layers.attlip import OrthogonalAttLip
+    torch.manual_seed(0)
+    layer = OrthogonalAttLip(16, heads=2).eval()
+    products = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm")
+    for scale in (0.3, 3.0):
+        x = torch.randn(12, 9, 16) * scale
+        with torch.profiler.profile(with_flops=True) as prof, torch.no_grad(), solve_to_tolerance(layer):
+            layer(x)
+        counted = sum(e.flops for e in prof.key_averages() if e.key in products and e.flops) // 2
+        stats = layer.last_solve
+        assert (stats.float64_checks > 0) == (scale > 1)
+        assert stats.multiply_adds + stats.check_multiply_adds == counted
+
+
+def test_orthogonal_rotation_bound_covers_the_rounded_rotation():
+    """The certified ||Q'^T Q' - I|| of the float32 rotation is at least its value from an SVD in float64, and the
+    block's and mixer's bounds charge it: 1 + delta for prox, 1 + 2 delta for I - prox."""
+    from lipsformer.layers import AttLipMixer
+    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.layers.spectral import orthogonality_defect
+    torch.manual_seed(0)
+    for delta_mixer in (False, True):
+        mixer = AttLipMixer(96, 6, [(4, 4), (4, 4)], delta=delta_mixer, form="orthogonal")
+        layer = mixer.branches[0]
+        q = layer._rotation()
+        sv = torch.linalg.svdvals(q.double())
+        exact = float((sv.pow(2) - 1).abs().max())
+        delta = layer.rotation_defect()
+        assert exact <= delta < 1e-5 and delta == orthogonality_defect(q)
+        deltas = [b.rotation_defect() for b in mixer.branches]
+        assert module_bound(layer).lip >= 1 + delta
+        assert module_bound(mixer, (8, 8)).lip >= 1 + (2 if delta_mixer else 1) * max(deltas)

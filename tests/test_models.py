@@ -310,9 +310,10 @@ def test_onnx_export_runs_in_onnxruntime_with_equal_logits(name, dynamo, tmp_pat
 OPTION_VALUES = dict(norm="layer", attn="l2", tau=5.0, learn_tau=True, v_norm=True, nu=0.5, tied_qk=True,
                      alpha_init=0.3, init="trunc_normal", conv_blocks="B", fused_attn=False, attlip_eta=0.5,
                      attlip_steps=(1, 3), attlip_tol=1e-3, residual="convex", act="groupsort", linear="normalized",
-                     attlip_prox=True, stage_act="groupsort", alpha_range=(0.1, 0.9), attlip_reflect=True, mlp="cpl")
+                     attlip_prox=True, stage_act="groupsort", alpha_range=(0.1, 0.9), attlip_reflect=True, mlp="cpl",
+                     attlip_form="orthogonal")
 WITH = dict({k: dict(attn="attlip") for k in ("attlip_eta", "attlip_steps", "attlip_tol", "attlip_prox",
-                                              "attlip_reflect")},
+                                              "attlip_reflect", "attlip_form")},
             tied_qk=dict(attn="l2"), alpha_range=dict(residual="convex"))
 
 

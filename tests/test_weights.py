@@ -228,3 +228,30 @@ def test_convert_model_args_must_be_an_object(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model-args must be a JSON object of model arguments" in err, err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_attlip_weights_of_the_other_form_are_refused_in_one_line_and_old_runs_load_as_they_were(tmp_path):
+    """The certifiable models' AttLip became the orthogonal form (issue 37): its weights are named rotation and scale,
+    the general form's weight. A file of one form is refused by a model of the other in one line naming the change
+    and the fix; create_from_checkpoint (eval.py, fine-tuning) builds the form the file holds when not told."""
+    from lipsformer.engine.checkpoint import check_loadable
+    small = dict(img_size=32, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), window_size=4,
+                 num_classes=5)
+    torch.manual_seed(0)
+    old = timm.create_model("lipsformer_swin_t_cert", attlip_form="general", **small).eval()
+    path = tmp_path / "old.safetensors"
+    save_file(old.state_dict(), str(path))
+    with pytest.raises(CheckpointError) as info:
+        timm.create_model("lipsformer_swin_t_cert", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                          **small)
+    message = str(info.value)
+    assert "attlip_form 'general'" in message and "attlip_form='general'" in message and "\n" not in message
+    loaded = create_from_checkpoint(path, "lipsformer_swin_t_cert", **small)
+    assert {m.form for m in loaded.modules() if hasattr(m, "form")} == {"general"}
+    assert torch.equal(logits(loaded), logits(old))
+    folder = tmp_path / "step"
+    folder.mkdir()
+    save_file(old.state_dict(), str(folder / "model.safetensors"))  # a periodic checkpoint of a run to resume
+    with pytest.raises(CheckpointError, match=r"does not fit this run's model: its AttLip blocks are attlip_form "
+                                              r"'general'.*'orthogonal'"):
+        check_loadable(folder, timm.create_model("lipsformer_swin_t_cert", **small))

@@ -17,6 +17,7 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS  # what Accelerate's load 
 from safetensors import SafetensorError, safe_open
 
 from ..errors import Stopped
+from ..layers.attlip import form_mismatch
 from ..weights import CheckpointError, load_pickled, sha256_of
 from .run_folder import MANIFEST, RunFolder, readable_as_outputs
 
@@ -116,6 +117,9 @@ def check_loadable(folder: Path, model: torch.nn.Module) -> None:
         ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         wrong = sorted(set(saved) ^ set(ours)) + [f"{k} {saved[k]} vs {ours[k]}" for k in sorted(set(saved) & set(ours))
                                                    if saved[k] != ours[k]]
+        form = form_mismatch(saved, ours)
+        if form:
+            raise CheckpointError(f"{weights} does not fit this run's model: {form}")
         if wrong:  # resuming needs every tensor as it was (check_state_dict would let a new classifier through)
             raise CheckpointError(f"{weights} does not fit this run's model: {len(wrong)} tensors differ in name or "
                                   f"shape, e.g. {', '.join(wrong[:3])}")

@@ -10,11 +10,18 @@ For tokens ``x`` (N, C) and per-head projections ``W^h`` (d_h, C) the potential 
 weights. The proximal problem is solved by gradient descent: in training with a few Armijo steps (Algorithms 1
 and 2, unrolled: the paper trains with 1-3), at evaluation with Barzilai-Borwein steps until each window's residual
 is at most ``tol`` (:func:`attlip_solve`; the paper evaluates with 20 Armijo steps), and in certified inference
-with the same steps, verified in float64, to a tolerance the certificate charges (:func:`attlip_prox_certified`).
+with the same steps, verified, to a tolerance the certificate charges (:func:`attlip_prox_certified`).
+
+Two forms of the weight W (``attlip_form``): ``general`` (:class:`AttLip`), any matrix, as the paper has it; and
+``orthogonal`` (:class:`OrthogonalAttLip`), ``W = diag(s_h) Q`` with Q orthogonal, the same block (Theorem 4 holds for
+any W) in which, after one rotation, every head of every window is a problem of its own with a scalar Gram product:
+no ``N C^2`` product per gradient evaluation, a closed-form start (the prox at uniform attention) and a first step
+from the conditioning that start's linear problem has, and a float32 residual check with a proven rounding bound
+(:func:`prox_residual32`) in place of most of the float64 one.
 """
 import contextlib
 import math
-from typing import Callable, Iterator, NamedTuple, Optional, Tuple
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 from timm.layers import register_notrace_module
@@ -22,6 +29,8 @@ from torch.autograd import forward_ad
 from torch import nn
 
 from ..errors import Mistake
+from .normalized import _fingerprint
+from .spectral import orthogonality_defect
 from .windows import pad_to_multiple, window_partition, window_reverse
 
 
@@ -67,14 +76,14 @@ def _grad_coefficients(v: torch.Tensor, heads: int, potential: bool = False):
     from the same logits and without gradient tracking (what Armijo's test compares against).
 
     The row softmax of S drops S's row term ``|v_i|^2 / sqrt(d_h)`` (constant along a row), so with
-    ``w = v / d_h^(1/4)`` the logits are ``2 w_i.w_j + |w_j|^2``, one batched product; the mix is ``(a + a^T) v``
-    as two products and the self term is added in place: few passes over the (N, N) scores, which bound the cost
-    at Swin's small windows."""
+    ``w = v / d_h^(1/4)`` the logits are ``2 w_i.w_j + |w_j|^2``, one batched product; the mix
+    ``(1 + sum_i a_ik) v_k + ((a + a^T) v)_k`` is one more, from ``a + a^T`` and the self term: ``2 N^2 d_h`` a
+    head, and few passes over the (N, N) scores, which bound the cost at Swin's small windows."""
     lead, d_h = v.shape[:-2], v.shape[-1] // heads
     vh, sq, logits = _logits(v, heads)
     a = logits.softmax(-1)
-    y = torch.baddbmm(torch.bmm(a, vh), a.transpose(-1, -2), vh)  # (a + a^T) v
-    y = y.addcmul(a.sum(-2).add(1.0).unsqueeze(-1), vh).mul(d_h ** -0.5)  # + (1 + sum_i a_ik) v_k, / sqrt(d_h)
+    # (1 + sum_i a_ik) v_k + ((a + a^T) v)_k, / sqrt(d_h): one product
+    y = torch.baddbmm(vh * a.sum(-2).add_(1.0).unsqueeze(-1), a + a.transpose(-1, -2), vh).mul_(d_h ** -0.5)
     y = y.unflatten(0, (*lead, heads)).transpose(-3, -2).flatten(-2)
     if not potential:
         return y
@@ -106,24 +115,234 @@ class SolverToleranceError(Mistake, RuntimeError):
     a certificate resting on that tolerance would be unsound, so none is given."""
 
 
-def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float) -> torch.Tensor:
+class DenseWeight:
+    """The weight W (D, C) of AttLip as the paper has it, any matrix: the solvers iterate in its row space, where
+    a step costs one product by the Gram matrix ``W W^T`` (formed once per call, on first use)."""
+
+    dense = True  # its products are matrix products (counted by :func:`solve_multiply_adds`)
+    groups = None  # one W for every token group
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._gram = None
+
+    @property
+    def dim(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def gram_matrix(self) -> torch.Tensor:
+        if self._gram is None:
+            self._gram = self.weight @ self.weight.T
+        return self._gram
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+    def cast(self, dtype: torch.dtype) -> "DenseWeight":
+        """Detached, in ``dtype`` (the Gram matrix formed again there)."""
+        return DenseWeight(self.weight.detach().to(dtype))
+
+    def regroup(self, groups: Optional[torch.Tensor]) -> "DenseWeight":
+        return self
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # x W^T
+        return x @ self.weight.T
+
+    def back(self, z: torch.Tensor) -> torch.Tensor:  # z W
+        return z @ self.weight
+
+    def gram(self, u: torch.Tensor) -> torch.Tensor:  # u W W^T
+        return u @ self.gram_matrix
+
+    def gram_norm(self) -> torch.Tensor:  # ||W W^T||_F
+        return self.gram_matrix.norm()
+
+    def start(self, x: torch.Tensor, heads: int, eta: float) -> Optional[torch.Tensor]:
+        """The solvers' starting ``z`` (``y = x + z W``); None: ``y = x`` (Algorithm 1)."""
+        return None
+
+    def first_step(self, heads: int, eta: float) -> Optional[float]:
+        """The first step length; None: the solver's own (BB: eta / 2, Armijo: ``step_init``)."""
+        return None
+
+
+class DiagonalWeight:
+    """AttLip's weight in the rotated coordinates of :class:`OrthogonalAttLip`, per problem: ``W = s I`` on the
+    ``d`` channels of one head of one token group, ``scale`` (G, 1, 1) one ``s`` per group (leading index) of the
+    tokens it is applied to, ``heads=1``. ``W W^T = s^2 I``: every product of the solvers is a scaling, and an
+    evaluation costs the logits and the mix alone, ``2 N^2 d``.
+
+    A group's potential is ``1/2 sum_i LSE_j(c ||a_i + a_j||^2)`` with ``c = s^2 / sqrt(d)``. Where the scores are
+    all equal (small logits, as at initialisation: attention nearly uniform) its gradient is
+    ``c (2 a_k + 2 mean(a))`` and the proximal problem is a linear one whose Hessian ``I / eta + c M``,
+    ``M = 2 I + 2 11^T / N``, has two eigenvalues, ``1 / eta + 2 c`` and ``1 / eta + 4 c``: condition number
+    ``(1 + 4 eta c) / (1 + 2 eta c) < 2`` whatever ``s`` and ``eta``. The solvers start from that linear problem's
+    solution (:meth:`start`, closed form) with the step ``1 / (1 / eta + 4 c)``, the inverse of its largest
+    eigenvalue (:meth:`first_step`): they are left only the part of the problem the scores' spread adds."""
+
+    dense = False
+
+    def __init__(self, scale: torch.Tensor, dim: int):
+        if scale.dim() != 3:
+            raise ValueError(f"DiagonalWeight takes one scale per group, (G, 1, 1); got {tuple(scale.shape)}")
+        self.scale, self.dim = scale, dim
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """The per-group scales, split and subset with the groups (:meth:`regroup`)."""
+        return self.scale
+
+    def regroup(self, groups: Optional[torch.Tensor]) -> "DiagonalWeight":
+        """This weight for a subset of the groups, given as :attr:`groups` subset alike."""
+        return self if groups is None else DiagonalWeight(groups, self.dim)
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        return (self.scale,)
+
+    def cast(self, dtype: torch.dtype) -> "DiagonalWeight":
+        return DiagonalWeight(self.scale.detach().to(dtype), self.dim)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+    def back(self, z: torch.Tensor) -> torch.Tensor:
+        return z * self.scale
+
+    def gram(self, u: torch.Tensor) -> torch.Tensor:
+        return u * self.scale.pow(2)
+
+    def gram_norm(self) -> torch.Tensor:  # ||s^2 I||_F per group
+        return self.scale.pow(2).flatten() * self.dim ** 0.5
+
+    def _c(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.scale.to(dtype).pow(2) * (self.dim // heads) ** -0.5
+
+    def start(self, x: torch.Tensor, heads: int, eta: float) -> torch.Tensor:
+        """``z`` with ``x + z W = mean / (1 + 4 eta c) + (x - mean) / (1 + 2 eta c)`` (``mean`` over the group's
+        tokens): the prox of the potential linearised at uniform attention (class docstring). Written without
+        dividing by ``s`` (``y - x = -2 eta c (x - mean) / (1 + 2 eta c) - 4 eta c mean / (1 + 4 eta c)``, and
+        ``c / s = s / sqrt(d)``); differentiable in ``x`` and ``s``."""
+        c = self._c(heads, x.dtype)
+        mean = x.mean(-2, keepdim=True)
+        s_over = self.scale.to(x.dtype) * (2 * eta * (self.dim // heads) ** -0.5)  # 2 eta c / s
+        return -s_over * ((x - mean) / (1 + 2 * eta * c) + 2 * mean / (1 + 4 * eta * c))
+
+    def first_step(self, heads: int, eta: float) -> torch.Tensor:
+        """``1 / (1 / eta + 4 c)`` per group (G,)."""
+        return 1.0 / (1.0 / eta + 4.0 * self._c(heads, self.scale.dtype).detach().flatten())
+
+
+Weight = Union[torch.Tensor, DenseWeight, DiagonalWeight]
+
+
+def _as_weight(weight: Weight):
+    return weight if isinstance(weight, (DenseWeight, DiagonalWeight)) else DenseWeight(weight)
+
+
+def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: Weight, heads: int, eta: float) -> torch.Tensor:
     """||grad phi_x(y)||_2 per leading index (one token group), evaluated in float64 at the float32 iterate ``y``:
     the residual g_K of AttLip Proposition 3, with the float32 rounding of its evaluation left out."""
-    w64 = weight.detach().double()
+    w64 = _as_weight(weight).cast(torch.float64)
 
-    def residual(y_part, x_part):
-        y64, x64 = y_part.double(), x_part.double()
-        g = attlip_grad(y64, w64, heads) + (y64 - x64) / eta
+    def residual(y_part, x_part, groups):
+        y64, x64, w = y_part.double(), x_part.double(), w64.regroup(groups)
+        g = w.back(_grad_coefficients(w.project(y64), heads)) + (y64 - x64) / eta
         return g.pow(2).sum((-1, -2)).sqrt()
 
     lead = y.shape[:-2]
-    flat = (y.detach().reshape(-1, *y.shape[-2:]), x.detach().reshape(-1, *x.shape[-2:]))
+    flat = (y.detach().reshape(-1, *y.shape[-2:]), x.detach().reshape(-1, *x.shape[-2:]), w64.groups)
     return _in_chunks(residual, *flat).reshape(lead)
 
 
-def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 1.0, steps: int = 20,
+# the relative error of the float32 exp the bounded residual calls (torch.exp), for t <= 0 with a normal result:
+# 2^-18, 64 ulp. PyTorch's CPU kernels take SLEEF's expf (1.0 ulp) or MKL's VML, CUDA's expf has 2 ulp (CUDA C
+# Programming Guide); tests/test_certified_solver.py measures the platform's against float64 on a dense grid
+EXP_REL_ERROR32 = 2.0 ** -18
+
+
+def prox_residual32(y: torch.Tensor, x: torch.Tensor, weight: DiagonalWeight, eta: float
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(r, e)`` per group: ``r = ||g||`` for the residual ``g`` of the proximal problem at the float32 point ``y``
+    evaluated in float32 (one evaluation, ``2 N^2 d``), and ``e`` a proven bound on the rounding of that evaluation,
+    so that the exact residual at ``y`` (AttLip Proposition 3's ``g_K``) is at most ``r + e``: where that is at most
+    the tolerance, no float64 evaluation is needed (:func:`attlip_prox_certified`).
+
+    The operations are written out here so that the bound follows them. With ``u = 2^-24``,
+    ``gamma_k = k u / (1 - k u)`` and the standard model of float arithmetic (each +, -, *, /, sqrt correctly
+    rounded; a length-k dot product, in any order, with or without FMA, within ``gamma_k`` of the sum of the
+    products' absolute values: Higham, Accuracy and Stability of Numerical Algorithms, Thm 3.5), for a group
+    (N tokens of d channels, scale s, ``c = s^2 / sqrt(d)``):
+
+    1. ``v = s y``, ``w = v d^(-1/4)`` (within ``gamma_3`` of the exact, entrywise), ``q_j = |w_j|^2``; the logits
+       ``L_ij = 2 w_i.w_j + q_j`` (one product) are within ``k_L (2 n_i n_j + n_j^2)`` of the exact logits,
+       ``n_j^2 = q_j``, ``k_L = gamma_{2d+16}``; so within ``e_L = 3 k_L max_j q_j`` (all i, j).
+    2. Softmax by subtracting the row maximum ``m_i`` (exact), ``exp`` (relative error at most
+       ``mu = EXP_REL_ERROR32``), the row sum and a division: ``|log alpha_hat_ij - log alpha_ij| <=
+       2 e_L + 2 u T + 2 mu + gamma_{N+1} =: rho'`` with ``T`` the largest row range ``max_j L_ij - min_j L_ij``
+       (the subtraction's rounding), hence ``|alpha_hat - alpha| <= rho alpha_hat``, ``rho = (e^rho' - 1) e^rho'``
+       (an underflow of ``exp`` to a subnormal adds at most ``2^-126`` absolute to a weight, charged too).
+    3. The column sums ``col``, ``1 + col``, ``a + a^T`` and the mix ``(1 + col) v + (a + a^T) v`` (one product
+       of length N + 1): the column sums are within ``(rho + gamma_{N+1}) (1 + gamma_N) (1 + col)``, ``a + a^T``
+       within ``(rho + gamma_2) (a + a^T)`` and ``v`` within ``u |v|``, so the mix is within ``beta [(1 + col) |v|
+       + (a + a^T) |v|]``, ``beta = (rho + gamma_{N+1}) (1 + gamma_N) + gamma_{N+5}`` (the product's own rounding
+       included), whose Frobenius norm is at most ``beta (1 + max col + max_k rowsum_k(a + a^T)) (1 + gamma_N)
+       ||v||_F`` (``||a + a^T||_2`` is at most its largest row sum: it is symmetric).
+    4. Times ``s / sqrt(d)`` (``gamma_3``), plus ``(y - x) / eta`` (``gamma_2`` relative) and the final sum
+       (``u |g|``).
+
+    ``r`` and the norms in ``e`` are taken in float64 from the float32 values (their rounding, ~1e-13 relative,
+    is charged with a factor 1 + 1e-12). ``y`` and ``x`` are float32 (G, N, d). Measured at 224 (random weights,
+    Swin-T-cert): ``e`` 1e-6 to 4e-5 against per-head tolerances 2e-5 to 6e-5; the actual difference from the
+    float64 residual, 1e-8."""
+    if y.dtype != torch.float32:
+        raise ValueError(f"prox_residual32 bounds float32 rounding; got {y.dtype}")
+    u = 2.0 ** -24
+    tiny = 2.0 ** -126
+
+    def gamma(k):
+        return k * u / (1 - k * u)
+
+    def part(y, x, s):
+        n, d = y.shape[-2:]
+        v = y * s
+        w = v * d ** -0.25
+        q = w.pow(2).sum(-1)
+        logits = torch.baddbmm(q.unsqueeze(-2), w, w.transpose(-1, -2), alpha=2.0)
+        top = logits.amax(-1, keepdim=True)
+        e = torch.exp(logits - top)
+        a = e / e.sum(-1, keepdim=True)
+        col = a.sum(-2)
+        sym = a + a.transpose(-1, -2)
+        mix = torch.baddbmm(v * (1 + col).unsqueeze(-1), sym, v)
+        grad_f = mix * (s * d ** -0.5)
+        diff = (y - x) / eta
+        g = grad_f + diff
+
+        def norm(t):
+            return t.double().flatten(1).norm(dim=1)
+
+        e_l = 3 * gamma(2 * d + 16) * q.double().amax(-1)
+        span = (top.squeeze(-1) - logits.amin(-1)).double().amax(-1)
+        rho_p = 2 * e_l + 2 * u * span + 2 * EXP_REL_ERROR32 + gamma(n + 1)
+        rho = torch.expm1(rho_p) * torch.exp(rho_p)
+        beta = (rho + gamma(n + 1)) * (1 + gamma(n)) + gamma(n + 5)
+        spread = (1 + col.double().amax(-1) + sym.double().sum(-1).amax(-1)) * (1 + gamma(n))
+        v_f = norm(v)
+        s64 = s.double().flatten() * d ** -0.5
+        bound = (s64 * (1 + gamma(3)) * (beta * spread * v_f + n * n * tiny * 4 * v_f.clamp_min(1))
+                 + gamma(3) * s64 * norm(mix) + gamma(2) * norm(diff) + u * norm(g))
+        return norm(g), bound * (1 + 1e-12)
+
+    lead = y.shape[:-2]
+    flat = (t.detach().reshape(-1, *t.shape[-2:]) for t in (y, x))
+    r, e = _in_chunks(part, *flat, weight.scale.detach())
+    return r.reshape(lead), e.reshape(lead)
+
+
+def attlip_prox(x: torch.Tensor, weight: Weight, heads: int, eta: float = 1.0, steps: int = 20,
                 tol: float = DEFAULT_TOL, beta: float = 0.5, c: float = 1e-4, max_backtracks: int = 20,
-                step_init: float = 1.0, callback: Optional[Callable] = None) -> torch.Tensor:
+                step_init: Optional[float] = None, callback: Optional[Callable] = None) -> torch.Tensor:
     """prox_{eta f}(x) by gradient descent with Armijo backtracking (Algorithms 1 and 2), per leading index (a group
     of tokens): at most ``steps`` steps, each group stopping once its residual is at most ``tol`` (training, and the
     gradients of evaluation's solves).
@@ -131,17 +350,23 @@ def attlip_prox(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float = 
     The step sizes are chosen without gradient tracking, so the output stays differentiable through the
     (unrolled) descent steps, as in training with a few steps. The groups are independent and are solved in
     cache-sized chunks (:data:`CHUNK_ELEMENTS`), forward and backward. ``callback(k, y_k, g_k)``, if given, sees
-    each iterate and the subproblem's gradient there, all groups at once (k = 0 is the input; AttLip Fig. 1 plots
-    ``||g_k||``). Evaluation uses :func:`attlip_solve`, certified inference :func:`attlip_prox_certified`.
+    each iterate and the subproblem's gradient there, all groups at once (k = 0 is the start; AttLip Fig. 1 plots
+    ``||g_k||``). ``weight`` is W (a tensor or :class:`DenseWeight`: the descent starts at ``x``, trial steps from
+    ``step_init``, default 1) or a :class:`DiagonalWeight` (it starts where the weight says, from the step it
+    says, unless ``step_init`` is given). Evaluation uses :func:`attlip_solve`, certified inference
+    :func:`attlip_prox_certified`.
     """
-    gram = weight @ weight.T
+    w = _as_weight(weight)
 
-    def descend(part, callback=None):
-        return _descend(part, weight, gram, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback)
+    def descend(part, groups, callback=None):
+        ws = w.regroup(groups)
+        first = ws.first_step(heads, eta)
+        init = step_init if step_init is not None else first if first is not None else 1.0
+        return _descend(part, ws, heads, eta, steps, tol, beta, c, max_backtracks, init, callback)
 
     if callback is not None or x.dim() < 3:
-        return descend(x, callback)
-    return _in_chunks(descend, x.reshape(-1, *x.shape[-2:])).reshape(x.shape)
+        return descend(x, w.groups, callback)
+    return _in_chunks(descend, x.reshape(-1, *x.shape[-2:]), w.groups).reshape(x.shape)
 
 
 # gradient evaluations of the certified solve's first pass in the input's dtype; a window that has not met its
@@ -168,7 +393,8 @@ class SolveStats(NamedTuple):
     """What one certified solve took: gradient evaluations of the slowest window, their mean over windows, the
     largest verified residual (float64, rounding to the output dtype included), the tolerance it met, how many
     windows had to finish in float64, and the multiply-adds of the solve and of its float64 check
-    (:func:`solve_multiply_adds`, counted as fvcore counts a matmul)."""
+    (:func:`solve_multiply_adds`, counted as fvcore counts a matmul; :class:`OrthogonalAttLip` adds its two
+    rotations to the solve's)."""
 
     steps: int
     mean_steps: float
@@ -177,25 +403,30 @@ class SolveStats(NamedTuple):
     float64_windows: int = 0
     multiply_adds: int = 0
     check_multiply_adds: int = 0
+    float64_checks: int = 0  # windows whose residual was evaluated in float64 (the rest: float32, bound charged)
 
 
 def solve_multiply_adds(tokens: int, channels: int, dim: int, evaluations: int, windows: int = 1,
-                        calls: int = 1, resumed: int = 0) -> int:
+                        calls: int = 1, resumed: int = 0, dense: bool = True) -> int:
     """Multiply-adds of ``calls`` calls of :func:`_bb_solve` on ``windows`` windows in all, of ``tokens`` tokens and
     ``channels`` channels, with a (``dim``, ``channels``) weight and ``evaluations`` gradient evaluations in all:
-    each evaluation takes the logits and the mix, ``3 N^2 D`` (all heads together), and the product by the Gram
+    each evaluation takes the logits and the mix, ``2 N^2 D`` (all heads together), and the product by the Gram
     matrix, ``N D^2``; each window one projection of its input and one of its output, ``2 N C D``, and one more
     product by the Gram matrix if it is ``resumed`` from a given ``z``; each call forms the Gram matrix,
-    ``D^2 C``. The elementwise passes (softmax, sums) are not counted, as fvcore does not count them."""
+    ``D^2 C``. With a :class:`DiagonalWeight` (``dense=False``) the projections and Gram products are scalings:
+    ``2 N^2 D`` an evaluation and nothing else. The elementwise passes (softmax, sums, scalings) are not counted,
+    as fvcore does not count them."""
     n, c, d = tokens, channels, dim
-    return (evaluations * (3 * n * n * d + n * d * d) + windows * 2 * n * c * d + resumed * n * d * d
+    if not dense:
+        return evaluations * 2 * n * n * d
+    return (evaluations * (2 * n * n * d + n * d * d) + windows * 2 * n * c * d + resumed * n * d * d
             + calls * d * d * c)
 
 
-def check_multiply_adds(tokens: int, channels: int, dim: int, windows: int) -> int:
+def check_multiply_adds(tokens: int, channels: int, dim: int, windows: int, dense: bool = True) -> int:
     """Multiply-adds of :func:`prox_residual64` on ``windows`` windows: a projection, the logits and mix, and the
-    gradient mapped back, ``3 N^2 D + 2 N C D`` each, in float64."""
-    return windows * (3 * tokens * tokens * dim + 2 * tokens * channels * dim)
+    gradient mapped back, ``2 N^2 D + 2 N C D`` each, in float64 (``2 N^2 D`` with a :class:`DiagonalWeight`)."""
+    return windows * (2 * tokens * tokens * dim + (2 * tokens * channels * dim if dense else 0))
 
 
 # windows solved together: about this many tokens x channels at once, so that a solve's working set stays in the
@@ -220,56 +451,65 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2))
 
 
-def _bb_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float, max_steps: int,
+def _bb_solve(x: torch.Tensor, weight: Weight, heads: int, eta: float, tol: float, max_steps: int,
               z: Optional[torch.Tensor] = None):
     """:func:`_bb_solve_windows` over the flattened windows of ``x``, in cache-sized chunks."""
+    w = _as_weight(weight)
     lead = x.shape[:-2]
     flat = x.reshape(-1, *x.shape[-2:])
-    start = None if z is None else z.reshape(*flat.shape[:-1], weight.shape[0])
-    gram = weight @ weight.T
-    y, z, taken = _in_chunks(lambda a, b: _bb_solve_windows(a, weight, gram, heads, eta, tol, max_steps, b),
-                             flat, start)
+    start = None if z is None else z.reshape(*flat.shape[:-1], w.dim)
+    y, z, taken = _in_chunks(lambda a, b, g: _bb_solve_windows(a, w.regroup(g), heads, eta, tol, max_steps, b),
+                             flat, start, w.groups)
     return y.reshape(*lead, *x.shape[-2:]), z.reshape(*lead, *z.shape[-2:]), taken.reshape(lead)
 
 
-def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor, heads: int, eta: float,
-                      tol: float, max_steps: int, z: Optional[torch.Tensor] = None):
+def _bb_solve_windows(x: torch.Tensor, weight, heads: int, eta: float, tol: float, max_steps: int,
+                      z: Optional[torch.Tensor] = None):
     """Gradient descent on phi_x(y) = f(y) + ||y - x||^2 / (2 eta) with Barzilai-Borwein steps, per window (N, C).
 
     The step is closed-form from the last two iterates (BB1, ``s.s / s.(g' - g)``: the inverse of a secant estimate
     of the local curvature; AttLip Algorithm 2 allows any step rule), so no potential is evaluated. phi is
     (1 / eta)-strongly convex, so that estimate never exceeds ``eta``; the step is kept in [eta / 1000, eta]. A step
     that takes a window's residual above ``OVERSHOOT`` times its lowest so far is undone and retried at a quarter of
-    its length, so no iterate's residual exceeds that multiple of the best one (the first step, eta / 2, overshoots
-    on long token groups). Each window stops once its residual ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s
-    dtype, or once it has not reached a new low for ``STALLED_AFTER`` evaluations near its dtype's rounding floor (a
-    stall, ``STALL_FLOOR``: the caller checks in float64), and only the windows still running are computed (the
-    solves are batched, the finished ones leave the batch).
+    its length, so no iterate's residual exceeds that multiple of the best one (the first step, eta / 2 unless the
+    weight says otherwise, overshoots on long token groups). Each window stops once its residual
+    ``||grad phi_x(y)||`` is at most ``tol`` in ``x``'s dtype, or once it has not reached a new low for
+    ``STALLED_AFTER`` evaluations near its dtype's rounding floor (a stall, ``STALL_FLOOR``: the caller checks in
+    float64), and only the windows still running are computed (the solves are batched, the finished ones leave the
+    batch).
 
     Every gradient ``grad phi_x(y) = (Y + z / eta) W`` lies in the row space of the weight W (D, C) when
     ``y = x + z W`` (``grad f(y) = Y W``, :func:`_grad_coefficients`), so the descent runs on ``z`` (N, D) and on
-    ``v = y W^T = x W^T + z G`` with the Gram matrix ``gram = W W^T``: one (N, D) x (D, D) product per evaluation
-    instead of the two of projecting ``y`` and mapping the gradient back; norms and inner products of gradients are
-    taken in the metric G. ``y`` is formed once at the end. Returns ``y`` (``x``'s dtype), ``z`` and the gradient
-    evaluations each window took (its first one included).
+    ``v = y W^T = x W^T + z G`` with the Gram matrix ``G = W W^T`` (``weight``: :class:`DenseWeight`, one
+    (N, D) x (D, D) product per evaluation instead of the two of projecting ``y`` and mapping the gradient back; or
+    :class:`DiagonalWeight`, a scaling); norms and inner products of gradients are taken in the metric G. ``y`` is
+    formed once at the end. The descent starts at ``z`` if given, else where the weight says (``weight.start``:
+    ``y = x`` for a dense W). Returns ``y`` (``x``'s dtype), ``z`` and the gradient evaluations each window took
+    (its first one included).
     """
-    v_x = x @ weight.T
-    v = v_x if z is None else v_x + z @ gram
+    v_x = weight.project(x)
+    if z is None:
+        z = weight.start(x, heads, eta)
+    v = v_x if z is None else v_x + weight.gram(z)
     z = torch.zeros_like(v_x) if z is None else z.clone()
     taken = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
     if max_steps < 1:
-        return x + z @ weight, z, taken
+        return x + weight.back(z), z, taken
     live = torch.arange(x.shape[0], device=x.device)
     zl = z
-    floor = STALL_FLOOR * torch.finfo(x.dtype).eps * x.flatten(1).norm(dim=1) * gram.norm().clamp_min(1)
+    floor = STALL_FLOOR * torch.finfo(x.dtype).eps * x.flatten(1).norm(dim=1) * weight.gram_norm().clamp_min(1)
+
+    wl = weight  # for the windows still running
 
     def coefficients(v, z):  # u with grad phi = u W, u G, and ||grad phi||^2
         u = _grad_coefficients(v, heads).add_(z, alpha=1 / eta)
-        u_gram = u @ gram
+        u_gram = wl.gram(u)
         return u, u_gram, _dot(u, u_gram).clamp_min(0)
 
     u, u_gram, g_sq = coefficients(v, zl)
-    lam = torch.full((len(live),), eta / 2, dtype=x.dtype, device=x.device)
+    first = weight.first_step(heads, eta)
+    lam = (torch.full((len(live),), eta / 2 if first is None else first, dtype=x.dtype, device=x.device)
+           if not isinstance(first, torch.Tensor) else first.to(x.dtype).expand(len(live)).clone())
     best = torch.full((len(live),), math.inf, dtype=x.dtype, device=x.device)
     since_best = torch.zeros(len(live), dtype=torch.long, device=x.device)
     for k in range(max_steps):  # evaluation k + 1 is checked here
@@ -283,6 +523,7 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
             keep = ~done
             live, zl, v, u, u_gram, g_sq, lam, floor = (t[keep] for t in (live, zl, v, u, u_gram, g_sq, lam, floor))
             best, since_best = best[keep], since_best[keep]
+            wl = wl.regroup(None if wl.groups is None else wl.groups[keep])
             if not len(live):
                 break
         if k + 1 == max_steps:
@@ -301,9 +542,9 @@ def _bb_solve_windows(x: torch.Tensor, weight: torch.Tensor, gram: torch.Tensor,
                 new[overshot] = old[overshot]
             lam_new = torch.where(overshot, lam / 4, lam_new)
         zl, v, u, u_gram, g_sq, lam = z_new, v_new, u_new, u_gram_new, g_sq_new, lam_new
-    if len(live):
+    if len(live) and zl is not z:  # (zl is z when no step was taken and no window finished: z holds it)
         z[live] = zl
-    return x + z @ weight, z, taken
+    return x + weight.back(z), z, taken
 
 
 def _differentiated(*tensors: torch.Tensor) -> bool:
@@ -315,18 +556,18 @@ def _differentiated(*tensors: torch.Tensor) -> bool:
             or any(forward_ad.unpack_dual(t).tangent is not None for t in tensors))
 
 
-def _straight_through(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float,
+def _straight_through(y: torch.Tensor, x: torch.Tensor, weight: Weight, heads: int, eta: float,
                       grad_steps: int, tol: float = 0.0) -> torch.Tensor:
     """``y`` (a solve's output, computed without derivatives) carrying, where derivatives are taken (attacks,
     Jacobian estimates), those of at most ``grad_steps`` unrolled Armijo steps (:func:`attlip_prox`, stopping at
     ``tol``), which do not change its value: the derivatives of an approximation of the prox, not of the solve."""
-    if _differentiated(x, weight):
+    if _differentiated(x, *_as_weight(weight).tensors()):
         unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=tol)
         y = y + (unrolled - unrolled.detach())
     return y
 
 
-def attlip_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
+def attlip_solve(x: torch.Tensor, weight: Weight, heads: int, eta: float, tol: float,
                  max_steps: int) -> torch.Tensor:
     """prox_{eta f}(x) at evaluation: the first pass of the certified solve (:func:`attlip_prox_certified`), its
     Barzilai-Borwein steps in ``x``'s dtype with each window stopping once its residual is at most ``tol / 2`` (or
@@ -336,11 +577,11 @@ def attlip_solve(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, 
     Derivatives, where taken, are those of at most ``min(max_steps, GRAD_STEPS)`` unrolled Armijo steps stopping at
     ``tol``."""
     with torch.no_grad():
-        y = _bb_solve(x.detach(), weight.detach().to(x.dtype), heads, eta, tol / 2, max_steps)[0]
+        y = _bb_solve(x.detach(), _as_weight(weight).cast(x.dtype), heads, eta, tol / 2, max_steps)[0]
     return _straight_through(y, x, weight, heads, eta, min(max_steps, GRAD_STEPS), tol)
 
 
-def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta: float, tol: float,
+def attlip_prox_certified(x: torch.Tensor, weight: Weight, heads: int, eta: float, tol: float,
                           max_steps: int = 1000, grad_steps: int = GRAD_STEPS) -> Tuple[torch.Tensor, SolveStats]:
     """prox_{eta f}(x) to a verified tolerance, for certified inference: every window's residual
     ``||grad phi_x(y)||`` evaluated in float64 at the returned point is at most ``tol``, so that
@@ -348,27 +589,41 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
     :class:`SolverToleranceError` is raised, never an early stop.
 
     The solve runs in ``x``'s dtype (:func:`_bb_solve`, to ``tol / 2``, at most ``FIRST_PASS_STEPS`` evaluations);
-    the residual is then checked in float64. Windows whose float64 residual exceeds ``tol`` (float32 rounding can
-    stall a solve near its floor) continue in float64 from where they are, and their result's rounding back to ``x``'s dtype, ``||y - y64|| / eta``, is charged to the residual.
+    the residual is then checked: for a :class:`DiagonalWeight` (the orthogonal form's problems) in float32
+    with the proven bound on that evaluation's rounding (:func:`prox_residual32`: ``r + e``), and in float64 only
+    for the windows where ``r + e`` exceeds ``tol``; for a dense W in float64 everywhere. Windows whose float64
+    residual exceeds ``tol`` (float32 rounding can stall a solve near its floor) continue in float64 from where
+    they are, and their result's rounding back to ``x``'s dtype, ``||y - y64|| / eta``, is charged to the residual.
     The float64 evaluation's own rounding (about 1e-16 relative, far below any usable ``tol``) is left out.
     Where gradients are needed (attacks) they are those of ``grad_steps`` unrolled Armijo steps (straight-through),
     which do not change the value.
     """
+    w_in = _as_weight(weight)
     with torch.no_grad():
-        w = weight.detach()
-        y, z, taken = _bb_solve(x.detach(), w.to(x.dtype), heads, eta, tol / 2,
-                                min(max_steps, FIRST_PASS_STEPS))
-        residual = prox_residual64(y, x, w, heads, eta)
+        w = w_in.cast(x.dtype)
+        y, z, taken = _bb_solve(x.detach(), w, heads, eta, tol / 2, min(max_steps, FIRST_PASS_STEPS))
+        bounded = isinstance(w_in, DiagonalWeight) and x.dtype == torch.float32
+        if bounded:  # float32 with its rounding bound; float64 where that does not settle it
+            r, e = prox_residual32(y, x, w_in, eta)
+            residual = r + e
+            near = residual > tol
+            if bool(near.any()):
+                flat = near.flatten()
+                residual[near] = prox_residual64(y[near], x[near], w_in.regroup(w_in.groups[flat]), heads, eta)
+        else:
+            residual = prox_residual64(y, x, w_in, heads, eta)
+            near = torch.ones_like(residual, dtype=torch.bool)
         stalled = residual > tol
         rounding = torch.zeros_like(residual)
         if bool(stalled.any()):
             xs = x.detach()[stalled].double()
-            y64, _, more = _bb_solve(xs, w.double(), heads, eta, tol / 2, max(max_steps - int(taken.max()), 0),
-                                     z[stalled].double())
+            ws = w_in.regroup(None if w_in.groups is None else w_in.groups[stalled.flatten()])
+            y64, _, more = _bb_solve(xs, ws.cast(torch.float64), heads, eta, tol / 2,
+                                     max(max_steps - int(taken.max()), 0), z[stalled].double())
             y[stalled] = y64.to(x.dtype)
             taken[stalled] += more
             rounding[stalled] = (y[stalled].double() - y64).pow(2).sum((-1, -2)).sqrt() / eta
-            residual[stalled] = prox_residual64(y64, xs, w, heads, eta) + rounding[stalled]
+            residual[stalled] = prox_residual64(y64, xs, ws, heads, eta) + rounding[stalled]
         worst = float(residual.max()) if residual.numel() else 0.0
         steps = int(taken.max()) if taken.numel() else 0
         if worst > tol:
@@ -380,42 +635,48 @@ def attlip_prox_certified(x: torch.Tensor, weight: torch.Tensor, heads: int, eta
                 f"AttLip's proximal solve left a window's residual at {worst:.3g} > tol {tol:g} after {steps} "
                 f"gradient evaluations (hard cap {max_steps}; checked in float64, rounding to {x.dtype} included); "
                 + why)
-        (n, c), d, windows, again = x.shape[-2:], weight.shape[0], taken.numel(), int(stalled.sum())
+        (n, c), d, windows, again = x.shape[-2:], w_in.dim, taken.numel(), int(stalled.sum())
+        checks64 = int(near.sum()) + again
         stats = SolveStats(steps, float(taken.double().mean()) if windows else 0.0, worst, tol, again,
-                           solve_multiply_adds(n, c, d, int(taken.sum()), windows + again, 1 + bool(again), again),
-                           check_multiply_adds(n, c, d, windows + again))
+                           solve_multiply_adds(n, c, d, int(taken.sum()), windows + again, 1 + bool(again), again,
+                                               w_in.dense),
+                           check_multiply_adds(n, c, d, checks64, w_in.dense)
+                           + (check_multiply_adds(n, c, d, windows, dense=False) if bounded else 0), checks64)
     return _straight_through(y, x, weight, heads, eta, grad_steps), stats
 
 
-def _descend(x, weight, gram, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
+def _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_init, callback):
     """Algorithms 1 and 2: at most ``steps`` Armijo gradient steps, each group (leading index) stopping once its
-    residual is at most ``tol``; ``gram`` is ``W W^T``.
+    residual is at most ``tol``; ``weight`` a :class:`DenseWeight` or :class:`DiagonalWeight`.
 
     The iterates are those of gradient descent on ``y`` (AttLip Algorithm 1), computed in the weight's row space
     as the certified solve does (:func:`_bb_solve_windows`): with ``y = x + z W``, ``grad phi(y) = u W`` for
     ``u = Y + z / eta``, ``v = y W^T = x W^T + z G`` (``G = W W^T``), ``||grad phi||^2 = <u, u G>`` and
-    ``||y - x||^2 = <z, z G>``. So a step costs one (N, D) x (D, D) product, the potential at ``y`` comes from the
-    logits its gradient already formed, and each of Armijo's trial points ``y - lam grad`` costs only its logits
-    and their log-sum-exp (``v - lam u G`` is at hand): no token-by-weight product and no second gradient."""
+    ``||y - x||^2 = <z, z G>``. So a step costs one (N, D) x (D, D) product (a scaling for a diagonal W), the
+    potential at ``y`` comes from the logits its gradient already formed, and each of Armijo's trial points
+    ``y - lam grad`` costs only its logits and their log-sum-exp (``v - lam u G`` is at hand): no token-by-weight
+    product and no second gradient. The descent starts where the weight says (``y = x`` for a dense W)."""
     if steps < 1:
         return x
-    v_x = x @ weight.T
-    z, v = torch.zeros_like(v_x), v_x
+    v_x = weight.project(x)
+    z = weight.start(x, heads, eta)
+    z, v = (torch.zeros_like(v_x), v_x) if z is None else (z, v_x + weight.gram(z))
     lead = x.shape[:-2]
-    lam = torch.full(lead, step_init, dtype=x.dtype, device=x.device)
+    step_init = torch.as_tensor(step_init, dtype=x.dtype, device=x.device).expand(lead)
+    lam = step_init.clone()
     for k in range(steps):
         coefficients, f_y = _grad_coefficients(v, heads, potential=True)
         u = coefficients + z / eta
-        u_gram = u @ gram
+        u_gram = weight.gram(u)
         if callback is not None:
-            callback(k, x + z @ weight, u @ weight)
+            callback(k, x + weight.back(z), weight.back(u))
         with torch.no_grad():
             g_sq = _dot(u, u_gram).clamp_min(0)
             running = g_sq.sqrt() > tol
             if not bool(running.any()):
                 break
             phi_y = f_y + _dot(z, v - v_x) / (2 * eta)
-            lam = torch.minimum(lam / beta, torch.full_like(lam, step_init))  # let the step grow back
+            lam = torch.minimum(lam / beta, step_init)  # let the step grow back
             for _ in range(max_backtracks):
                 s = lam[..., None, None]
                 z_t, v_t = z - s * u, v - s * u_gram
@@ -426,11 +687,13 @@ def _descend(x, weight, gram, heads, eta, steps, tol, beta, c, max_backtracks, s
                 lam = torch.where(bad, lam * beta, lam)
         s = torch.where(running, lam, 0.0)[..., None, None]
         z, v = z - s * u, v - s * u_gram
-    return x + z @ weight
+    return x + weight.back(z)
 
 
 class AttLip(nn.Module):
-    """The AttLip block on token groups (B, N, C): returns prox_{eta f}(x), 1-Lipschitz by construction.
+    """The AttLip block on token groups (B, N, C): returns prox_{eta f}(x), 1-Lipschitz by construction; its weight
+    W (C, C) any matrix (the paper's block, ``attlip_form="general"``; :class:`OrthogonalAttLip` is the cheaper
+    form).
 
     Args:
         dim: channels C. heads: number of heads H (C divisible by H).
@@ -444,6 +707,8 @@ class AttLip(nn.Module):
     are the certified forward's wherever ``eval_steps`` suffice and no window needs a float64 finish.
     """
 
+    form = "general"
+
     def __init__(self, dim: int, heads: int = 1, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
                  tol: float = DEFAULT_TOL):
         super().__init__()
@@ -455,19 +720,173 @@ class AttLip(nn.Module):
         self.train_steps, self.eval_steps = train_steps, eval_steps
         self.solve_cap: Optional[int] = None  # set by solve_to_tolerance: strict solving with this hard cap
         self.last_solve: Optional[SolveStats] = None  # what the last certified solve took
+        self._build(dim)
+
+    def _build(self, dim: int) -> None:
         self.weight = nn.Parameter(torch.randn(dim, dim) / math.sqrt(dim))  # rows: the heads' W^h stacked
 
+    def _problems(self, x: torch.Tensor) -> Tuple[torch.Tensor, Weight, int, float, Optional[torch.Tensor]]:
+        """The proximal problems the solvers take for tokens ``x`` (..., N, C): ``(tokens, weight, heads, tol,
+        rotation)``; here ``x`` itself, each group one problem with all heads, and no rotation."""
+        return x, self.weight, self.heads, self.tol, None
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor, rotation: Optional[torch.Tensor]) -> torch.Tensor:
+        """The block's output from the solution ``y`` of :meth:`_problems` for input ``x``."""
+        return y
+
+    def _window_stats(self, stats: SolveStats, x: torch.Tensor) -> SolveStats:
+        return stats
+
+    def rotation_defect(self) -> float:
+        """A certified upper bound on ``||Q^T Q - I||_2`` of the rotation the forward multiplies by: 0 (none)."""
+        return 0.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, w, heads, tol, q = self._problems(x)
         if self.solve_cap is not None and not self.training:
-            y, self.last_solve = attlip_prox_certified(x, self.weight, self.heads, self.eta, self.tol,
-                                                       self.solve_cap, min(self.eval_steps, GRAD_STEPS))
-            return y
-        if self.training:
-            return attlip_prox(x, self.weight, self.heads, self.eta, self.train_steps, self.tol)
-        return attlip_solve(x, self.weight, self.heads, self.eta, self.tol, self.eval_steps)
+            y, stats = attlip_prox_certified(a, w, heads, self.eta, tol, self.solve_cap,
+                                             min(self.eval_steps, GRAD_STEPS))
+            self.last_solve = self._window_stats(stats, x)
+        elif self.training:
+            y = attlip_prox(a, w, heads, self.eta, self.train_steps, tol)
+        else:
+            y = attlip_solve(a, w, heads, self.eta, tol, self.eval_steps)
+        return self._output(y, x, q)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, eta={self.eta}, steps={self.train_steps}/{self.eval_steps}"
+
+
+# OrthogonalAttLip's per-head scale is s_h = SCALE_MAX * sigmoid(theta_h), 1 at initialisation (theta = 0). The
+# bound keeps the scores' scale, hence the conditioning of the proximal problem beyond its linear part, from
+# drifting: the general form's weights grew from norm ~2 to ~8 in the certifiable digits runs and their certified
+# solves took 40 to 91 gradient evaluations instead of 10 to 24
+SCALE_MAX = 2.0
+
+
+def cayley(raw: torch.Tensor) -> torch.Tensor:
+    """``Q = (I + S)^{-1} (I - S)`` with ``S = A - A^T``: orthogonal for any square ``A`` (S is skew, so its
+    eigenvalues are imaginary and ``I + S`` is invertible with singular values at least 1: a well-conditioned
+    solve), computed in float64 (differentiable) and rounded to ``A``'s dtype."""
+    a = raw.to(torch.float64)
+    s = a - a.T
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    return torch.linalg.solve(eye + s, eye - s).to(raw.dtype)
+
+
+class OrthogonalAttLip(AttLip):
+    """AttLip with a scaled-orthogonal weight, ``W = diag(s_h) Q`` (``attlip_form="orthogonal"``, the certifiable
+    models' default): Q (C, C) orthogonal (:func:`cayley` of the parameter ``rotation``) and one scale per head,
+    ``s_h = SCALE_MAX * sigmoid(scale_h)``, so ``W W^T = diag(s_h^2)``.
+
+    It is AttLip (Theorem 4's potential with that W: convex for any weights, Lemma 1, so its prox is firmly
+    non-expansive). With ``a = x Q^T`` the potential is ``f_W(x) = g(a)``, ``g`` the potential of
+    ``diag(s_h)`` (each head its own ``d_h`` rotated channels), and ``|y - x| = |b - a|`` for ``b = y Q^T``, so
+    ``prox_{eta f_W}(x) = prox_{eta g}(x Q^T) Q``: the block rotates, solves per head with a scalar Gram product
+    (:class:`DiagonalWeight`, which also gives the solvers their start and first step), and rotates back. An
+    evaluation of the solvers costs ``2 N^2 C`` (the general form: ``2 N^2 C + N C^2``), and the rotations
+    ``2 N C^2`` per group, one product each.
+
+    The Q the forward multiplies by is Q rounded to float32 (call it Q'), not exactly orthogonal: the block
+    computes ``prox_{eta g}(x Q'^T) Q'``, whose Lipschitz constant is at most ``||Q'||^2 <= 1 + delta`` with
+    ``delta`` a certified upper bound on ``||Q'^T Q' - I||_2`` (:meth:`rotation_defect`, about 1e-6), and whose
+    solver defect is ``||Q'|| eta tol`` per group (Proposition 3 (1) for g, then the rotation back); the
+    certified bounds charge both (``lipsformer.lipschitz.bounds``). At evaluation Q' and delta are computed once
+    per change of ``rotation`` (cached, keyed as the normalised layers' divisors are).
+    """
+
+    form = "orthogonal"
+    _cache = None  # (fingerprint of rotation, Q', delta or None)
+
+    def _build(self, dim: int) -> None:
+        self.rotation = nn.Parameter(torch.randn(dim, dim) / math.sqrt(dim))  # Q = cayley(rotation)
+        self.scale = nn.Parameter(torch.zeros(self.heads))  # s_h = SCALE_MAX * sigmoid(scale_h): 1 at init
+
+    def head_scales(self) -> torch.Tensor:
+        """``s_h`` (H,), in (0, SCALE_MAX)."""
+        return SCALE_MAX * torch.sigmoid(self.scale)
+
+    def _problems(self, x: torch.Tensor) -> Tuple[torch.Tensor, DiagonalWeight, int, float, torch.Tensor]:
+        """Each head of each group its own problem: ``x Q'^T`` split by head, (groups * H, N, d_h), with its scale
+        (:class:`DiagonalWeight`, per problem) and tolerance ``tol / sqrt(H)``, so that every group of H heads
+        meets ``tol`` (its heads are disjoint coordinates: their squared residuals add)."""
+        h, (n, c), q = self.heads, x.shape[-2:], self._rotation()
+        a = (x @ q.T).unflatten(-1, (h, c // h)).transpose(-3, -2).reshape(-1, n, c // h)
+        s = self.head_scales().to(x.dtype).expand(a.shape[0] // h, h).reshape(-1, 1, 1)
+        return a, DiagonalWeight(s, c // h), 1, self.tol / math.sqrt(h) * (1 - 1e-15), q  # (rounded down)
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        y = y.reshape(*x.shape[:-2], self.heads, *y.shape[-2:]).transpose(-3, -2).flatten(-2)
+        return y @ rotation
+
+    def _window_stats(self, stats: SolveStats, x: torch.Tensor) -> SolveStats:
+        """The solve's stats are per head: its tolerance and largest residual are given per group of H heads
+        (``sqrt(H)`` times the largest head's: a bound on every group's), and the two rotations, each
+        (tokens, C) x (C, C), are added to its multiply-adds."""
+        root, c = math.sqrt(self.heads), x.shape[-1]
+        return stats._replace(residual=stats.residual * root, tol=self.tol,
+                              multiply_adds=stats.multiply_adds + 2 * (x.numel() // c) * c * c)
+
+    def _rotation(self) -> torch.Tensor:
+        """Q' (C, C): ``cayley(rotation)`` in the parameter's dtype; at evaluation (and wherever no gradient is
+        taken) computed once per change of ``rotation``."""
+        raw = self.rotation
+        if torch.is_grad_enabled() and raw.requires_grad:  # training: through the Cayley map
+            return cayley(raw)
+        key = _fingerprint(raw)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self.__dict__["_cache"] = (key, cayley(raw), None)
+        return self._cache[1]
+
+    def rotation_defect(self) -> float:
+        """A certified upper bound on ``||Q'^T Q' - I||_2`` for the Q' this block multiplies by
+        (:func:`~lipsformer.layers.spectral.orthogonality_defect`), computed once per change of ``rotation``."""
+        with torch.no_grad():
+            q = self._rotation()
+        if self._cache[2] is None:
+            self.__dict__["_cache"] = (*self._cache[:2], orthogonality_defect(q))
+        return self._cache[2]
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_cache", None)  # .to() / .half(): new storage, possibly at a freed address
+        return super()._apply(fn, recurse)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``W = diag(s) Q'`` (C, C): the AttLip weight whose potential this block's prox takes (for the functions
+        of the general form: :func:`attlip_potential`, :func:`attlip_grad`, :func:`prox_residual64`)."""
+        q = self._rotation()
+        return self.head_scales().repeat_interleave(q.shape[0] // self.heads)[:, None] * q
+
+
+#: ``attlip_form`` -> the AttLip block built in each branch of :class:`AttLipMixer`
+FORMS = {"general": AttLip, "orthogonal": OrthogonalAttLip}
+#: the names each form's weights have in a state dict (under ``...attn.branches.<i>.``)
+FORM_KEYS = {"general": ("weight",), "orthogonal": ("rotation", "scale")}
+
+
+def state_dict_form(keys) -> Optional[str]:
+    """The ``attlip_form`` whose AttLip weights a state dict's ``keys`` hold (None: no AttLip mixer weights)."""
+    for key in keys:
+        parts = key.split(".")
+        if len(parts) >= 4 and parts[-4:-2] == ["attn", "branches"] and parts[-2].isdigit():
+            for form, names in FORM_KEYS.items():
+                if parts[-1] in names:
+                    return form
+    return None
+
+
+def form_mismatch(file_keys, model_keys) -> Optional[str]:
+    """A sentence naming the change when a state dict holds AttLip weights of another form than a model's, else
+    None (the two forms' weights differ in name, so such a file cannot load)."""
+    theirs, ours = state_dict_form(file_keys), state_dict_form(model_keys)
+    if theirs is None or ours is None or theirs == ours:
+        return None
+    return (f"its AttLip blocks are attlip_form {theirs!r} (weights {', '.join(FORM_KEYS[theirs])}), the model's "
+            f"{ours!r} (weights {', '.join(FORM_KEYS[ours])}; the certifiable *_cert models' default became "
+            f"'orthogonal'): build the model with attlip_form={theirs!r} (model_kwargs: {{attlip_form: {theirs}}}) "
+            f"to load it")
 
 
 @register_notrace_module  # reason: windows, padding and the descent's stopping test read shapes and values
@@ -475,24 +894,28 @@ class AttLipMixer(nn.Module):
     """AttLip as a LipsBlock token mixer on (B, H, W, C), the ``attn="attlip"`` choice of both families.
 
     The channels are split evenly over ``windows`` (Swin: one window shape; CSwin: vertical then horizontal
-    stripes, or the whole map); each group of tokens goes through its branch's :class:`AttLip`. The mixer
-    returns ``prox(x) - x``, so the block's weighted residual ``x + alpha * (prox(x) - x)`` moves from ``x``
-    toward ``prox(x)``. ``I - prox`` is firmly non-expansive like ``prox``, so the mixer is 1-Lipschitz.
-    ``delta=False`` returns ``prox(x)`` itself (for a convex residual ``(1 - a) x + a prox(x)``; also 1-Lipschitz);
-    ``reflect=True`` returns the reflected resolvent ``2 prox(x) - x``, non-expansive as ``prox`` is firmly so (an
-    isometry where ``prox`` is a linear projection), so ``(1 - a) x + a (2 prox(x) - x)`` need not contract.
+    stripes, or the whole map); each group of tokens goes through its branch's AttLip block (``form``: a key of
+    :data:`FORMS`). The mixer returns ``prox(x) - x``, so the block's weighted residual
+    ``x + alpha * (prox(x) - x)`` moves from ``x`` toward ``prox(x)``. ``I - prox`` is firmly non-expansive like
+    ``prox``, so the mixer is 1-Lipschitz. ``delta=False`` returns ``prox(x)`` itself (for a convex residual
+    ``(1 - a) x + a prox(x)``; also 1-Lipschitz); ``reflect=True`` returns the reflected resolvent ``2 prox(x) - x``,
+    non-expansive as ``prox`` is firmly so (an isometry where ``prox`` is a linear projection), so
+    ``(1 - a) x + a (2 prox(x) - x)`` need not contract. (With the orthogonal form, up to its rotation's rounding:
+    :class:`OrthogonalAttLip`.)
     """
 
     def __init__(self, dim: int, heads: int, windows, eta: float = 1.0, train_steps: int = 2, eval_steps: int = 20,
-                 tol: float = DEFAULT_TOL, delta: bool = True, reflect: bool = False):
+                 tol: float = DEFAULT_TOL, delta: bool = True, reflect: bool = False, form: str = "general"):
         super().__init__()
+        if form not in FORMS:
+            raise ValueError(f"attlip_form must be one of {tuple(FORMS)}, got {form!r}")
         self.delta, self.reflect = delta, reflect
         nb = len(windows)
         if dim % nb or heads % nb:
             raise ValueError(f"dim {dim} and heads {heads} must divide over {nb} window shapes")
         self.windows = [tuple(w) for w in windows]
         self.branches = nn.ModuleList(
-            AttLip(dim // nb, heads // nb, eta, train_steps, eval_steps, tol) for _ in self.windows)
+            FORMS[form](dim // nb, heads // nb, eta, train_steps, eval_steps, tol) for _ in self.windows)
 
     def set_windows(self, windows) -> None:
         """Other window shapes, one per branch (the weights do not depend on them)."""
@@ -517,15 +940,16 @@ class AttLipMixer(nn.Module):
     def solver_defect(self, hw) -> float:
         """Per image, a bound on ``||computed - exact||_2`` of this mixer's output on an ``hw`` token grid when every
         window is solved to its branch's ``tol`` (:func:`solve_to_tolerance`): AttLip Proposition 3 (1) gives
-        ``eta * tol`` per window; windows and branches are disjoint blocks of the output, so their squares add.
-        ``I - prox`` deviates by as much as ``prox``, ``2 prox - I`` by twice as much; zero padding and cropping do not
-        increase it."""
+        ``eta * tol`` per window, times ``||Q'|| <= sqrt(1 + delta)`` for a rotated branch
+        (:meth:`OrthogonalAttLip.rotation_defect`); windows and branches are disjoint blocks of the output, so
+        their squares add. ``I - prox`` deviates by as much as ``prox``, ``2 prox - I`` by twice as much; zero
+        padding and cropping do not increase it."""
         H, W = hw
         sq = 0.0
         for window, layer in zip(self.windows, self.branches):
             n = math.ceil(H / window[0]) * math.ceil(W / window[1])
-            sq += n * (layer.eta * layer.tol) ** 2
-        return (2.0 if self.reflect else 1.0) * math.sqrt(sq)
+            sq += n * (layer.eta * layer.tol) ** 2 * (1.0 + layer.rotation_defect())
+        return (2.0 if self.reflect else 1.0) * math.nextafter(math.sqrt(sq), math.inf)
 
     def extra_repr(self) -> str:
         return f"windows={self.windows}, delta={self.delta}, reflect={self.reflect}"

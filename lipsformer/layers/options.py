@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from .attention import ATTENTIONS, AttentionKernel
-from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, AttLipMixer
+from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, FORMS, AttLipMixer
 from .block import MLPS
 from .conv_blocks import ACTS, CONV_BLOCKS, create_act
 from .init import INITS
@@ -48,7 +48,7 @@ UNSET: Any = _Unset()
 STAGE_ACTS = ("none", *ACTS)
 # the fields that name a choice, and their choices: checked when the options are made
 CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
-               act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS, mlp=MLPS)
+               act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS, mlp=MLPS, attlip_form=tuple(FORMS))
 
 
 # The certifiable configuration (issue 17), the one home of its choices: every layer 1-Lipschitz by construction
@@ -57,6 +57,9 @@ CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks
 # arguments replace any of them (:func:`preset`).
 CERTIFIABLE = MappingProxyType(dict(
     attn="attlip",          # AttLip Thm 4: 1-Lipschitz for any weights
+    attlip_form="orthogonal",  # W = diag(s_h) Q: no Gram product in the solve, which starts from the uniform-
+                            # attention prox (Swin-T at 224, random weights: 2 to 5 gradient evaluations a window on
+                            # average instead of 12; benchmarks/certified_speed.py)
     attlip_steps=(2, FIRST_PASS_STEPS),  # evaluation takes the certified solve's first pass, as many evaluations as
                             # it may: plain evaluation (train.py's validation, eval.py) gives the certified outputs
     norm="none",            # CenterNorm would add D/(D-1) max|gamma| per norm
@@ -92,6 +95,11 @@ class LipschitzOptions:
         fused_attn: attention through ``scaled_dot_product_attention`` (else explicit softmax) [True].
         attlip_eta, attlip_steps, attlip_tol: ``attn="attlip"``: proximal step, descent steps (training,
             evaluation) and solver tolerance; see :class:`lipsformer.layers.AttLipMixer` [1, (2, 20), DEFAULT_TOL].
+        attlip_form: ``attn="attlip"``: ``general`` (the paper's, W any matrix: :class:`lipsformer.layers.AttLip`)
+            | ``orthogonal`` (``W = diag(s_h) Q``, Q orthogonal: the same block with a scalar Gram product per head,
+            :class:`lipsformer.layers.attlip.OrthogonalAttLip`; the certifiable models' default). Their weights
+            differ in name (``weight`` / ``rotation`` and ``scale``), so a checkpoint of one form does not load
+            into the other [general].
         residual: ``add`` (LipsFormer's ``x + alpha f(x)``, bound ``1 + max|alpha| Lip(f)``) | ``convex``
             (``(1 - a) x + a f(x)`` with one scalar ``a`` in [0, 1]: 1-Lipschitz when ``f`` is;
             :class:`lipsformer.layers.residual.ConvexResidual`) [add].
@@ -142,6 +150,7 @@ class LipschitzOptions:
     alpha_range: Tuple[float, float] = UNSET
     attlip_reflect: bool = UNSET
     mlp: str = UNSET
+    attlip_form: str = UNSET
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -187,7 +196,7 @@ class LipschitzOptions:
         the family's ``attention(kernel)`` with a fresh kernel."""
         if self.attn == "attlip":
             return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
-                                       delta=not self.attlip_prox, reflect=self.attlip_reflect)
+                                       delta=not self.attlip_prox, reflect=self.attlip_reflect, form=self.attlip_form)
         return lambda: attention(self.kernel())
 
     def stage_activation(self) -> nn.Module:
@@ -205,7 +214,7 @@ RELEASED = MappingProxyType(dict(
     norm="center", attn="scsa", tau=10.0, learn_tau=False, v_norm=False, nu=1.0, tied_qk=False, alpha_init=None,
     init="spectral", conv_blocks="D", fused_attn=True, attlip_eta=1.0, attlip_steps=(2, 20), attlip_tol=DEFAULT_TOL,
     residual="add", act="gelu", linear="plain", attlip_prox=False, stage_act="none",
-    alpha_range=(0.0, 1.0), attlip_reflect=False, mlp="mlp"))
+    alpha_range=(0.0, 1.0), attlip_reflect=False, mlp="mlp", attlip_form="general"))
 assert set(RELEASED) == {f.name for f in dataclasses.fields(LipschitzOptions)}, "every option needs its default"
 
 

@@ -37,6 +37,7 @@ from ..errors import Mistake
 from ..layers import AttentionKernel, AttLip, AttLipMixer, CenterNorm, ConvexResidual, GroupSort
 from ..layers.normalized import NormalizedConv2d, NormalizedLinear
 from ..layers.attention import KimL2Attention
+from ..layers.attlip import OrthogonalAttLip
 from ..layers.block import CPLMlp, GeluMlp, LipsBlock
 from ..layers.conv_blocks import ConvBlocks
 from ..layers.patch_embed import PatchEmbed
@@ -504,10 +505,31 @@ def kim_l2_attention_bound(attn: KimL2Attention, hw: HW) -> Bound:
     return Bound(kim_l2_bound(attn, n), f"Kim Thm 3.2, N={n}")
 
 
-@register_bound(AttLip, AttLipMixer)
-def attlip_module_bound(attn: nn.Module, hw: HW) -> Bound:
-    """AttLip Theorem 4: prox (and ``I - prox``, the mixer) is firmly non-expansive."""
-    return Bound(attlip_bound(), "AttLip Thm 4: I - prox is firmly non-expansive")
+@register_bound(AttLip, OrthogonalAttLip)
+def attlip_module_bound(attn: AttLip, hw: HW) -> Bound:
+    """AttLip Theorem 4: prox is firmly non-expansive. The orthogonal form computes ``prox(x Q'^T) Q'`` with Q'
+    the float32 rounding of its rotation: at most ``||Q'||^2 <= 1 + delta`` (``rotation_defect``, certified)."""
+    delta = attn.rotation_defect()
+    if not delta:
+        return Bound(attlip_bound(), "AttLip Thm 4: prox is firmly non-expansive")
+    return Bound(math.nextafter(attlip_bound() + delta, INF),
+                 f"AttLip Thm 4 in rotated coordinates: ||Q'||^2 <= 1 + {delta:.1e}")
+
+
+@register_bound(AttLipMixer)
+def attlip_mixer_bound(mixer: AttLipMixer, hw: HW) -> Bound:
+    """AttLip Theorem 4: prox, and ``I - prox`` (the mixer with ``delta``), are firmly non-expansive, and the
+    reflected resolvent ``2 prox - I`` (``reflect``) non-expansive; the branches act on disjoint channels, so the
+    mixer's bound is their largest. With a rotation Q' (the orthogonal form),
+    ``x - Q'^T prox(Q' x) = (I - Q'^T Q') x + Q'^T (I - prox)(Q' x)``: at most ``delta + ||Q'||^2 <= 1 + 2 delta``,
+    ``2 Q'^T prox(Q' x) - x`` likewise, and ``prox`` alone ``1 + delta``."""
+    delta = max(b.rotation_defect() for b in mixer.branches)
+    what = "2 prox - I is non-expansive" if mixer.reflect else (
+        f"{'I - prox' if mixer.delta else 'prox'} is firmly non-expansive")
+    if not delta:
+        return Bound(attlip_bound(), f"AttLip Thm 4: {what}")
+    return Bound(math.nextafter(attlip_bound() + (2 if mixer.delta or mixer.reflect else 1) * delta, INF),
+                 f"AttLip Thm 4: {what}; rotation rounding {delta:.1e} charged")
 
 
 # -- blocks and the network ---------------------------------------------------------------------------

@@ -139,9 +139,9 @@ class LipsFormerSwin(LipsFormerBase):
         lipschitz: the Lipschitz choices as one :class:`lipsformer.layers.LipschitzOptions`; its fields
             (``norm``, ``attn``, ``tau``, ``learn_tau``, ``v_norm``, ``nu``, ``tied_qk``, ``alpha_init``, ``init``,
             ``conv_blocks``, ``fused_attn``, ``attlip_eta``, ``attlip_steps``, ``attlip_tol``, ``residual``, ``act``,
-            ``linear``, ``attlip_prox``, ``stage_act``) are also keyword arguments, replacing the object's; a
-            field neither sets is the family's default (:meth:`LipschitzOptions.resolve`). Defaults: the released
-            Swin (tau 10, alpha 1 / sum(depths)).
+            ``linear``, ``attlip_prox``, ``stage_act``, ``alpha_range``, ``attlip_reflect``, ``mlp``, ``attlip_form``)
+            are also keyword arguments, replacing the object's; a field neither sets is the family's default
+            (:meth:`LipschitzOptions.resolve`). Defaults: the released Swin (tau 10, alpha 1 / sum(depths)).
     """
 
     lipschitz_defaults = {}  # the released Swin's values are the base of every family (options.RELEASED)
