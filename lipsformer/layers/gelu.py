@@ -85,8 +85,9 @@ def _records_grad(*tensors) -> bool:
     the plain ops run. Under torch.func transforms ``jvp`` would need a custom rule, which torch.compile cannot
     trace. Under torch.compile the compiler's partitioner chooses what backward keeps whichever form it traces
     (a compiled Swin-T step kept the same bytes either way), and the plain ops compile faster. torch.fx tracing
-    records the plain ops."""
-    if any(isinstance(t, torch.fx.Proxy) for t in tensors):
+    records the plain ops, and so does torch.jit's tracer (the TorchScript ONNX exporter cannot export a custom
+    Function)."""
+    if torch.jit.is_tracing() or any(isinstance(t, torch.fx.Proxy) for t in tensors):
         return False
     return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
             and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling())
