@@ -331,12 +331,29 @@ def python_blocks():
                 yield page, body, line
 
 
+def named_paths(page: Path):
+    """Repository paths a page names in prose (`lipsformer/engine/run_folder.py`, configs/x.yaml, tests/y.py)."""
+    text = unfenced(page.read_text())
+    quoted = re.compile(r"`((?:lipsformer|configs|benchmarks|tests|examples|\.ci)/[\w./-]*)`")
+    bare = re.compile(r"(?<![\w/`.])((?:lipsformer|configs|benchmarks|tests|examples)/[\w/-]+\.(?:py|ya?ml|sh|sbatch))")
+    for pattern in (quoted, bare):
+        for m in pattern.finditer(text):
+            yield text.count("\n", 0, m.start()) + 1, m.group(1)
+
+
 # ---------------------------------------------------------------------------------------------------- tests
 
 
 def test_every_relative_link_and_anchor_resolves():
     problems = [p for page in PAGES for p in link_problems(page)]
     assert not problems, "\n".join(problems)
+
+
+def test_every_repository_path_the_docs_name_exists():
+    named = [(page, line, path) for page in PAGES for line, path in named_paths(page)]
+    assert len(named) >= 40
+    missing = [f"{page.relative_to(ROOT)}:{line}: {path}" for page, line, path in named if not (ROOT / path).exists()]
+    assert not missing, "no such file or folder:\n" + "\n".join(missing)
 
 
 def test_every_shell_command_in_the_docs_is_parsed_by_its_tool():
