@@ -45,7 +45,7 @@ def test_training_memory_targets_at_batch_16():
             model.set_grad_checkpointing(True)
         mb[name, checkpointing] = train_memory(model, x, "cpu", "no")
     base = mb["swin_tiny_patch4_window7_224", False]
-    assert mb["lipsformer_swin_t", False] / base == pytest.approx(1793 / 1735, abs=0.01)  # README Speed
+    assert mb["lipsformer_swin_t", False] / base == pytest.approx(1793 / 1735, abs=0.01)  # docs/speed.md
     assert mb["lipsformer_cswin_t", False] / base == pytest.approx(1833 / 1735, abs=0.01)
     assert max(mb["lipsformer_swin_t", False], mb["lipsformer_cswin_t", False]) <= 1.1 * base
     assert mb["lipsformer_swin_t", True] <= 0.6 * base
@@ -131,7 +131,7 @@ def test_certified_speed_prints_each_ratio_its_floor_the_profile_and_the_solver_
     model = timm.create_model("lipsformer_cswin_t_cert")
     assert [s["block"] for s in row["solver_steps"]] == [n for n, m in model.named_modules() if isinstance(m, AttLip)]
     assert all(1 <= s["mean_steps"] <= s["steps"] for s in row["solver_steps"])
-    macs = row["gmacs_per_image"]  # counted on the calls timed; a plain forward is fvcore's count (README's table)
+    macs = row["gmacs_per_image"]  # counted on the calls timed; a plain forward is fvcore's count (README's model table)
     assert macs["plain_infer"] == pytest.approx(4.67, abs=0.005)
     assert macs["plain_train"] == pytest.approx(3 * macs["plain_infer"], rel=0.02)  # backward: twice the forward
     assert macs["cert_train"] == pytest.approx((macs["cert_train_1"] + 2 * macs["cert_train_2"]) / 3)

@@ -146,7 +146,7 @@ def test_compiled_cpu_backward_has_no_racing_scatter_add(cold_compile):
 def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
     """compile_memory_budget is read when the graph is compiled, at the first call after compile_model: at 0.5 a
     compiled LipsFormer stage keeps less for backward than at the compiler's default (on Swin-T, 0.8 takes compiled
-    training memory from 1.59x to 0.88x of swin_tiny's, README GPU). Caches off, so a cached graph of the other
+    training memory from 1.59x to 0.88x of swin_tiny's, docs/speed.md). Caches off, so a cached graph of the other
     budget cannot stand in."""
     import timm
     from conftest import TINY
@@ -178,7 +178,7 @@ def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
 
 def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compiled_sums(monkeypatch, cold_compile):
     """Under torch.compile a float32 CPU training step takes the depth-wise weight gradients from
-    conv_blocks._dw_weight_grad (fused loops instead of oneDNN's slow depth-wise weight gradient, README Speed).
+    conv_blocks._dw_weight_grad (fused loops instead of oneDNN's slow depth-wise weight gradient, docs/speed.md).
     Doubled here, the compiled gradients of both depth-wise weights come out twice the eager ones and
     every other gradient equal: the path is taken, and the compiled sums are right. And the (B, H, W, C) activations
     the compiled graph keeps for backward stay row-major: inductor's layout optimisation, which compile_model turns

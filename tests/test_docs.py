@@ -1,0 +1,444 @@
+"""The documentation cannot drift (issue 38): every relative link in README.md and docs/*.md resolves (the file
+exists; an ``#anchor`` is the GitHub slug of a heading of its target), and every command shown in their code
+blocks is parsed by the tool it names: train.py's argv by ``train.build_parser()`` with its config loaded through
+``load_config`` and the overrides (nothing trains), eval.py's by its own parser, ``python -m lipsformer.X`` and
+``python benchmarks/X.py`` by theirs (parsed, then stopped before any work), ``make`` targets found in the
+Makefile, ``pip`` extras in pyproject.toml, the SLURM scripts' arguments by train.py's parser. Every repository
+file a command names exists. Python blocks compile, and run unless listed in NOT_RUN, on tiny models (TINY_MODEL,
+the one substitution). A command no rule handles fails the test unless ALLOWED lists it with a reason."""
+import argparse
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# Shell commands no rule below handles, each with the reason it is shown anyway (exact text after joining lines).
+ALLOWED = {
+    "torchrun --nproc_per_node 2": "the launcher's options, in a sentence that names what it launches",
+    "torchrun --nnodes 2 --node_rank {0,1}": "two launches in one: node rank 0 and 1",
+    "torchrun --nproc_per_node 2 eval.py": "names the launch, in a sentence on what it gives (the test runs it)",
+    "python -m lipsformer.<module>": "a pattern: every module of lipsformer that has a command line",
+}
+
+# Python blocks that are compiled but not run: (page, a line of the block) -> why.
+NOT_RUN = {
+    ("docs/lipschitz.md", "@register_bound(MyActivation)"):
+        "a template: MyActivation is the reader's type, and registering it would change the process-wide registry",
+}
+
+# The one substitution for running Python blocks: a zoo model built by a snippet at the paper's size is built at
+# this width and depth instead (at the snippet's input size); a keyword the snippet gives wins.
+TINY_MODEL = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 8))
+
+# Repository files a command may name; each must exist (generated outputs such as output/ are not checked).
+REPO_FILE = re.compile(r"(?:^|[=\s'\"])((?:configs|examples|benchmarks|tests)/[\w./-]+\.(?:ya?ml|py|sh|sbatch))")
+
+
+# ---------------------------------------------------------------------------------------------------- markdown
+
+
+def fences(text: str):
+    """(language, body, line number of the body's first line) of every fenced code block."""
+    out, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)```(\w*)\s*$", lines[i])
+        if m:
+            start = i + 1
+            i += 1
+            while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
+                i += 1
+            out.append((m.group(2), "\n".join(lines[start:i]), start + 1))
+        i += 1
+    return out
+
+
+def unfenced(text: str) -> str:
+    """The text with fenced blocks blanked (same line numbers)."""
+    out, inside = [], False
+    for line in text.splitlines():
+        if re.match(r"^\s*```", line):
+            inside = not inside
+            out.append("")
+        else:
+            out.append("" if inside else line)
+    return "\n".join(out)
+
+
+def prose(text: str) -> str:
+    """The text outside fenced blocks, inline code removed (a link written in code is not a link)."""
+    return re.sub(r"`[^`]*`", "", unfenced(text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link's text
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set:
+    seen: dict = {}
+    for line in unfenced(path.read_text()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            yield base if n == 0 else f"{base}-{n}"
+
+
+def link_problems(page: Path) -> list:
+    problems = []
+    text = page.read_text()
+    body = prose(text)
+    targets = [(m.group(1), body.count("\n", 0, m.start()) + 1)
+               for m in re.finditer(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", body)]
+    targets += [(m.group(1), body.count("\n", 0, m.start()) + 1)
+                for m in re.finditer(r"^\s*\[[^\]]+\]:\s*(\S+)", body, re.M)]
+    for target, line in targets:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto:
+            continue
+        where = f"{page.relative_to(ROOT)}:{line}: {target}"
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            problems.append(f"{where}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in set(anchors(dest)):
+            problems.append(f"{where}: {dest.relative_to(ROOT)} has no heading with this anchor")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+
+
+def shell_commands(body: str):
+    """(command line, offset in lines) of a shell block: continuations (a trailing backslash, an open quote)
+    joined, comments kept for shlex to drop."""
+    out, pending, first = [], "", None
+    for k, line in enumerate(body.splitlines()):
+        if first is None:
+            first = k
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        try:
+            shlex.split(pending + line, comments=True)
+        except ValueError:  # a quote spans lines, as bash allows
+            pending += line + "\n"
+            continue
+        command = (pending + line).strip()
+        pending = ""
+        if command and not command.startswith("#"):
+            out.append((command, first))
+        first = None
+    return out
+
+
+class Parsed(SystemExit):
+    """Raised by argparse once a command's arguments parsed: the command stops before doing any work."""
+
+
+@contextlib.contextmanager
+def parse_only(argv0: str, argv: list):
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        raise Parsed(original(self, args, namespace))
+
+    saved_argv, saved_env, threads = sys.argv, dict(os.environ), __import__("torch").get_num_threads()
+    argparse.ArgumentParser.parse_args = parse_args
+    sys.argv = [argv0, *argv]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = original
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        __import__("torch").set_num_threads(threads)
+
+
+def run_parser(run, argv0: str, argv: list):
+    """Run ``run()`` (a module or script as __main__) until its parser has read ``argv``; None when it parsed."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), parse_only(argv0, argv):
+            run()
+    except Parsed:
+        return None
+    except SystemExit as e:
+        return f"exit {e.code}: {err.getvalue().strip().splitlines()[-1:] or ''}"
+    except Exception as e:  # noqa: BLE001 - reported as the command's problem
+        return f"{type(e).__name__}: {e}"
+    return "ran to the end without parsing its arguments (no argparse parser?)"
+
+
+def load_script(relative: str):
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(f"doc_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_train(argv: list):
+    from lipsformer.engine.config import load_config
+    try:
+        args = load_script("train.py").build_parser().parse_args(argv)
+        overrides = list(args.set)
+        for flag, key in (("data_dir", "data_dir"), ("output_dir", "output_dir"),
+                          ("lipschitz_target", "lipschitz_target")):
+            if getattr(args, flag) is not None:
+                overrides.append(f"{key}={getattr(args, flag)}")
+        if args.config or overrides:
+            load_config(args.config, overrides)
+    except Exception as e:  # noqa: BLE001 - the doc's problem, one line
+        return f"train.py: {type(e).__name__}: {e}"
+    return None
+
+
+def check_script(script: str, argv: list):
+    if script == "train.py":
+        return check_train(argv)
+    if script == "eval.py":
+        try:
+            load_script("eval.py").build_parser().parse_args(argv)
+        except Exception as e:  # noqa: BLE001
+            return f"eval.py: {type(e).__name__}: {e}"
+        return None
+    if script.startswith("benchmarks/") and script.endswith(".py"):
+        if not (ROOT / script).is_file():
+            return f"{script}: no such file"
+        def run():
+            sys.path.insert(0, str((ROOT / script).parent))  # as python does for a script: its siblings import
+            try:
+                runpy.run_path(str(ROOT / script), run_name="__main__")
+            finally:
+                sys.path.remove(str((ROOT / script).parent))
+        return run_parser(run, script, argv)
+    return f"no rule for the script {script!r}"
+
+
+def makefile_targets() -> set:
+    return set(re.findall(r"^([\w.-]+)\s*:(?!=)", (ROOT / "Makefile").read_text(), re.M))
+
+
+def extras() -> set:
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    return set(re.findall(r"^([\w-]+)\s*=", section, re.M))
+
+
+def check_command(command: str, inline: bool = False):
+    """None when the command is parsed by the tool it names, else what is wrong. ``inline``: a command quoted in
+    prose, where naming a tool without arguments (`python -m lipsformer.convert`) is checked for existence only."""
+    if command in ALLOWED:
+        return None
+    try:
+        tokens = shlex.split(command, comments=True)
+    except ValueError as e:
+        return f"shlex: {e}"
+    problems = [f"{path}: no such file" for path in REPO_FILE.findall(" " + " ".join(tokens))
+                if not (ROOT / path).exists()]
+    while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):  # environment assignments
+        tokens = tokens[1:]
+    if not tokens:
+        return "; ".join(problems) or None
+    head, rest = tokens[0], tokens[1:]
+    if head in ("python", "python3") and rest[:2] == ["-m", "pytest"]:
+        problem = None  # the test files it names are checked above
+    elif head in ("python", "python3") and rest[:1] == ["-m"]:
+        module = rest[1]
+        if not module.startswith("lipsformer.") or importlib.util.find_spec(module) is None:
+            problem = f"python -m {module}: no such lipsformer module"
+        elif inline and len(rest) == 2:
+            problem = None
+        else:
+            problem = run_parser(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True), module,
+                                 rest[2:])
+    elif head in ("python", "python3") and rest:
+        if inline and len(rest) == 1 and rest[0] in ("train.py", "eval.py"):
+            problem = None
+        else:
+            problem = check_script(rest[0], rest[1:])
+    elif head == "accelerate" and rest[:1] == ["launch"]:
+        from accelerate.commands.launch import launch_command_parser
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                args = launch_command_parser().parse_args(rest[1:])
+            problem = check_script(args.training_script, args.training_script_args)
+        except SystemExit:
+            problem = "accelerate launch: its parser refused the options"
+    elif head == "torchrun":
+        from torch.distributed.run import get_args_parser
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                args = get_args_parser().parse_args(rest)
+            problem = check_script(args.training_script, args.training_script_args)
+        except SystemExit:
+            problem = "torchrun: its parser refused the options"
+    elif head == "make":
+        missing = [t for t in rest if "=" not in t and not t.startswith("-") and t not in makefile_targets()]
+        problem = f"make: no target {missing} in the Makefile" if missing else None
+    elif head == "sbatch" and rest and rest[0].startswith("examples/slurm/"):
+        # every argument after the script goes to train.py (see the script's header)
+        problem = check_script("train.py", rest[1:]) if (ROOT / rest[0]).is_file() else f"{rest[0]}: no such file"
+    elif head == "bash" and rest and (ROOT / rest[0]).is_file():
+        problem = None  # a script of the repository; its own arguments are documented in its header
+    elif head == "pip" and rest[:1] == ["install"]:
+        wanted = [x for t in rest for m in re.findall(r"^\.\[([\w,-]+)\]$", t) for x in m.split(",")]
+        unknown = sorted(set(wanted) - extras())
+        problem = f"pip: no extra {unknown} in pyproject.toml" if unknown else None
+    else:
+        problem = f"no rule for {head!r} (add one to tests/test_docs.py, or list it in ALLOWED with a reason)"
+    return "; ".join(dict.fromkeys(problems + ([problem] if problem else []))) or None
+
+
+def doc_commands():
+    for page in PAGES:
+        for lang, body, line in fences(page.read_text()):
+            if lang in ("bash", "sh", "shell", "console"):
+                for command, offset in shell_commands(body):
+                    yield f"{page.relative_to(ROOT)}:{line + offset}", command
+
+
+INLINE_COMMAND = re.compile(r"^([A-Z_]+=\S+ )*(python3? |make |torchrun |accelerate launch |sbatch |bash |pip install )")
+
+
+def inline_commands():
+    """Commands quoted in prose (`python benchmarks/x.py --flag` inside a sentence, possibly across lines)."""
+    for page in PAGES:
+        text = unfenced(page.read_text())
+        for m in re.finditer(r"`([^`]+)`", text):
+            command = " ".join(m.group(1).split())
+            if INLINE_COMMAND.match(command):
+                yield f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}", command
+
+
+def python_blocks():
+    for page in PAGES:
+        for lang, body, line in fences(page.read_text()):
+            if lang == "python":
+                yield page, body, line
+
+
+def named_paths(page: Path):
+    """Repository paths a page names in prose (`lipsformer/engine/run_folder.py`, configs/x.yaml, tests/y.py)."""
+    text = unfenced(page.read_text())
+    quoted = re.compile(r"`((?:lipsformer|configs|benchmarks|tests|examples|\.ci)/[\w./-]*)`")
+    bare = re.compile(r"(?<![\w/`.])((?:lipsformer|configs|benchmarks|tests|examples)/[\w/-]+\.(?:py|ya?ml|sh|sbatch))")
+    for pattern in (quoted, bare):
+        for m in pattern.finditer(text):
+            yield text.count("\n", 0, m.start()) + 1, m.group(1)
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+
+
+def test_every_relative_link_and_anchor_resolves():
+    problems = [p for page in PAGES for p in link_problems(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_repository_path_the_docs_name_exists():
+    named = [(page, line, path) for page in PAGES for line, path in named_paths(page)]
+    assert len(named) >= 40
+    missing = [f"{page.relative_to(ROOT)}:{line}: {path}" for page, line, path in named if not (ROOT / path).exists()]
+    assert not missing, "no such file or folder:\n" + "\n".join(missing)
+
+
+def test_every_shell_command_in_the_docs_is_parsed_by_its_tool():
+    commands = list(doc_commands())
+    assert len(commands) >= 20  # the pages show commands; an empty harvest is a broken harvester
+    problems = [f"{where}: {command}\n    {problem}" for where, command in commands
+                if (problem := check_command(command))]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_command_quoted_in_prose_is_parsed_by_its_tool():
+    # the measured figures cite their commands in the sentence that gives them: those drift as easily
+    commands = list(inline_commands())
+    assert len(commands) >= 40
+    problems = [f"{where}: {command}\n    {problem}" for where, command in commands
+                if (problem := check_command(command, inline=True))]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_python_block_compiles_and_the_cheap_ones_run(monkeypatch, tmp_path):
+    import timm
+    create = timm.create_model
+
+    def tiny(name, *args, **kwargs):
+        if name.startswith("lipsformer_"):
+            for key, value in TINY_MODEL.items():
+                kwargs.setdefault(key, value)
+        return create(name, *args, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", tiny)
+    monkeypatch.chdir(tmp_path)
+    ran, done, blocks = 0, set(), list(python_blocks())
+    assert len(blocks) >= 3
+    listed = {key for key in NOT_RUN}
+    for page, body, line in blocks:
+        where = f"{page.relative_to(ROOT)}:{line}"
+        code = compile(body, where, "exec")
+        skip = [key for key in listed if key[0] == str(page.relative_to(ROOT)) and key[1] in body]
+        if skip:
+            listed -= set(skip)
+            continue
+        if body in done:  # the same snippet on two pages (README and its docs page) runs once
+            continue
+        exec(code, {"__name__": "doc_block"})
+        done.add(body)
+        ran += 1
+    assert not listed, f"NOT_RUN names blocks that are no longer in the docs: {listed}"
+    assert ran >= 2
+
+
+# The checker itself: each kind of drift it exists for is caught (a missing file, a bad flag, a dead anchor, a
+# config key that does not exist, a make target that does not exist).
+@pytest.mark.parametrize("command, says", [
+    ("python train.py --config configs/no_such_recipe.yaml", "no such file"),
+    ("python train.py --config configs/demo_digits.yaml --no-such-flag 1", "no-such-flag"),
+    ("python train.py --config configs/demo_digits.yaml --set lrr=1e-3", "lrr"),
+    ("accelerate launch train.py --config configs/demo_digits.yaml --set epochs=zero", "epochs"),
+    ("torchrun --nproc_per_node 2 eval.py --checkpoint x --data-dir y --no-such-flag", "no-such-flag"),
+    ("python eval.py --checkpoint x --data-dir y --dataset imagenet_v3", "imagenet_v3"),
+    ("python -m lipsformer.lipschitz --model lipsformer_swin_t --no-such-flag", "exit 2"),
+    ("python -m lipsformer.no_such_module", "no such lipsformer module"),
+    ("python benchmarks/no_such_benchmark.py", "no such file"),
+    ("python benchmarks/throughput.py --no-such-flag", "exit 2"),
+    ("make no-such-target", "no target"),
+    ("pip install -e \".[no-such-extra]\"", "no extra"),
+    ("sbatch examples/slurm/train.sbatch --config configs/demo_digits.yaml --set nope=1", "nope"),
+    ("curl https://example.com", "no rule"),
+])
+def test_the_checker_catches_a_broken_command(command, says):
+    problem = check_command(command)
+    assert problem and says in problem, problem
+
+
+def test_the_checker_passes_good_commands_and_catches_dead_links(tmp_path):
+    assert check_command("python train.py --config configs/demo_digits.yaml --set epochs=2 lr=1e-3") is None
+    assert check_command("python -m lipsformer.flops --models lipsformer_swin_t --no-flops") is None
+    assert check_command("make test") is None
+    page = tmp_path / "page.md"
+    (tmp_path / "other.md").write_text("# A title\n\n## Some `code`: here (issue 36)\n")
+    page.write_text("[a](other.md#some-code-here-issue-36) [b](other.md#gone) [c](missing.md) [d](#local)\n\n"
+                    "## Local\n\n```bash\n[not a link](nowhere.md)\n```\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        problems = link_problems(page)
+    finally:
+        ROOT = saved
+    assert len(problems) == 2 and "other.md#gone" in problems[0] and "missing.md" in problems[1], problems
