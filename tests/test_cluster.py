@@ -185,7 +185,7 @@ def test_the_resume_notice_names_what_cannot_carry_over():
     from types import SimpleNamespace
     from torch.utils.data import IterableDataset
     from lipsformer.engine.checkpoint import TrainState
-    from lipsformer.engine.train import _move_position
+    from lipsformer.engine.resume import move_position as _move_position
     cfg = load_config(None, ["global_batch=8", "batch_size=4"])
     state = TrainState(processes=1, batch_size=4, global_batch=8, updates_per_epoch=4)
     state.epoch, state.step, state.batch_in_epoch = 1, 6, 4  # 2 steps into epoch 1

@@ -304,7 +304,8 @@ def _position_table(model) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     from accelerate.utils import set_seed
-    from lipsformer.engine.train import _EpochMeter, _start, _train_step, build_model, train, train_one_epoch
+    from lipsformer.engine.metrics import EpochMeter
+    from lipsformer.engine.train import _start, _train_step, build_model, train, train_one_epoch
     from lipsformer.layers import AttentionKernel, CenterNorm
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
@@ -341,7 +342,7 @@ def probe(tmp_path_factory):
         params, max_norm, *a, **k)
     train_one_epoch(run, 0)
     images, targets, _ = next(iter(run.train_loader))
-    nan_step = _train_step(run, _EpochMeter(), torch.full_like(images, math.nan), targets, 0)
+    nan_step = _train_step(run, EpochMeter(), torch.full_like(images, math.nan), targets, 0)
     reset_accelerate()
 
     summary = train(cfg)

@@ -181,7 +181,7 @@ def test_validation_reports_the_mean_cross_entropy_of_the_readable_images():
 def test_curves_have_a_title_the_val_loss_and_whole_epoch_ticks():
     """Item 12: curves.png names the run, draws the val loss beside the training loss (at each evaluated epoch's
     last step), and its epoch axes tick at whole epochs."""
-    from lipsformer.engine.train import draw_curves
+    from lipsformer.engine.metrics import draw_curves
     rows = [dict(kind="init", step=0)]
     rows += [dict(kind="train", step=s, epoch=(s - 1) // 3 + 1, loss=2.0 / s, lr=1e-3) for s in range(1, 10)]
     rows += [dict(kind="epoch", step=3 * e, epoch=e, train_loss=1.0, top1=10.0 * e, val_loss=1.5 / e,

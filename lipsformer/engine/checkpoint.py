@@ -1,4 +1,5 @@
-"""Atomic, rotating, verified training checkpoints on top of Accelerate's save_state / load_state.
+"""Atomic, rotating, verified training checkpoints on top of Accelerate's save_state / load_state, and the
+weight files a run writes beside them (``last`` / ``best`` safetensors).
 
 Each checkpoint folder carries ``manifest.json``: the size and sha256 of every file, written before the
 folder is renamed into place. Resuming verifies it, and reads every file Accelerate would unpickle without
@@ -15,10 +16,11 @@ import torch
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.other import TORCH_SAFE_GLOBALS  # what Accelerate's load allows: NumPy's arrays
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..errors import Stopped
 from ..layers.attlip import form_mismatch
-from ..weights import CheckpointError, load_pickled, sha256_of
+from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
 from .run_folder import MANIFEST, RunFolder, readable_as_outputs
 
 _logger = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class TrainState:
         self.batch_size = batch_size
         self.global_batch = global_batch
         self.updates_per_epoch = updates_per_epoch  # optimizer steps an epoch takes in that geometry
-        self.epoch_sums = {}  # the current epoch's sums so far (train.py's _EpochMeter.totals), for a mid-epoch resume
+        self.epoch_sums = {}  # the current epoch's sums so far (metrics.py's EpochMeter.totals), for a mid-epoch resume
 
     @property
     def samples_in_epoch(self) -> int:
@@ -183,3 +185,22 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def save_weights(accelerator, state_dict: dict, path: Path, img_size: int) -> None:
+    """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed) whose metadata records
+    the input size they were made at (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder
+    is beside the file), written beside the target and renamed over it: a failed write leaves the previous file as
+    it was."""
+    if accelerator.is_main_process:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        assert_finite(tensors.items(), path)
+        tmp = RunFolder.temporary(path)
+        try:
+            save_file(tensors, str(tmp), metadata=input_size_metadata((3, img_size, img_size)))
+            readable_as_outputs(tmp)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SaveFailed(f"could not write {path}: {e.strerror or e}; "
+                             f"{'the previous file is intact' if path.exists() else 'nothing was written'}") from None
+        os.replace(tmp, path)

@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
+from .config import ConfigError
+
 CONFIG = "config.yaml"
 CLASSES = "classes.json"
 METRICS = "metrics.jsonl"
@@ -67,6 +69,16 @@ def read_metrics(path: Path) -> List[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_output(folder: "RunFolder") -> None:
+    """A ConfigError unless ``output_dir`` is (or can become) a folder: it and every parent that exists are folders."""
+    for path in (folder.root, *folder.root.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"output_dir {folder.root}: {path} is a file, not a folder; choose another "
+                                  f"output_dir")
+            return
 
 
 class RunFolder:

@@ -1,0 +1,126 @@
+"""What a run reports about itself: ``metrics.jsonl`` rows (and Accelerate's trackers), the running sums of an
+epoch's training batches, the per-stage |alpha| statistics, and ``curves.png`` drawn from the rows."""
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+from accelerate.utils import gather_object
+
+from ..layers.residual import WeightedResidual
+from ..models._base import LipsFormerBase
+from .ema import _whole
+from .run_folder import read_metrics
+
+
+class MetricsLog:
+    """Metrics to a JSONL file (main process) and to Accelerate's trackers."""
+
+    def __init__(self, accelerator, path: Path):
+        self.accelerator, self.path = accelerator, path
+
+    def __call__(self, kind: str, step: int, **values):
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(dict(kind=kind, step=step, **values)) + "\n")
+        self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+
+@dataclass
+class EpochMeter:
+    """The running sums of one epoch's training batches; ``carried`` holds the sums of the batches before a
+    mid-epoch resume (checkpointed as ``TrainState.epoch_sums``), so a resumed epoch's row counts the whole epoch."""
+
+    failed: List[str] = field(default_factory=list)  # paths of images that could not be read
+    seen: int = 0  # samples in this process's batches
+    loss_sum: float = 0.0
+    loss_n: int = 0
+    images: int = 0  # over all processes, for the speed shown
+    window_bad: bool = False  # a non-finite loss or gradient in the current accumulation window
+    t0: float = field(default_factory=time.time)
+    carried: Dict[str, Any] = field(default_factory=dict)  # :meth:`totals` at the checkpoint resumed from
+
+    @property
+    def loss(self) -> float:  # this process's mean batch loss over the epoch so far
+        return (self.carried.get("loss_sum", 0.0) + self.loss_sum) / max(self.carried.get("loss_n", 0) + self.loss_n, 1)
+
+    def totals(self, accelerator) -> Dict[str, Any]:
+        """The epoch so far, carried part included: samples and unreadable ones over all processes (a collective
+        call), this process's loss sums, wall seconds, and a few unreadable paths of any process for messages."""
+        counts = accelerator.reduce(torch.tensor([float(len(self.failed)), float(self.seen)],
+                                                 device=accelerator.device), "sum")
+        c = self.carried
+        failed = gather_object(self.failed[:5]) if accelerator.num_processes > 1 else self.failed
+        return dict(failed=c.get("failed", 0) + int(counts[0]), seen=c.get("seen", 0) + int(counts[1]),
+                    loss_sum=c.get("loss_sum", 0.0) + self.loss_sum, loss_n=c.get("loss_n", 0) + self.loss_n,
+                    seconds=c.get("seconds", 0.0) + time.time() - self.t0,
+                    failed_paths=(list(c.get("failed_paths", [])) + list(failed))[:5])
+
+
+@torch.no_grad()
+def alpha_statistics(model: torch.nn.Module) -> Dict[str, float]:
+    """Per-stage mean and standard deviation of |alpha| over every WeightedResidual alpha of the stage (all
+    channels pooled; population std), as ``alpha_mean_s{i}`` / ``alpha_std_s{i}``: LipsFormer Figure 5's
+    curves. Empty for a model that is not a LipsFormer."""
+    if not isinstance(model, LipsFormerBase):
+        return {}
+    stats = {}
+    for i, stage in enumerate(model.stages):
+        alphas = [_whole(m.alpha).detach().float().abs().flatten() for m in stage.modules()
+                  if isinstance(m, WeightedResidual)]
+        if alphas:
+            a = torch.cat(alphas)
+            stats[f"alpha_mean_s{i}"] = a.mean().item()
+            stats[f"alpha_std_s{i}"] = a.std(correction=0).item()
+    return stats
+
+
+def draw_curves(rows: List[dict], title: str):
+    """The figure of ``curves.png`` from ``metrics.jsonl`` rows: training loss per logged step with the val loss
+    of each evaluated epoch (at its last step), val top-1 per epoch, and per-stage |alpha| per epoch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    train = [r for r in rows if r["kind"] == "train"]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    fig.suptitle(title)
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss (epoch running mean)")
+    for key, label in (("val_loss", "val loss"), ("ema_val_loss", "EMA val loss")):
+        pts = [(r["step"], r[key]) for r in epochs if r.get(key) is not None]
+        if pts:
+            ax1.plot(*zip(*pts), marker="o", label=label)
+    ax1.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log")
+    ax1.legend()
+    for key, label in (("top1", "model"), ("ema_top1", "EMA")):
+        pts = [(r["epoch"], r[key]) for r in epochs if r.get(key) is not None]
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=label)
+    ax2.set(xlabel="epoch", ylabel="val top-1 (%)")
+    if ax2.lines:
+        ax2.legend()
+    stages = sorted({k.rsplit("_s", 1)[1] for r in epochs for k in r if k.startswith("alpha_mean_s")}, key=int)
+    for i in stages:  # LipsFormer Figure 5: "alpha first grows, then stabilises"
+        pts = [(r["epoch"], r[f"alpha_mean_s{i}"], r[f"alpha_std_s{i}"]) for r in epochs if f"alpha_mean_s{i}" in r]
+        x, mean, std = (torch.tensor(v, dtype=torch.float64) for v in zip(*pts))
+        ax3.plot(x, mean, marker="o", label=f"stage {i}")
+        ax3.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax3.set(xlabel="epoch", ylabel="|alpha| per stage (mean +- std)")
+    if stages:
+        ax3.legend()
+    for ax in (ax1, ax2, ax3):  # steps and epochs are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig
+
+
+def plot_curves(metrics_path: Path, png_path: Path, title: str = "") -> None:
+    import matplotlib.pyplot as plt
+    fig = draw_curves(read_metrics(metrics_path), title or str(Path(metrics_path).parent))
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
