@@ -157,7 +157,7 @@ def test_descent_takes_the_iterates_of_algorithms_1_and_2_with_their_gradients(w
 def test_groups_are_solved_independently_in_chunks_and_stop_at_their_own_tolerance(weight, monkeypatch):
     """A group's output does not depend on the batch around it: chunked as a large batch is (forced here), the same
     forward and backward; a group that meets ``tol`` stops there while the others go on."""
-    from lipsformer.layers import attlip
+    from lipsformer.layers import attlip_solver as attlip
     x = tokens(batch=5, scale=3.0)
     x[2] *= 0.01  # its residual falls below 0.1 after three steps, the others' stay above it for six
     whole = attlip_prox(x, weight, H, steps=6, tol=0.1)
@@ -206,7 +206,7 @@ def test_orthogonal_form_is_attlip_with_its_scaled_orthogonal_weight():
 def test_orthogonal_warm_start_is_the_prox_at_uniform_attention():
     """The solvers start at the prox of the potential linearised where all scores are equal: y + eta c (2 y + 2
     mean(y)) = x, c = s^2 / sqrt(d); with scores that small the start already meets a tight tolerance."""
-    from lipsformer.layers.attlip import DiagonalWeight, _bb_solve
+    from lipsformer.layers.attlip_solver import DiagonalWeight, _bb_solve
     x = tokens(batch=4)
     s = torch.tensor([0.3, 1.0, 2.0, 5.0], dtype=x.dtype).view(-1, 1, 1)
     w = DiagonalWeight(s, C)

@@ -4,7 +4,7 @@ import pytest
 import timm
 import torch
 
-from lipsformer.layers import attlip
+from lipsformer.layers import attlip_solver as attlip
 from lipsformer.layers.attlip import (AttLip, SolverToleranceError, attlip_grad, attlip_prox, attlip_prox_certified,
                                      attlip_solve, prox_residual64, solve_to_tolerance)
 from lipsformer.lipschitz import lipschitz_report

@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from .attention import ATTENTIONS, AttentionKernel
-from .attlip import DEFAULT_TOL, FIRST_PASS_STEPS, FORMS, AttLipMixer
+from .attlip import FORMS, AttLipMixer
+from .attlip_solver import DEFAULT_TOL, FIRST_PASS_STEPS
 from .block import MLPS
 from .conv_blocks import ACTS, CONV_BLOCKS, create_act
 from .init import INITS
