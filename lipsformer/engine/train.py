@@ -260,8 +260,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
 
     SIGTERM and SIGUSR1 (:data:`.preemption.PREEMPTION_SIGNALS`) stop the run after the optimizer step they arrive
     in, with that step's checkpoint written, by raising :class:`Preempted`; Ctrl-C raises :class:`Interrupted`
-    naming the newest checkpoint. Returns the run's summary; resumed from the checkpoint that ended a finished run, nothing is
-    done and the summary says ``finished_before``.
+    naming the newest checkpoint. Returns the run's summary; resumed from the checkpoint that ended a finished run,
+    nothing is done and the summary says ``finished_before``.
     """
     preemption = Preemption()
     with preemption.watching():
