@@ -301,7 +301,7 @@ def test_unknown_mixer_downsampler_or_attention_kind_has_no_bound_and_says_which
     """Bounds by type: a module the registry does not know is refused by name, even when it carries the attributes
     of a known one; a registered bound is used once registered."""
     from lipsformer.lipschitz import NoBoundError, register_bound, register_kernel_bound
-    from lipsformer.lipschitz import bounds
+    from lipsformer.lipschitz import registry as bounds
 
     class NewMixer(nn.Module):
         window = (2, 2)  # what an attribute probe would take for Swin windows
@@ -365,7 +365,7 @@ def test_max_pooled_head_is_bounded_as_max_pooling_not_as_a_mean():
 
 
 def test_command_names_a_module_without_a_bound_in_one_line(monkeypatch, capsys):
-    from lipsformer.lipschitz import bounds
+    from lipsformer.lipschitz import registry as bounds
     from lipsformer.lipschitz.__main__ import main
     monkeypatch.setattr(bounds, "BOUNDS", {k: v for k, v in bounds.BOUNDS.items() if k is not CenterNorm})
     assert main(["--model", "lipsformer_swin_t", "--model-args", json.dumps(dict(TINY["swin"], v_norm=True))]) == 2
