@@ -129,31 +129,18 @@ def profile_train_step(model, x, device, amp, top: int) -> tuple:
 
 
 def train_memory(model, x, device, amp) -> float:
-    """MB: peak allocated on CUDA; on CPU the bytes autograd saves for backward in one training step."""
+    """MB: peak allocated on CUDA; elsewhere the bytes autograd saves for backward in one training step
+    (:func:`saved_bytes`)."""
+    if device != "cuda":
+        return saved_bytes(model, x, device, amp) / 2 ** 20
     target = torch.zeros(x.shape[0], dtype=torch.long, device=device)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        with autocast(device, amp):
-            loss = torch.nn.functional.cross_entropy(model(x), target)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return torch.cuda.max_memory_allocated() / 2 ** 20
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if key not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, amp):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with autocast(device, amp):
         loss = torch.nn.functional.cross_entropy(model(x), target)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return total / 2 ** 20
+    return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
 def saved_bytes(model, x, device, amp) -> int:
