@@ -245,3 +245,29 @@ def test_orthogonal_form_trains_its_rotation_and_scales_and_one_step_from_the_st
         exact = layer(x)
     relative = (out.detach() - exact).norm() / (exact - x).norm()
     assert relative < 0.05  # one Armijo step from the uniform-attention start, against the solved prox
+
+
+def test_armijo_steps_near_the_prox_are_not_halved_on_rounding_noise(monkeypatch):
+    """Near the prox the decrease Armijo asks for falls below the rounding of phi in float32: the test must not fail
+    on that noise (it halved the steps ten times a step, each trial over every window, and left the iterate where
+    it was). Three training steps on mildly curved windows: one trial per step, and closer to the prox than one."""
+    from lipsformer.layers import attlip_solver
+    from lipsformer.layers.attlip_potential import DiagonalWeight
+    g, n, d = 64, 49, 32
+    x = torch.randn(g, n, d, generator=torch.Generator().manual_seed(0))
+    w = DiagonalWeight(torch.full((g, 1, 1), 0.3), d)
+    exact, _ = attlip_solver.attlip_prox_certified(x.double(), DiagonalWeight(w.scale.double(), d), 1, 1.0, 1e-10,
+                                                   5000)
+    trials = []
+    potential = attlip_solver._potential
+    monkeypatch.setattr(attlip_solver, "_potential", lambda v, h: trials.append(1) or potential(v, h))
+
+    def error(steps):
+        trials.clear()
+        y = attlip_solver.attlip_prox(x, w, 1, 1.0, steps, tol=1e-6)
+        return float(((y.double() - exact).flatten(1).norm(dim=1) / exact.flatten(1).norm(dim=1)).max())
+
+    one = error(1)
+    three = error(3)
+    assert len(trials) <= 3  # one trial a step (before: 20 or more in all)
+    assert three < one / 20 and three < 2e-5
