@@ -344,3 +344,49 @@ def test_orthogonal_rotation_bound_covers_the_rounded_rotation():
         deltas = [b.rotation_defect() for b in mixer.branches]
         assert module_bound(layer).lip >= 1 + delta
         assert module_bound(mixer, (8, 8)).lip >= 1 + (2 if delta_mixer else 1) * max(deltas)
+
+
+@pytest.mark.parametrize("kind", ["random", "orthogonal", "near_repeated", "rank_one"])
+def test_the_verified_top_singular_triple_is_exact_and_its_bound_certified(kind):
+    """The normalised layers' divisor and certified norm come from Lanczos verified by a Cholesky factorisation just
+    above its estimate: sigma within the margin of the norm, the bound above the true norm (an SVD) by at most 1e-8 relative,
+    the same bits on every call (a resumed run divides by what the uninterrupted one did), and top singular values
+    repeated or nearly so do not break it."""
+    from lipsformer.layers import spectral
+
+    g = torch.Generator().manual_seed(3)
+    if kind == "random":
+        w = torch.randn(300, 96, generator=g) * 0.02
+    elif kind == "orthogonal":  # every singular value equal
+        w = torch.linalg.qr(torch.randn(96, 96, generator=g, dtype=torch.float64))[0].float() * 3.0
+    elif kind == "near_repeated":
+        q1 = torch.linalg.qr(torch.randn(200, 64, generator=g, dtype=torch.float64))[0]
+        q2 = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))[0]
+        s = torch.linspace(1.0, 0.1, 64, dtype=torch.float64)
+        s[1] = 1.0 - 1e-12
+        w = (q1 * s) @ q2.T
+    else:
+        w = torch.randn(120, 1, generator=g) @ torch.randn(1, 80, generator=g)
+    exact = float(torch.linalg.matrix_norm(w.flatten(1).double(), ord=2))
+    sigma, u, v, upper = spectral.top_singular_triple(w, upper=True)
+    # ||W v|| for a unit v: never above the norm, and within the verification's margin of it (where every singular
+    # value is the same up to float32 rounding, the vector is any of theirs)
+    assert exact * (1 - 1e-8) <= float(sigma) <= exact * (1 + 1e-12)
+    assert float(u @ w.flatten(1).double() @ v) == pytest.approx(float(sigma), rel=1e-12)
+    assert exact < upper <= exact * (1 + 1e-8)
+    again = spectral.top_singular_triple(w.clone(), upper=True)
+    assert all(torch.equal(a, b) for a, b in zip((sigma, u, v), again[:3])) and again[3] == upper
+
+
+def test_a_failed_verification_falls_back_to_eigh_and_stays_certified(monkeypatch):
+    """With the Cholesky test run below the top eigenvalue it must fail (a pass there would certify a bound below
+    the norm): the triple then comes from eigh, and the bound is still above the norm."""
+    from lipsformer.layers import spectral
+
+    w = torch.randn(200, 48, generator=torch.Generator().manual_seed(4))
+    a, _ = spectral._tall(w.double())
+    monkeypatch.setattr(spectral, "VERIFY_MARGIN", -1e-6)
+    assert spectral._verified_top(a, a.T @ a) is None
+    sigma, _, _, upper = spectral.top_singular_triple(w, upper=True)
+    exact = float(torch.linalg.matrix_norm(w.double(), ord=2))
+    assert float(sigma) == pytest.approx(exact, rel=1e-12) and exact < upper <= exact * (1 + 1e-12)
