@@ -356,18 +356,20 @@ def test_the_verified_top_singular_triple_is_exact_and_its_bound_certified(kind)
 
     g = torch.Generator().manual_seed(3)
     if kind == "random":
-        w = torch.randn(300, 96, generator=g) * 0.02
+        w = torch.randn(300, 160, generator=g) * 0.02
     elif kind == "orthogonal":  # every singular value equal
-        w = torch.linalg.qr(torch.randn(96, 96, generator=g, dtype=torch.float64))[0].float() * 3.0
+        w = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=torch.float64))[0].float() * 3.0
     elif kind == "near_repeated":
-        q1 = torch.linalg.qr(torch.randn(200, 64, generator=g, dtype=torch.float64))[0]
-        q2 = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))[0]
-        s = torch.linspace(1.0, 0.1, 64, dtype=torch.float64)
+        q1 = torch.linalg.qr(torch.randn(200, 128, generator=g, dtype=torch.float64))[0]
+        q2 = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=torch.float64))[0]
+        s = torch.linspace(1.0, 0.1, 128, dtype=torch.float64)
         s[1] = 1.0 - 1e-12
         w = (q1 * s) @ q2.T
     else:
-        w = torch.randn(120, 1, generator=g) @ torch.randn(1, 80, generator=g)
+        w = torch.randn(200, 1, generator=g) @ torch.randn(1, 150, generator=g)
     exact = float(torch.linalg.matrix_norm(w.flatten(1).double(), ord=2))
+    a, _ = spectral._tall(w.double())
+    assert spectral._verified_top(a, a.T @ a) is not None  # the route under test, not eigh's
     sigma, u, v, upper = spectral.top_singular_triple(w, upper=True)
     # ||W v|| for a unit v: never above the norm, and within the verification's margin of it (where every singular
     # value is the same up to float32 rounding, the vector is any of theirs)
@@ -383,7 +385,7 @@ def test_a_failed_verification_falls_back_to_eigh_and_stays_certified(monkeypatc
     the norm): the triple then comes from eigh, and the bound is still above the norm."""
     from lipsformer.layers import spectral
 
-    w = torch.randn(200, 48, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(300, 160, generator=torch.Generator().manual_seed(4))
     a, _ = spectral._tall(w.double())
     monkeypatch.setattr(spectral, "VERIFY_MARGIN", -1e-6)
     assert spectral._verified_top(a, a.T @ a) is None
