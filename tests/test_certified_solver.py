@@ -377,7 +377,7 @@ def test_the_verified_top_singular_triple_is_exact_and_its_bound_certified(kind)
     assert float(u @ w.flatten(1).double() @ v) == pytest.approx(float(sigma), rel=1e-12)
     assert exact < upper <= exact * (1 + 1e-8)
     again = spectral.top_singular_triple(w.clone(), upper=True)
-    assert all(torch.equal(a, b) for a, b in zip((sigma, u, v), again[:3])) and again[3] == upper
+    assert all(torch.equal(p, q) for p, q in zip((sigma, u, v), again[:3])) and again[3] == upper
 
 
 def test_a_failed_verification_falls_back_to_eigh_and_stays_certified(monkeypatch):

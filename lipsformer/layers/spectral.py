@@ -1,5 +1,6 @@
 """The spectral norm of a weight: one function for the spectral init and the certified bounds."""
 import contextlib
+import functools
 import math
 
 import numpy as np
@@ -13,7 +14,14 @@ EXACT_MAX_DIM = 4096
 SMALL_DIM = 96
 
 
-_BLAS_CONTROLLER = []  # threadpoolctl's controller, found once (its library scan took 1.5 ms a call)
+@functools.lru_cache(maxsize=None)
+def _blas_controller():
+    """threadpoolctl's controller, found once (its library scan took 1.5 ms a call); None without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # a dependency; without it only slower
+        return None
+    return ThreadpoolController()
 
 
 def numpy_blas_one_thread() -> contextlib.AbstractContextManager:
@@ -21,13 +29,8 @@ def numpy_blas_one_thread() -> contextlib.AbstractContextManager:
     operations. NumPy's OpenBLAS threads keep spinning after each product and then compete with torch's OpenMP
     threads for the cores: building LipsFormer-Swin-S took 1.61 s with them, 0.80 s without (2 cores), and the bound
     keeping of the certifiable Swin-T 0.85 s against 0.55 s."""
-    if not _BLAS_CONTROLLER:
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:  # a dependency; without it only slower
-            return contextlib.nullcontext()
-        _BLAS_CONTROLLER.append(ThreadpoolController())
-    return _BLAS_CONTROLLER[0].limit(limits=1, user_api="blas")
+    controller = _blas_controller()
+    return contextlib.nullcontext() if controller is None else controller.limit(limits=1, user_api="blas")
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -152,8 +155,8 @@ VERIFIED_MIN_DIM = 128
 
 
 def _verified_top(a: torch.Tensor, gram: torch.Tensor):
-    """``(lam, v, upper)`` for ``a`` (m, n) float64, n the smaller side, and ``gram = fl(a^T a)``: the Lanczos
-    estimate ``lam`` of the Gram matrix's top eigenvalue, its eigenvector ``v`` (inverse iteration) and a certified
+    """``(v, upper)`` for ``a`` (m, n) float64, n the smaller side, and ``gram = fl(a^T a)``: the eigenvector ``v``
+    of the Gram matrix's top eigenvalue (Lanczos's estimate of it, verified, then inverse iteration) and a certified
     upper bound on ``||a||_2``; ``None`` when the Cholesky test fails.
 
     If the floating-point Cholesky factorisation of ``A = fl(t I - G)`` (only the diagonal is rounded, by at most
@@ -184,7 +187,7 @@ def _verified_top(a: torch.Tensor, gram: torch.Tensor):
     for _ in range(2):  # inverse iteration at the shift t, just above lam_max: the top direction grows 1 / (t - lam)
         v = torch.cholesky_solve(v, factor)
         v = v / v.norm()
-    return lam, v[:, 0], _upper_from_top(top, a)
+    return v[:, 0], _upper_from_top(top, a)
 
 
 @torch.no_grad()
@@ -206,7 +209,7 @@ def top_singular_triple(weight: torch.Tensor, upper: bool = False):
         top = float(values[-1].clamp_min(0))
         small, bound = vectors[:, -1], _upper_from_top(top, a)
     else:
-        _, small, bound = verified
+        small, bound = verified
     large = a @ small
     sigma = large.norm()
     large = large / sigma.clamp_min(torch.finfo(torch.float64).tiny)
