@@ -123,6 +123,7 @@ def test_certified_speed_prints_each_ratio_its_floor_the_profile_and_the_solver_
     assert row["train_ratio"] == pytest.approx(row["cert_train_s"] / row["plain_train_s"])
     assert row["train_ratio_by_steps"]["1"] == pytest.approx(by_steps["1"] / row["plain_train_s"])
     assert 0 < row["keep_bound_s"] < row["cert_train_s"] and row["lipschitz_target"] == 1.01  # the recipe's keeping
+    assert row["lipschitz_every_steps"] == 10  # the recipe's: keep_bound counted at a tenth per step
     assert row["defect"] > 0 and row["radius_cost"] == pytest.approx(2 * row["defect"] / row["lipschitz"])
     p = row["profile"]
     assert p["attlip_solve_s"] > 0 and p["attlip_check_s"] > 0 and p["attlip_other_s"] > 0
@@ -144,7 +145,8 @@ def test_certified_speed_prints_each_ratio_its_floor_the_profile_and_the_solver_
     assert "multiply-adds per image" in proc.stdout and "ratio (floor)" in proc.stdout
 
 
-@pytest.mark.parametrize("args", [["--train-steps", "0"], ["--pairs", "lipsformer_swin_t"]])
+@pytest.mark.parametrize("args", [["--train-steps", "0"], ["--pairs", "lipsformer_swin_t"],
+                                  ["--lipschitz-every-steps", "0"]])
 def test_certified_speed_refuses_settings_it_cannot_time_in_one_line(args, capsys):
     with pytest.raises(SystemExit) as stop:
         load_script("benchmarks/certified_speed.py").main(args)

@@ -414,33 +414,42 @@ def test_eval_divisor_is_computed_once(monkeypatch):
 
 
 def test_training_divisor_is_computed_once_per_weight_change_and_shared_with_bound_keeping(monkeypatch):
-    """In training the exact divisor is computed once per change of the raw weight: the forwards of an accumulation
+    """In training the divisor is computed once per change of the raw weight: the forwards of an accumulation
     window share it, the bound keeping after an optimizer step computes the one the next forward divides by (which
-    gives a fresh computation's output), and a change of mode drops it."""
+    gives a fresh computation's output) beside the verified triple its bound needs, and a change of mode drops it."""
     from lipsformer.layers import normalized
     from lipsformer.lipschitz.bounds import module_bound
 
-    calls = []
-    exact = normalized.top_singular_triple
-    monkeypatch.setattr(normalized, "top_singular_triple", lambda w, **kw: calls.append(1) or exact(w, **kw))
+    calls = dict(verified=[], estimate=[])
+    verified, estimate = normalized.top_singular_triple, normalized.estimated_top_triple
+    monkeypatch.setattr(normalized, "top_singular_triple",
+                        lambda w, **kw: calls["verified"].append(1) or verified(w, **kw))
+    monkeypatch.setattr(normalized, "estimated_top_triple",
+                        lambda w, *a: calls["estimate"].append(1) or estimate(w, *a))
+
+    def counts():
+        return len(calls["verified"]), len(calls["estimate"])
+
     for layer, x in _normalized_pair():
         layer.train()
         opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
-        calls.clear()
+        calls["verified"].clear(), calls["estimate"].clear()
         for _ in range(2):  # two micro-batches of one accumulation window
             layer(x).pow(2).sum().backward()
-        assert len(calls) == 1
+        assert counts() == (0, 1)
         opt.step()
-        assert module_bound(layer, (8, 8)).lip == pytest.approx(1.0, abs=1e-6) and len(calls) == 2
+        assert module_bound(layer, (8, 8)).lip == pytest.approx(1.0, abs=1e-6) and counts() == (1, 2)
         out = layer(x)
-        assert len(calls) == 2
+        assert counts() == (1, 2)
         fresh = copy.deepcopy(layer)
         fresh.forget_divisor()
-        assert torch.equal(out, fresh(x)) and len(calls) == 3
+        assert torch.equal(out, fresh(x)) and counts() == (1, 3)
         layer.eval()
+        layer(x)
+        assert counts() == (2, 3)
         layer.train()
         layer(x)
-        assert len(calls) == 4
+        assert counts() == (2, 4)
 
 
 def _change(layer, x, how):

@@ -392,3 +392,56 @@ def test_a_failed_verification_falls_back_to_eigh_and_stays_certified(monkeypatc
     sigma, _, _, upper = spectral.top_singular_triple(w, upper=True)
     exact = float(torch.linalg.matrix_norm(w.double(), ord=2))
     assert float(sigma) == pytest.approx(exact, rel=1e-12) and exact < upper <= exact * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("shape", [(300, 160), (130, 520), (200, 97)])
+def test_the_training_divisor_is_lanczos_estimate_at_most_the_norm_and_within_1e_8(shape):
+    """In training the normalised layers divide by Lanczos's estimate without the Gram matrix: never above the norm
+    (the image of a unit vector), within 1e-8 of it, a consistent triple (u^T W v = sigma), the same bits on every
+    call; sides up to SMALL_DIM take the exact route, and a verified triple given for them is used as it is."""
+    from lipsformer.layers import spectral
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 0.05
+    exact = float(torch.linalg.matrix_norm(w.double(), ord=2))
+    sigma, u, v = spectral.estimated_top_triple(w)
+    assert exact * (1 - 1e-8) <= float(sigma) <= exact * (1 + 1e-12)
+    assert float(u @ w.double() @ v) == pytest.approx(float(sigma), rel=1e-12)
+    assert all(torch.equal(p, q) for p, q in zip((sigma, u, v), spectral.estimated_top_triple(w.clone())))
+    verified = spectral.top_singular_triple(w)
+    assert not torch.equal(sigma, verified[0])  # the route under test, not the verified one
+    small = w[:, :spectral.SMALL_DIM] if w.shape[0] > w.shape[1] else w[:spectral.SMALL_DIM]
+    exact_small = spectral.top_singular_triple(small)
+    assert all(torch.equal(p, q) for p, q in zip(spectral.estimated_top_triple(small), exact_small))
+    assert spectral.estimated_top_triple(small, exact_small) is exact_small
+
+
+def test_the_training_forward_divides_by_the_same_bits_whether_or_not_the_bound_was_kept():
+    """With bound keeping every k steps (lipschitz_every_steps), a training forward must not depend on whether a
+    certified norm was computed since the last optimizer step (a resumed run keeps it at other steps than the
+    uninterrupted one): the bound reads the verified triple, the forward the estimate, and the bound covers the
+    matrix the forward uses; in eval mode the forward divides by the verified triple."""
+    from lipsformer.layers.normalized import NormalizedLinear
+    from lipsformer.layers.spectral import top_singular_triple
+    from lipsformer.lipschitz.bounds import module_bound
+
+    torch.manual_seed(0)
+    a = NormalizedLinear(160, 300).train()
+    b = NormalizedLinear(160, 300).train()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 160)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b)]
+    for step in range(3):
+        outs = []
+        for m, opt in zip((a, b), opts):
+            if m is a:  # the bound kept after a's steps only
+                bound = module_bound(m).lip
+                used = float(torch.linalg.matrix_norm(m.weight.detach().double(), ord=2))
+                assert used <= bound <= 1 + 1e-6
+            out = m(x)
+            outs.append(out)
+            out.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(outs[0], outs[1]), step
+    a.eval()
+    assert torch.equal(a.weight, a.raw_weight / top_singular_triple(a.raw_weight)[0].float())
