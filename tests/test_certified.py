@@ -23,6 +23,30 @@ def test_groupsort_is_a_permutation_per_pair():
     assert ((ga - gb).norm(dim=-1) <= (a - b).norm(dim=-1) + 1e-6).all()
 
 
+def test_maxmin_backward_is_the_forward_permutation_applied_to_the_gradient():
+    """GroupSort(2)'s own backward: the gradient autograd gives through maximum / minimum where no pair ties, and at
+    a tie the permutation's (the gradient unswapped: norm-preserving, where autograd's halves would lose norm); the
+    same values without a graph; a unit vector's gradient keeps its norm."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, 12, dtype=torch.float64)
+    x[0, 0, 2] = x[0, 0, 3]  # a tie
+    grad = torch.randn_like(x)
+    leaf = x.clone().requires_grad_()
+    out = GroupSort(2)(leaf)
+    assert type(out.grad_fn).__name__ == "_MaxMinBackward"
+    out.backward(grad)
+    ref = x.clone().requires_grad_()
+    a, b = ref.unflatten(-1, (-1, 2)).unbind(-1)
+    torch.stack((torch.maximum(a, b), torch.minimum(a, b)), -1).flatten(-2).backward(grad)
+    ties = torch.zeros_like(x, dtype=torch.bool)
+    ties[0, 0, 2:4] = True
+    assert torch.equal(leaf.grad[~ties], ref.grad[~ties])
+    assert leaf.grad[0, 0, 2:4].tolist() == grad[0, 0, 2:4].tolist()  # unswapped
+    with torch.no_grad():
+        assert torch.equal(GroupSort(2)(x), out.detach())
+    assert torch.allclose(leaf.grad.norm(dim=-1), grad.norm(dim=-1))
+
+
 def test_convex_residual_is_a_convex_combination():
     res = ConvexResidual(4, alpha_init=0.25)
     assert res.alpha.shape == (1,)  # one scalar: per-channel weights would break the bound
