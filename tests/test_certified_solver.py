@@ -55,6 +55,26 @@ def test_early_stopped_solver_certifies_smaller_radii_never_larger(form):
     assert (loose <= tight).all() and (loose < tight)[tight > 0].all()
 
 
+def test_head_gaps_are_upper_bounds_of_the_exact_row_distances_close_rows_included():
+    """The pairwise rule's ``||w_c - w_j||`` never below the exact distance (a float32 weight's differences and
+    their squares are exact in float64; ``math.fsum`` sums them correctly rounded), within 1e-12 of it, for rows far
+    apart and for rows 1e-6 apart, where the Gram-matrix shortcut ``||w_c||^2 + ||w_j||^2 - 2 w_c.w_j`` cancels."""
+    import math
+
+    from lipsformer.lipschitz.certify import head_gaps
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(10, 33, generator=g)
+    w[1] = w[0] + 1e-6 * torch.randn(33, generator=g)
+    gaps = head_gaps(w)
+    rows = w.double().tolist()
+    for c in range(10):
+        for j in range(10):
+            exact = math.sqrt(math.fsum((a - b) ** 2 for a, b in zip(rows[c], rows[j])))
+            assert exact <= float(gaps[c, j]) <= exact * (1 + 1e-12) + 1e-300
+    assert 0 < float(gaps[0, 1]) < 1e-4
+
+
 def test_the_pairwise_radius_is_never_below_the_global_one_and_charges_the_backbone():
     """``min_j (z_c - z_j - 2 g_cj D_b) / (g_cj L_b)`` with ``g_cj = ||w_c - w_j||``: never below the global
     ``(margin - 2 sqrt(2) D) / (sqrt(2) L)`` (``g_cj <= sqrt(2) ||W||``), larger on most images here, and it is what

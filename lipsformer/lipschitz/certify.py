@@ -83,9 +83,12 @@ class PixelLipschitz:
 
 def head_gaps(weight: torch.Tensor) -> torch.Tensor:
     """``||w_c - w_j||`` for every pair of rows of a (classes, features) weight, in float64, each rounded up by the
-    float64 computation's relative error bound (``(features + 2) u``, u = 2^-53)."""
+    float64 computation's relative error bound (``(features + 2) u``, u = 2^-53; the differences, their squares and
+    their sum in any order, and the square root). By ``torch.cdist`` without the Gram-matrix shortcut (whose
+    cancellation has no relative bound): no (classes, classes, features) temporary, which at 1000 classes and 768
+    features was 6.1 GB and 5 s of every ``predict_certified`` call without a precomputed bound."""
     w = weight.detach().to(torch.float64)
-    gaps = (w[:, None, :] - w[None, :, :]).norm(dim=-1)
+    gaps = torch.cdist(w, w, compute_mode="donot_use_mm_for_euclid_dist")
     return gaps * (1 + (w.shape[1] + 2) * torch.finfo(torch.float64).eps)
 
 
