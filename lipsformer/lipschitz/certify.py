@@ -86,7 +86,8 @@ def head_gaps(weight: torch.Tensor) -> torch.Tensor:
     float64 computation's relative error bound (``(features + 2) u``, u = 2^-53; the differences, their squares and
     their sum in any order, and the square root). By ``torch.cdist`` without the Gram-matrix shortcut (whose
     cancellation has no relative bound): no (classes, classes, features) temporary, which at 1000 classes and 768
-    features was 6.1 GB and 5 s of every ``predict_certified`` call without a precomputed bound."""
+    features was 6.1 GB, and ``pixel_lipschitz`` of the certifiable Swin-T (what every ``predict_certified`` call
+    without a precomputed bound computes) took 2.7-5.2 s with it, 0.8 s with cdist (0.3 s of it; 2 cores)."""
     w = weight.detach().to(torch.float64)
     gaps = torch.cdist(w, w, compute_mode="donot_use_mm_for_euclid_dist")
     return gaps * (1 + (w.shape[1] + 2) * torch.finfo(torch.float64).eps)
