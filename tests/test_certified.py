@@ -45,6 +45,17 @@ def test_maxmin_backward_is_the_forward_permutation_applied_to_the_gradient():
     with torch.no_grad():
         assert torch.equal(GroupSort(2)(x), out.detach())
     assert torch.allclose(leaf.grad.norm(dim=-1), grad.norm(dim=-1))
+    # the derivatives autograd's own ops allowed still work: double backward, forward mode, batched gradients
+    y = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(GroupSort(2), (y,)) and torch.autograd.gradgradcheck(GroupSort(2), (y,))
+    with torch.autograd.forward_ad.dual_level():
+        tangent = torch.randn_like(y)
+        out = torch.autograd.forward_ad.unpack_dual(GroupSort(2)(torch.autograd.forward_ad.make_dual(y, tangent)))
+        swapped = (y[:, 0::2] < y[:, 1::2]).unsqueeze(-1)
+        pairs = tangent.detach().view(3, 4, 2)
+        assert torch.equal(out.tangent, torch.where(swapped, pairs.flip(-1), pairs).view(3, 8))
+    jacobian = torch.autograd.functional.jacobian(GroupSort(2), y.detach(), vectorize=True)
+    assert torch.equal(jacobian, torch.autograd.functional.jacobian(GroupSort(2), y.detach()))
 
 
 def test_convex_residual_is_a_convex_combination():
@@ -332,6 +343,47 @@ def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_sc
     assert not (tmp_path / "no_attlip").exists()
     with pytest.raises(ConfigError, match="attlip_train_steps has 3 phases but the run has 2 epochs"):
         load_config(None, ["epochs=2", "attlip_train_steps=[1, 2, 3]"])
+
+
+def test_bound_kept_every_k_steps_resumes_bit_identical_and_projects_the_weights_each_epoch_saves(tmp_path,
+                                                                                                 fresh_accelerate):
+    """With lipschitz_every_steps > 1 (the ImageNet certified recipe keeps the bound every 10th step) a run resumed
+    from a checkpoint between projections trains as the uninterrupted one: the resume restores the last
+    projection's margin L instead of projecting again (which would clamp the weights and move L at a step the
+    uninterrupted run did not); each epoch ends projected, so the weights evaluated and saved keep the bound."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_train import make_folder
+
+    from lipsformer.engine.config import load_config
+    from lipsformer.engine.train import train
+
+    data = make_folder(tmp_path / "data", train_per_class=(3, 3, 3, 3), val_per_class=(1, 1, 1, 1))
+    base = ["model=lipsformer_swin_t_cert", "num_classes=4", "img_size=32", "crop_pct=1.0",
+            "model_kwargs={embed_dim: 16, depths: [1, 1], num_heads: [2, 2], window_size: 4}",
+            f"data_dir={data}", "workers=0", "epochs=2", "global_batch=4", "batch_size=4", "lr=0.05", "aa=null",
+            "reprob=0.0", "mixup=0.0", "cutmix=0.0", "label_smoothing=0.0", "ema_decay=null", "eval_every_epochs=2",
+            "mixed_precision='no'", "checkpoint_every_steps=1", "keep_last=10", "lipschitz_target=1.01",
+            "lipschitz_every_steps=4", "margin_eps=0.5"]
+
+    def run(name, resume=None):
+        cfg = load_config(None, base + [f"output_dir={tmp_path / name}"])
+        try:
+            train(cfg, resume=resume)
+        finally:
+            reset_accelerate()
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return load_file(str(tmp_path / name / "last.safetensors")), [r for r in rows if r["kind"] == "epoch"]
+
+    whole, epochs = run("whole")  # 3 steps an epoch: projections at 0, 3 (epoch end), 4, 6 (epoch end)
+    alphas = {k: v for k, v in whole.items() if k.endswith(".alpha")}
+    assert alphas and all(0.0 <= float(v.min()) and float(v.max()) <= 1.0 for v in alphas.values())
+    assert len(epochs) == 2 and all(0 < r["lipschitz_bound"] <= 1.01 for r in epochs)
+    for step in (2, 5):  # between projections, before and after an epoch's end
+        (tmp_path / "whole" / "last.safetensors").unlink()
+        resumed, _ = run("whole", resume=str(tmp_path / "whole" / "checkpoints" / f"step_{step:09d}"))
+        assert all(torch.equal(whole[k], resumed[k]) for k in whole), step
 
 
 def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():

@@ -258,7 +258,8 @@ KEYS: Dict[str, Case] = {
     "lipschitz_target": Case(1e20, lambda p: all(0 < r["lipschitz_bound"] <= 1e20 for r in p.epochs())),
     "lipschitz_gamma_max": Case(0.5, lambda p: p.initial["max_gamma"] == 0.5),  # initialised at 1
     "lipschitz_weight_max": Case(0.9, lambda p: max(p.initial["spectral_norms"]) <= 0.9 + 1e-5),
-    "lipschitz_every_steps": Case(2, lambda p: p.keep_calls == UPDATES_PER_EPOCH // 2),
+    # after step 2, and at the epoch's end (step 3), so that the weights evaluated and saved are projected
+    "lipschitz_every_steps": Case(2, lambda p: p.keep_calls == UPDATES_PER_EPOCH // 2 + 1),
     "lipschitz_conv_max": Case(0.5, lambda p: max(p.initial["conv_bounds"]) <= 0.5 + 1e-6),  # kept at _start
     "margin_eps": Case(0.1, lambda p: p.run.criterion.eps == 0.1 and p.run.criterion.margin > 0),
     "margin_bound": Case(2.0, lambda p: p.run.criterion.bound == 2.0),  # fixed, not the kept bound

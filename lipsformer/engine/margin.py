@@ -62,3 +62,27 @@ def margin_criterion(criterion: Callable, eps: float, bound: Optional[float]) ->
     if not eps:
         return criterion
     return LipschitzMarginLoss(criterion, eps, 1.0 if bound is None else bound)
+
+
+def keep_settings(cfg) -> list:
+    """The config keys the bound keeping and the margin it sets depend on, by value."""
+    return [cfg.lipschitz_target, cfg.lipschitz_gamma_max, cfg.lipschitz_tau_max, cfg.lipschitz_weight_max,
+            cfg.lipschitz_conv_max, cfg.margin_eps, cfg.margin_bound]
+
+
+def kept_record(step: int, bound: float, criterion: Callable, cfg) -> dict:
+    """What train.py's checkpoints keep of a projection of the bound: its step and bound, the margin loss's L it
+    set, and the settings it was kept under (:func:`restore_kept`)."""
+    margin = criterion.bound if isinstance(criterion, LipschitzMarginLoss) else None
+    return dict(step=step, bound=bound, margin=margin, settings=keep_settings(cfg))
+
+
+def restore_kept(kept: Optional[dict], criterion: Callable, cfg) -> bool:
+    """On resume: the last projection's margin L as the uninterrupted run left it (whatever step it was kept at;
+    with ``lipschitz_every_steps`` > 1 not necessarily the checkpoint's), so the run goes on bit for bit instead of
+    projecting again; False when the checkpoint has none (written before it was recorded) or other settings."""
+    if kept is None or kept["settings"] != keep_settings(cfg):
+        return False
+    if kept["margin"] is not None and isinstance(criterion, LipschitzMarginLoss):
+        criterion.bound = kept["margin"]
+    return True

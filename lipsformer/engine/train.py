@@ -5,7 +5,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -25,14 +25,13 @@ from ..data.classes import check_class_folders, reader_classes, write_class_name
 from ..errors import Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
-from ..lipschitz.bounds import lipschitz_report
 from ..lipschitz.constraints import keep_bound
 from .checkpoint import TrainState, save_checkpoint, save_weights
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
 from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
-from .margin import follow_bound, margin_criterion
+from .margin import follow_bound, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
 from .preemption import Preemption, stop_if_preempted
 from .resume import check_resumable, restore, resume_point, verified
@@ -151,7 +150,6 @@ class _Run:
     log: MetricsLog
     keep: Optional[Callable[[], dict]]  # bound keeping (lipschitz_target), or None
     last_good: Optional[Path]  # the newest checkpoint written or resumed from
-    kept: Optional[Tuple[int, float]] = None  # (step, bound) of keep()'s last projection
     start: ModelStart = field(default_factory=ModelStart)  # starting weights and frozen modules (finetune.py)
     preemption: Preemption = field(default_factory=Preemption)
 
@@ -160,7 +158,8 @@ class _Run:
                                 f"last good checkpoint: {self.last_good or 'none written yet'}")
 
     def keep_bound(self) -> None:
-        self.kept = (self.state.step, self.keep()["bound"])
+        """Project, and record in the checkpointed state what a resume restores (:func:`~.margin.kept_record`)."""
+        self.state.kept = kept_record(self.state.step, self.keep()["bound"], self.criterion, self.cfg)
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -250,7 +249,7 @@ def _start(cfg: TrainConfig, resume: Optional[str]):
         run.log("init", 0, **start.row())
         accelerator.print(f"weights: {start.source}; re-initialised: {', '.join(start.reinitialised) or 'none'}; "
                           f"frozen: {', '.join(start.frozen) or 'none'}")
-    if keep is not None:
+    if keep is not None and not (resume_from is not None and restore_kept(state.kept, criterion, cfg)):
         run.keep_bound()
     return run
 
@@ -344,10 +343,10 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
                processes=accelerator.num_processes, skipped_steps=state.skipped_steps, seconds=totals["seconds"])
     if attlip_steps is not None:
         row["attlip_train_steps"] = attlip_steps
-    if run.keep is not None:  # keep()'s own bound when it projected after this step, else the report's
-        step, bound = run.kept
-        row["lipschitz_bound"] = bound if step == state.step else \
-            lipschitz_report(accelerator.unwrap_model(run.model)).bound
+    if run.keep is not None:  # the weights evaluated and saved are projected, whatever lipschitz_every_steps
+        if state.kept is None or state.kept["step"] != state.step:
+            run.keep_bound()
+        row["lipschitz_bound"] = state.kept["bound"]
     return row
 
 

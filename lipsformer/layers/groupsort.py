@@ -7,6 +7,7 @@ a permutation of the coordinates: the Jacobian is a permutation matrix almost ev
 """
 import torch
 from timm.layers import register_notrace_function
+from torch.autograd import forward_ad
 from torch import nn
 
 from .gelu import _records_grad
@@ -17,12 +18,25 @@ def _max_min(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((torch.maximum(a, b), torch.minimum(a, b)), -1).flatten(-2)
 
 
+def _swap_pairs(swapped: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each channel pair swapped where ``swapped`` (one entry a pair) says, written in place into a new
+    tensor; differentiable ops where autograd records (a double backward through :class:`_MaxMin`)."""
+    first, second = t.unflatten(-1, (-1, 2)).unbind(-1)
+    if torch.is_grad_enabled() and t.requires_grad:
+        return torch.stack((torch.where(swapped, second, first), torch.where(swapped, first, second)), -1).flatten(-2)
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    pairs = out.unflatten(-1, (-1, 2))
+    torch.where(swapped, second, first, out=pairs[..., 0])
+    torch.where(swapped, first, second, out=pairs[..., 1])
+    return out
+
+
 class _MaxMin(torch.autograd.Function):
     """MaxMin whose backward applies the forward's permutation to the gradient, saving one byte per channel pair
     (whether it was swapped). Autograd's own backward of ``maximum`` / ``minimum`` saves both inputs and makes
     five passes for each (equality for ties, halving, masking): 94 against 26 ms for a forward and backward of an
-    (8, 3136, 384) float32 tensor on 2 cores, and both outputs are written in place into their channels. At a tie (a == b) the gradient goes through unswapped, the
-    permutation's Jacobian, where autograd's splits it in halves between a and b."""
+    (8, 3136, 384) float32 tensor on 2 cores, both outputs written in place into their channels. At a tie (a == b)
+    the gradient goes through unswapped, the permutation's Jacobian, where autograd's splits it in halves."""
 
     @staticmethod
     def forward(ctx, x):
@@ -38,12 +52,10 @@ class _MaxMin(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         swapped, = ctx.saved_tensors
-        g_max, g_min = grad.unflatten(-1, (-1, 2)).unbind(-1)
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        pairs = out.unflatten(-1, (-1, 2))
-        torch.where(swapped, g_min, g_max, out=pairs[..., 0])
-        torch.where(swapped, g_max, g_min, out=pairs[..., 1])
-        return out
+        if torch._C._functorch.is_legacy_batchedtensor(grad):  # vectorised Jacobians: no views, no out=
+            partner = torch.arange(grad.shape[-1], device=grad.device) ^ 1
+            return torch.where(swapped.repeat_interleave(2, -1), grad.index_select(-1, partner), grad)
+        return _swap_pairs(swapped, grad)
 
 
 @register_notrace_function  # reason: the channel check reads the input's shape
@@ -52,7 +64,9 @@ def group_sort(x: torch.Tensor, group_size: int = 2) -> torch.Tensor:
     if x.shape[-1] % group_size:
         raise ValueError(f"GroupSort needs channels divisible by group_size {group_size}, got {x.shape[-1]}")
     if group_size == 2:
-        return _MaxMin.apply(x) if _records_grad(x) else _max_min(x)
+        # forward-mode AD (a dual tensor) takes the plain ops, which have their own rule
+        recorded = _records_grad(x) and forward_ad.unpack_dual(x).tangent is None
+        return _MaxMin.apply(x) if recorded else _max_min(x)
     return x.unflatten(-1, (-1, group_size)).sort(-1, descending=True).values.flatten(-2)
 
 

@@ -1,5 +1,6 @@
-"""Spectrally normalised linear maps: the weight divided by its exact largest singular value (computed once per
-change of the weight, see :class:`_RawWeight`), with the exact gradient.
+"""Spectrally normalised linear maps: the weight divided by its largest singular value (computed once per change
+of the weight: verified at evaluation, a Lanczos estimate within about 1e-9 in training; see :class:`_RawWeight`),
+with the gradient of that divisor (``u v^T``).
 
 Keeping a layer's norm at 1 by projection (rescaling the weight after each optimizer step, as
 :func:`lipsformer.lipschitz.constraints.keep_bound` does) leaves the gradient blind to the constraint: the step
@@ -48,7 +49,7 @@ class _RawWeight:
     (:meth:`certified_norm`) computes what the next forward divides by, and the forwards of an accumulation window
     or a gradient-checkpointing recomputation share it. In eval mode it is the verified triple
     (:func:`top_singular_triple`); in training, where nothing is certified, Lanczos's estimate without the Gram
-    matrix (:func:`estimated_top_triple`, within about 1e-9 of the norm, the same bits on every call, 3-4 times
+    matrix (:func:`estimated_top_triple`, within about 1e-9 of the norm, the same bits on every call, 2-4 times
     cheaper at Swin-T's sizes), and :meth:`certified_norm` charges the difference. The cache is keyed on the
     parameter's storage, version counter (bumped by in-place optimizer steps,
     ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device, shape, strides and a checksum of its values

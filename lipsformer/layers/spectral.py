@@ -203,7 +203,7 @@ def top_singular_triple(weight: torch.Tensor, upper: bool = False):
     (:func:`_verified_top`), or ``eigh`` where the verification fails or the smaller side is below
     :data:`VERIFIED_MIN_DIM`; ``sigma = ||W v||`` and ``u = W v / sigma``,
     so ``u^T W v = sigma``. The same bits on every call for the same weight (fixed starts), so a resumed run divides
-    by what the uninterrupted one did. Outside the graph: the divisor of the normalised layers
+    by what the uninterrupted one did. Outside the graph: the divisor of the normalised layers at evaluation
     (:mod:`lipsformer.layers.normalized`, which gives it its exact gradient ``u v^T``). ``upper=True`` appends a
     certified upper bound on the norm (the verification's, or :func:`gram_norm_upper`'s from ``eigh``)."""
     a, tall = _tall(weight.detach().to(torch.float64))
