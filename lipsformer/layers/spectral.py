@@ -73,13 +73,13 @@ def _lanczos(product, n: int, rtol: float = 1e-5, check_every: int = 4, vector: 
     return (top, ritz[:, -1] @ basis[:k + 1]) if vector else top
 
 
-def _gram_lanczos(w: torch.Tensor, rtol: float = 1e-5) -> float:
+def _gram_lanczos(w: torch.Tensor, rtol: float = 1e-5, vector: bool = False):
     """Top eigenvalue of ``w.T @ w`` (n x n, never formed; the products in ``w``'s dtype, the recurrence in float64)
-    by :func:`_lanczos`. At ``rtol=1e-5`` the result is within about 1e-6 relative of the exact value (1e-4 is
-    tested); 1e-6 took 1.3x the steps for digits the spectral init does not need. It runs on the CPU whatever ``w``'s
-    device: a weight on a GPU is copied to the host."""
+    by :func:`_lanczos` (``vector=True``: with its Ritz vector). At ``rtol=1e-5`` the result is within about 1e-6
+    relative of the exact value (1e-4 is tested); 1e-6 took 1.3x the steps for digits the spectral init does not
+    need. It runs on the CPU whatever ``w``'s device: a weight on a GPU is copied to the host."""
     a = w.detach().cpu().numpy()
-    return _lanczos(lambda q: (a.T @ (a @ q.astype(a.dtype))).astype(np.float64), a.shape[1], rtol)
+    return _lanczos(lambda q: (a.T @ (a @ q.astype(a.dtype))).astype(np.float64), a.shape[1], rtol, vector=vector)
 
 
 def _tall(weight: torch.Tensor):
@@ -250,10 +250,8 @@ def estimated_top_triple(weight: torch.Tensor, verified=None):
     a, tall = _tall(weight.detach())
     if a.shape[1] <= SMALL_DIM:
         return top_singular_triple(weight) if verified is None else verified
-    host = a.to(torch.float64 if a.dtype == torch.float64 else torch.float32).cpu().numpy()
     with numpy_blas_one_thread():
-        _, small = _lanczos(lambda q: (host.T @ (host @ q.astype(host.dtype))).astype(np.float64), host.shape[1],
-                            TRAINING_RTOL, vector=True)
+        _, small = _gram_lanczos(a if a.dtype == torch.float64 else a.float(), TRAINING_RTOL, vector=True)
     small = torch.from_numpy(small).to(a.device)
     return _triple(a.to(torch.float64), small / small.norm(), tall)
 
