@@ -272,8 +272,8 @@ def test_normalised_layer_bound_holds_for_the_matrix_each_mode_divides_by(kind):
         assert used(layer) <= bound <= 1.0 + 1e-6
     layer.raw_weight.data[0].mul_(3.0)  # no version bump
     assert used(layer) <= 1.0 + 1e-6 and module_bound(layer, (8, 8)).lip <= 1.0 + 1e-6
-    key, alias, (sigma, u, v) = layer._exact
-    layer.__dict__["_exact"] = (key, alias, (sigma / 2, u, v))  # a stale divisor the key cannot tell
+    key, alias, (sigma, u, v) = layer._divisor_cache
+    layer.__dict__["_divisor_cache"] = (key, alias, (sigma / 2, u, v))  # a stale divisor the key cannot tell
     assert used(layer) > 1.9
     bound = module_bound(layer, (8, 8)).lip
     assert used(layer) <= bound <= 1.0 + 1e-6
@@ -465,4 +465,4 @@ def test_the_training_forward_divides_by_the_same_bits_whether_or_not_the_bound_
         assert torch.equal(outs[0], outs[1]), step
     a.eval()
     a(x)
-    assert torch.equal(a._exact[2][0], top_singular_triple(a.raw_weight)[0])  # the verified sigma, float64
+    assert torch.equal(a._divisor_cache[2][0], top_singular_triple(a.raw_weight)[0])  # the verified sigma, float64

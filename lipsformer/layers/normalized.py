@@ -60,7 +60,7 @@ class _RawWeight:
     (:func:`_divisor`: ``u v^T``, the top singular vectors), and gradients with respect to the input (attacks) do not
     involve it."""
 
-    _exact = None  # (storage fingerprint, alias of the raw weight, (sigma, u, v)) of this mode's divisor
+    _divisor_cache = None  # (storage fingerprint, alias of the raw weight, (sigma, u, v)) of this mode's divisor
     # training with power iteration (``power_iteration=True``, ``linear="normalized_power"``; opt-in: under Adam at
     # lr 5e-3 on the digits configs one iteration per step lagged the moving top direction, layers reached norm 1.9
     # in training after two steps and bound keeping at 1.01 refused the run): the buffer ``weight_u`` is the vector the next
@@ -129,14 +129,14 @@ class _RawWeight:
         ``verified`` (:func:`top_singular_triple`'s triple just computed for ``w``), afresh whatever the cache holds
         (``verified`` itself where that is this mode's divisor)."""
         key = _fingerprint(w)
-        cached = self._exact
+        cached = self._divisor_cache
         if verified is not None or cached is None or cached[0] != key:
             if self.training and not self.power_iteration:
                 triple = estimated_top_triple(w, verified)
             else:
                 triple = verified if verified is not None else top_singular_triple(w)
             cached = (key, w.detach(), triple)
-            self.__dict__["_exact"] = cached
+            self.__dict__["_divisor_cache"] = cached
         return cached[2]
 
     @torch.no_grad()
@@ -163,7 +163,7 @@ class _RawWeight:
 
     def forget_divisor(self) -> None:
         """Drop the cached divisor: the next forward computes it again."""
-        self.__dict__.pop("_exact", None)
+        self.__dict__.pop("_divisor_cache", None)
 
     def train(self, mode: bool = True):
         if mode != self.training:  # a write the version counter missed is not carried across a change of mode
