@@ -344,7 +344,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     if attlip_steps is not None:
         row["attlip_train_steps"] = attlip_steps
     if run.keep is not None:  # the weights evaluated and saved are projected, whatever lipschitz_every_steps
-        if state.kept is None or state.kept["step"] != state.step:
+        if state.kept["step"] != state.step:  # kept or restored at the start, so never None here
             run.keep_bound()
         row["lipschitz_bound"] = state.kept["bound"]
     return row
