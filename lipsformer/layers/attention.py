@@ -35,9 +35,11 @@ class _L2Normalize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out, r = ctx.saved_tensors
-        # d(s x r)/dx g = s r (g - x_hat (x_hat . g)) = r (s g - out (out . g) / s), x_hat = x r = out / s
-        dot = (out * grad).sum(-1, keepdim=True) / ctx.scale
-        return r * (ctx.scale * grad - out * dot), None, None
+        s = ctx.scale
+        # d(s x r)/dx g = s r (g - x_hat (x_hat . g)) = s r (g - out (out . g) / s^2), x_hat = x r = out / s:
+        # three passes over the activation (a product, addcmul, an in-place scaling) where the plain formula takes five
+        dot = (out * grad).sum(-1, keepdim=True)
+        return torch.addcmul(grad, out, dot, value=-1.0 / (s * s)).mul_(r * s), None, None
 
 
 def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:

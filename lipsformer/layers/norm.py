@@ -26,7 +26,7 @@ class _CenterNorm(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[0]:
             grad_xc = grad * (weight * ctx.scale)
-            grad_x = grad_xc - grad_xc.mean(-1, keepdim=True)
+            grad_x = grad_xc.sub_(grad_xc.mean(-1, keepdim=True))
         if ctx.needs_input_grad[1]:
             grad_w = (rows * xc.reshape(rows.shape)).sum(0) * ctx.scale
         if ctx.needs_input_grad[2]:
