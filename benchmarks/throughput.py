@@ -3,6 +3,7 @@
     python benchmarks/throughput.py [--models lipsformer_swin_t lipsformer_cswin_t] [--baseline swin_tiny_patch4_window7_224]
         [--device cpu|cuda] [--batch 16] [--train-batch 8] [--amp no|bf16|fp16] [--channels-last] [--compile]
         [--eager-baseline] [--reps 5] [--grad-checkpointing] [--json out.json] [--profile 15]
+    python benchmarks/throughput.py --parts [--train-batch 8] [--reps 5]     # where a training step's blocks spend
     python benchmarks/throughput.py --matrix [--threads 1 2] [--train-batches 8 32] [--compiled none 0.8]
         [--compiled-batches 8] [--reps 3] [--iters 1] [--json out.json]
 
@@ -126,6 +127,71 @@ def profile_train_step(model, x, device, amp, top: int) -> tuple:
             family = next((f for f, keys in OP_FAMILIES if any(k in event.key for k in keys)), "other")
             families[family] += getattr(event, key) / 1e3
     return prof.key_averages().table(sort_by=key, row_limit=top), families
+
+
+def block_parts(model, x) -> list:
+    """``(part, depth, fn, input)`` for the first block of every stage: LipsFormer's conv blocks, its attention and
+    MLP residuals (each with the norm after it), timm Swin's attention and MLP residuals (each with the norm before
+    it); ``depth`` is the stage's number of blocks and ``input`` the block's input in a forward pass of ``x``."""
+    from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+    from lipsformer.layers import LipsBlock
+    from lipsformer.models._base import LipsFormerBase
+    if isinstance(model, LipsFormerBase):
+        stages = [(s.blocks[0], len(s.blocks)) for s in model.stages]
+    elif isinstance(model, SwinTransformer):
+        stages = [(s.blocks[0], len(s.blocks)) for s in model.layers]
+    else:
+        raise SystemExit(f"--parts knows LipsFormer and timm's Swin blocks, not {type(model).__name__}")
+    inputs = {}
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.setdefault(m, a[0].detach())) for b, _ in stages]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    parts = []
+    for b, depth in stages:
+        if isinstance(b, LipsBlock):
+            fns = dict(convs=b.convs, attention=lambda t, b=b: b.norm1(b._residual(b.res_attn, b.attn, t)),
+                       mlp=lambda t, b=b: b.norm2(b._residual(b.res_mlp, b.mlp, t)))
+        elif isinstance(b, SwinTransformerBlock):
+            fns = dict(attention=lambda t, b=b: t + b.drop_path1(b._attn(b.norm1(t))),
+                       mlp=lambda t, b=b: t + b.drop_path2(b.mlp(b.norm2(t))))
+        else:
+            raise SystemExit(f"--parts knows LipsFormer and timm's Swin blocks, not {type(b).__name__}")
+        parts += [(name, depth, fn, inputs[b]) for name, fn in fns.items()]
+    return parts
+
+
+def time_parts(models, x, reps: int) -> dict:
+    """Median seconds of forward + backward (gradient of ones) of each model's block parts (:func:`block_parts`),
+    interleaved over ``reps`` rounds, summed over each stage's blocks: ``{model: {part: ms per training step}}``."""
+    jobs = [(name, *part) for name, model in models.items() for part in block_parts(model.train(), x)]
+    times = [[] for _ in jobs]
+    for _ in range(reps + 1):  # the first round warms up
+        for j, (_, _, _, fn, inp) in enumerate(jobs):
+            t = inp.clone().requires_grad_()
+            start = CLOCK[0]()
+            out = fn(t)
+            out.backward(torch.ones_like(out))
+            times[j].append(CLOCK[0]() - start)
+    result = {name: {} for name in models}
+    for (name, part, depth, _, _), t in zip(jobs, times):
+        result[name][part] = result[name].get(part, 0.0) + depth * statistics.median(t[1:]) * 1e3
+    return result
+
+
+def print_parts(parts: dict, baseline: str, batch: int) -> None:
+    print(f"blocks by part, forward + backward, ms per training step at batch {batch} (each stage's first block "
+          f"times its depth); each model's difference to {baseline} in brackets")
+    names = list(parts)
+    print(f"{'part':<12}" + "".join(f" {n[:28]:>28}" for n in names))
+    for part in ["convs", "attention", "mlp", "total"]:
+        cells = []
+        for n in names:
+            value = sum(parts[n].values()) if part == "total" else parts[n].get(part, 0.0)
+            ref = sum(parts[baseline].values()) if part == "total" else parts[baseline].get(part, 0.0)
+            cells.append(f"{value:>9.0f}" + (f" ({value - ref:+7.0f})" if n != baseline else " " * 10))
+        print(f"{part:<12}" + "".join(f" {c:>28}" for c in cells))
 
 
 def train_memory(model, x, device, amp) -> float:
@@ -314,6 +380,9 @@ def main(argv=None) -> None:
     parser.add_argument("--json")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N costliest operators of one training step of each model")
+    parser.add_argument("--parts", action="store_true",
+                        help="only time each model's block parts (conv blocks, attention, MLP), forward + backward, "
+                             "at --train-batch, and print them against the baseline's")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu times CPU work: use it with --device cpu")
@@ -330,6 +399,14 @@ def main(argv=None) -> None:
     if args.released:
         from compare_released import RELEASED, build_released
         names += [f"released:{m}" for m in args.models if m in RELEASED]
+    if args.parts:
+        models = {name: timm.create_model(name, img_size=args.img_size).to(device) for name in names}
+        x = torch.randn(args.train_batch, 3, args.img_size, args.img_size, device=device)
+        parts = time_parts(models, x, args.reps)
+        print_parts(parts, args.baseline, args.train_batch)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(setup=f"--parts, batch {args.train_batch}", parts=parts)))
+        return
     if matrix:
         if args.matrix_compiled is not None:
             return compiled_matrix(args, names)

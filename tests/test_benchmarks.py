@@ -152,3 +152,21 @@ def test_certified_speed_refuses_settings_it_cannot_time_in_one_line(args, capsy
         load_script("benchmarks/certified_speed.py").main(args)
     assert stop.value.code == 2
     assert f"error: {args[0]} takes" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path, capsys):
+    """--parts (issue 35's profile of the gap): every stage's first block split into LipsFormer's conv blocks,
+    attention and MLP residuals and timm Swin's attention and MLP residuals, each timed forward + backward and
+    summed over the stage's depth; a model it has no parts for is refused in one line."""
+    out = tmp_path / "parts.json"
+    script = load_script("benchmarks/throughput.py")
+    script.main(["--parts", "--models", "lipsformer_cswin_t", "--train-batch", "1", "--reps", "1",
+                 "--json", str(out)])
+    parts = json.loads(out.read_text())["parts"]
+    assert {m: sorted(p) for m, p in parts.items()} == {"swin_tiny_patch4_window7_224": ["attention", "mlp"],
+                                                        "lipsformer_cswin_t": ["attention", "convs", "mlp"]}
+    assert all(v > 0 for p in parts.values() for v in p.values())
+    printed = capsys.readouterr().out
+    assert "convs" in printed and "total" in printed
+    with pytest.raises(SystemExit, match="--parts knows LipsFormer and timm's Swin blocks, not ResNet"):
+        script.block_parts(timm.create_model("resnet18"), torch.randn(1, 3, 32, 32))

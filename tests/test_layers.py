@@ -45,6 +45,10 @@ def test_centernorm_backward_is_exact_and_keeps_what_autograd_keeps():
     x = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
     from lipsformer.layers.norm import _CenterNorm
     assert torch.autograd.gradcheck(lambda t, w, b: _CenterNorm.apply(t, w, b, 6 / 5), (x, norm.weight, norm.bias))
+    # the saved centred input is not differentiable: a create_graph backward raises instead of dropping a term
+    gx, = torch.autograd.grad(_CenterNorm.apply(x, norm.weight, norm.bias, 6 / 5).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.pow(2).sum().backward()
     out = norm(x)
     assert type(out.grad_fn).__name__ == "_CenterNormBackward"
     plain = norm.weight * 6 / 5 * (x - x.mean(-1, keepdim=True)) + norm.bias
@@ -96,6 +100,9 @@ def test_l2_normalize_backward_keeps_its_contiguous_output_and_has_exact_gradien
     from lipsformer.layers.attention import _L2Normalize, l2_normalize
     x = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: l2_normalize(t, 1e-12, scale), (x,))
+    gx, = torch.autograd.grad(l2_normalize(x, 1e-12, scale).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # the saved 1 / norm is not differentiable
+        gx.pow(2).sum().backward()
     out = l2_normalize(x, 1e-12, scale)
     assert type(out.grad_fn).__name__ == "_L2NormalizeBackward" and out.is_contiguous()
     plain = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12) * scale
@@ -398,6 +405,9 @@ def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_inp
     assert torch.autograd.gradcheck(gelu_linear, (u, w, None))
     assert torch.autograd.gradcheck(gelu_residual, (x, u, s))
     assert torch.autograd.gradcheck(gelu_residual, (x, u, s_sample))
+    # the backward passes overwrite their own temporaries, but not under create_graph: double backward stays exact
+    assert torch.autograd.gradgradcheck(gelu_linear, (u, w, b))
+    assert torch.autograd.gradgradcheck(gelu_residual, (x, u, s_sample))
     torch.testing.assert_close(gelu_linear(u, w, b), F.linear(F.gelu(u), w, b), rtol=0, atol=0)
     torch.testing.assert_close(gelu_residual(x, u, s), x + F.gelu(u) * s)
     # under torch.func (the Lipschitz estimators' jvp / vjp) the plain ops run, with exact derivatives

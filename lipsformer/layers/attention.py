@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .gelu import _records_grad
 
@@ -33,6 +34,7 @@ class _L2Normalize(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the saved 1 / norm is not differentiable: a create_graph backward raises
     def backward(ctx, grad):
         out, r = ctx.saved_tensors
         s = ctx.scale
