@@ -170,9 +170,11 @@ def time_parts(models, x, reps: int) -> dict:
     for _ in range(reps + 1):  # the first round warms up
         for j, (_, _, _, fn, inp) in enumerate(jobs):
             t = inp.clone().requires_grad_()
+            sync(t.device.type)
             start = CLOCK[0]()
             out = fn(t)
             out.backward(torch.ones_like(out))
+            sync(t.device.type)
             times[j].append(CLOCK[0]() - start)
     result = {name: {} for name in models}
     for (name, part, depth, _, _), t in zip(jobs, times):
@@ -386,6 +388,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu times CPU work: use it with --device cpu")
+    if args.parts and (args.matrix or args.matrix_compiled is not None or args.compile or args.released):
+        parser.error("--parts times the eager blocks of timm-registered models: use it without --matrix, --compile "
+                     "and --released")
     CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     matrix = args.matrix or args.matrix_compiled is not None
     args.reps = args.reps or (3 if matrix else 5)

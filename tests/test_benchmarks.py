@@ -170,3 +170,6 @@ def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path,
     assert "convs" in printed and "total" in printed
     with pytest.raises(SystemExit, match="--parts knows LipsFormer and timm's Swin blocks, not ResNet"):
         script.block_parts(timm.create_model("resnet18"), torch.randn(1, 3, 32, 32))
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--parts", "--matrix"])
+    assert stop.value.code == 2 and "error: --parts times the eager blocks" in capsys.readouterr().err
