@@ -130,45 +130,53 @@ def profile_train_step(model, x, device, amp, top: int) -> tuple:
 
 
 def block_parts(model, x) -> list:
-    """``(part, depth, fn, input)`` for the first block of every stage: LipsFormer's conv blocks, its attention and
-    MLP residuals (each with the norm after it), timm Swin's attention and MLP residuals (each with the norm before
-    it); ``depth`` is the stage's number of blocks and ``input`` the block's input in a forward pass of ``x``."""
+    """``(block, parts, input)`` for every block: ``parts`` is ``[(name, fn)]`` in the block's order, LipsFormer's
+    conv blocks and its attention and MLP residuals (each with the norm after it), or timm Swin's attention and MLP
+    residuals (each with the norm before it), so that chained they give the block's output; ``input`` is the
+    block's input in a forward pass of ``x``. Every block is listed (timm's alternate shifted windows)."""
     from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
     from lipsformer.layers import LipsBlock
     from lipsformer.models._base import LipsFormerBase
     if isinstance(model, LipsFormerBase):
-        stages = [(s.blocks[0], len(s.blocks)) for s in model.stages]
+        blocks = [b for s in model.stages for b in s.blocks]
     elif isinstance(model, SwinTransformer):
-        stages = [(s.blocks[0], len(s.blocks)) for s in model.layers]
+        blocks = [b for s in model.layers for b in s.blocks]
     else:
         raise SystemExit(f"--parts knows LipsFormer and timm's Swin blocks, not {type(model).__name__}")
     inputs = {}
-    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.setdefault(m, a[0].detach())) for b, _ in stages]
+
+    def keep(module, args):
+        inputs[module] = args[0].detach()
+
+    hooks = [b.register_forward_pre_hook(keep) for b in blocks]
     with torch.no_grad():
         model(x)
     for h in hooks:
         h.remove()
-    parts = []
-    for b, depth in stages:
+    out = []
+    for b in blocks:
         if isinstance(b, LipsBlock):
-            fns = dict(convs=b.convs, attention=lambda t, b=b: b.norm1(b._residual(b.res_attn, b.attn, t)),
-                       mlp=lambda t, b=b: b.norm2(b._residual(b.res_mlp, b.mlp, t)))
+            parts = [("convs", b.convs), ("attention", lambda t, b=b: b.norm1(b._residual(b.res_attn, b.attn, t))),
+                     ("mlp", lambda t, b=b: b.norm2(b._residual(b.res_mlp, b.mlp, t)))]
         elif isinstance(b, SwinTransformerBlock):
-            fns = dict(attention=lambda t, b=b: t + b.drop_path1(b._attn(b.norm1(t))),
-                       mlp=lambda t, b=b: t + b.drop_path2(b.mlp(b.norm2(t))))
+            parts = [("attention", lambda t, b=b: t + b.drop_path1(b._attn(b.norm1(t)))),
+                     ("mlp", lambda t, b=b: t + b.drop_path2(b.mlp(b.norm2(t))))]
         else:
             raise SystemExit(f"--parts knows LipsFormer and timm's Swin blocks, not {type(b).__name__}")
-        parts += [(name, depth, fn, inputs[b]) for name, fn in fns.items()]
-    return parts
+        out.append((b, parts, inputs[b]))
+    return out
 
 
 def time_parts(models, x, reps: int) -> dict:
-    """Median seconds of forward + backward (gradient of ones) of each model's block parts (:func:`block_parts`),
-    interleaved over ``reps`` rounds, summed over each stage's blocks: ``{model: {part: ms per training step}}``."""
-    jobs = [(name, *part) for name, model in models.items() for part in block_parts(model.train(), x)]
+    """Median seconds of forward + backward (gradient of ones) of every block part of each model
+    (:func:`block_parts`), interleaved over ``reps`` rounds after a warm-up round, summed over the blocks:
+    ``{model: {part: ms per training step}}``."""
+    jobs = [(name, model, part, fn, inp) for name, model in models.items()
+            for _, parts, inp in block_parts(model.train(), x) for part, fn in parts]
     times = [[] for _ in jobs]
-    for _ in range(reps + 1):  # the first round warms up
-        for j, (_, _, _, fn, inp) in enumerate(jobs):
+    for _ in range(reps + 1):
+        for j, (_, model, _, fn, inp) in enumerate(jobs):
+            model.zero_grad(set_to_none=True)
             t = inp.clone().requires_grad_()
             sync(t.device.type)
             start = CLOCK[0]()
@@ -177,14 +185,14 @@ def time_parts(models, x, reps: int) -> dict:
             sync(t.device.type)
             times[j].append(CLOCK[0]() - start)
     result = {name: {} for name in models}
-    for (name, part, depth, _, _), t in zip(jobs, times):
-        result[name][part] = result[name].get(part, 0.0) + depth * statistics.median(t[1:]) * 1e3
+    for (name, _, part, _, _), t in zip(jobs, times):
+        result[name][part] = result[name].get(part, 0.0) + statistics.median(t[1:]) * 1e3
     return result
 
 
 def print_parts(parts: dict, baseline: str, batch: int) -> None:
-    print(f"blocks by part, forward + backward, ms per training step at batch {batch} (each stage's first block "
-          f"times its depth); each model's difference to {baseline} in brackets")
+    print(f"blocks by part, forward + backward (every block), ms per training step at batch {batch}, "
+          f"{torch.get_num_threads()} threads; each model's difference to {baseline} in brackets")
     names = list(parts)
     print(f"{'part':<12}" + "".join(f" {n[:28]:>28}" for n in names))
     for part in ["convs", "attention", "mlp", "total"]:
@@ -388,9 +396,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu times CPU work: use it with --device cpu")
-    if args.parts and (args.matrix or args.matrix_compiled is not None or args.compile or args.released):
-        parser.error("--parts times the eager blocks of timm-registered models: use it without --matrix, --compile "
-                     "and --released")
+    if args.parts and (args.matrix or args.matrix_compiled is not None or args.compile or args.released
+                       or args.amp != "no" or args.channels_last or args.grad_checkpointing or args.profile):
+        parser.error("--parts times the eager fp32 blocks of timm-registered models: use it without --matrix, "
+                     "--compile, --released, --amp, --channels-last, --grad-checkpointing and --profile")
     CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     matrix = args.matrix or args.matrix_compiled is not None
     args.reps = args.reps or (3 if matrix else 5)

@@ -3,6 +3,7 @@ for backward do not depend on the machine's speed)."""
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -154,22 +155,33 @@ def test_certified_speed_refuses_settings_it_cannot_time_in_one_line(args, capsy
     assert f"error: {args[0]} takes" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path, capsys):
-    """--parts (issue 35's profile of the gap): every stage's first block split into LipsFormer's conv blocks,
-    attention and MLP residuals and timm Swin's attention and MLP residuals, each timed forward + backward and
-    summed over the stage's depth; a model it has no parts for is refused in one line."""
-    out = tmp_path / "parts.json"
+def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path, capsys, monkeypatch):
+    """--parts (issue 35's profile of the gap): every block split into LipsFormer's conv blocks, attention and MLP
+    residuals and timm Swin's attention and MLP residuals, which chained give the block's output; each part timed
+    forward + backward and summed over the blocks (a clock that ticks once per reading: each timed part costs 1, so
+    a part's sum is its number of blocks); a model it has no parts for, or a setting it ignores, is refused in one
+    line."""
     script = load_script("benchmarks/throughput.py")
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    out = tmp_path / "parts.json"
     script.main(["--parts", "--models", "lipsformer_cswin_t", "--train-batch", "1", "--reps", "1",
                  "--json", str(out)])
     parts = json.loads(out.read_text())["parts"]
-    assert {m: sorted(p) for m, p in parts.items()} == {"swin_tiny_patch4_window7_224": ["attention", "mlp"],
-                                                        "lipsformer_cswin_t": ["attention", "convs", "mlp"]}
-    assert all(v > 0 for p in parts.values() for v in p.values())
+    assert parts == {"swin_tiny_patch4_window7_224": {"attention": 12e3, "mlp": 12e3},
+                     "lipsformer_cswin_t": {"convs": 25e3, "attention": 25e3, "mlp": 25e3}}  # ms: 1 s a part
     printed = capsys.readouterr().out
     assert "convs" in printed and "total" in printed
+    for name in ("swin_tiny_patch4_window7_224", "lipsformer_swin_t"):
+        model = timm.create_model(name).eval()
+        for block, block_parts, inp in script.block_parts(model, torch.randn(1, 3, 224, 224))[::5]:
+            y = inp
+            for _, fn in block_parts:
+                y = fn(y)
+            torch.testing.assert_close(y.reshape(inp.shape), block(inp).reshape(inp.shape))
     with pytest.raises(SystemExit, match="--parts knows LipsFormer and timm's Swin blocks, not ResNet"):
         script.block_parts(timm.create_model("resnet18"), torch.randn(1, 3, 32, 32))
-    with pytest.raises(SystemExit) as stop:
-        script.main(["--parts", "--matrix"])
-    assert stop.value.code == 2 and "error: --parts times the eager blocks" in capsys.readouterr().err
+    for wrong in (["--matrix"], ["--compile"], ["--amp", "bf16"], ["--profile", "3"]):
+        with pytest.raises(SystemExit) as stop:
+            script.main(["--parts", *wrong])
+        assert stop.value.code == 2 and "error: --parts times the eager fp32 blocks" in capsys.readouterr().err

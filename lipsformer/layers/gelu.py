@@ -16,18 +16,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
 
-def _in_place(temp: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether a backward may overwrite its own temporary ``temp`` with ``temp op other``: same dtype and shape, and
-    grad mode off (a ``create_graph`` backward records its ops, and keeps them out of place)."""
-    return not torch.is_grad_enabled() and temp.dtype == other.dtype and temp.shape == other.shape
-
-
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """GELU's backward at ``u``, written over ``grad_out`` (a temporary of the caller's) where :func:`_in_place` and
-    the strides allow: one activation-sized allocation less per call (on the CPU, allocations above glibc's 32 MB
-    mmap threshold are page-faulted afresh each time)."""
-    if _in_place(grad_out, u) and grad_out.stride() == u.stride():
-        return torch.ops.aten.gelu_backward.grad_input(grad_out, u, grad_input=grad_out)
     return torch.ops.aten.gelu_backward(grad_out.to(u.dtype), u)
 
 
@@ -87,9 +76,7 @@ class _GeluResidual(torch.autograd.Function):
         grad_u = _gelu_grad(grad * scale, u) if ctx.needs_input_grad[1] else None
         grad_scale = None
         if ctx.needs_input_grad[2]:
-            h = F.gelu(u)
-            h = h.mul_(grad) if _in_place(h, grad) else h * grad
-            grad_scale = h.sum_to_size(scale.shape).to(scale.dtype)
+            grad_scale = (grad * F.gelu(u)).sum_to_size(scale.shape).to(scale.dtype)
         return grad_x, grad_u, grad_scale
 
 
