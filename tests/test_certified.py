@@ -799,3 +799,18 @@ def test_cpl_mlp_is_x_minus_2_wt_relu_wx_b_and_its_bound_holds():
         assert q <= bound * (1 + 1e-5) and (scale == 1.0 or q > 1.5)
     model = certifiable("lipsformer_swin_t", mlp="cpl")
     assert all(isinstance(b.mlp, CPLMlp) for s in model.stages for b in s.blocks)
+
+
+def test_conv_input_sizes_measures_a_compiled_model_eagerly():
+    """The measuring forward of bound keeping runs eagerly in a compiled model: compiling it traced the hooks that
+    fill a weak dictionary, and dynamo's guard on its keys failed once a key was collected (a CI failure of the
+    compile key's test); it also compiled a batch-1 graph for nothing."""
+    from torch._dynamo.testing import CompileCounter
+    from lipsformer.lipschitz.constraints import _CONV_INPUT_HW, conv_input_sizes
+    model = timm.create_model("lipsformer_swin_t", img_size=32, embed_dim=16, depths=(1, 1, 1, 1),
+                              num_heads=(1, 2, 4, 8), window_size=4)
+    counter = CompileCounter()
+    model.compile(backend=counter)
+    sizes = conv_input_sizes(model)
+    assert counter.frame_count == 0 and all(conv in _CONV_INPUT_HW for conv in sizes)
+    assert sizes[model.stages[0].blocks[0].convs.dw1] == (8, 8)

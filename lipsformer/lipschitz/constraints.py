@@ -55,7 +55,10 @@ def conv_input_sizes(model: nn.Module, input_size: Optional[Tuple[int, int, int]
     param = next(model.parameters())
     try:
         model.eval()
-        model(torch.zeros(1, *input_size, dtype=param.dtype, device=param.device))
+        # eagerly, even in a compiled model: tracing the hooks made dynamo guard on the weak dictionary's keys, and a
+        # key collected with its model failed that guard (StopIteration, in CI); nor is a batch-1 graph compiled
+        with torch.compiler.set_stance("force_eager"):
+            model(torch.zeros(1, *input_size, dtype=param.dtype, device=param.device))
     finally:
         model.train(was_training)
         for h in handles:
