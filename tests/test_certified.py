@@ -814,3 +814,22 @@ def test_conv_input_sizes_measures_a_compiled_model_eagerly():
     sizes = conv_input_sizes(model)
     assert counter.frame_count == 0 and all(conv in _CONV_INPUT_HW for conv in sizes)
     assert sizes[model.stages[0].blocks[0].convs.dw1] == (8, 8)
+
+
+def test_bound_keeping_keys_are_keep_bounds_arguments_and_the_resume_record_compares_them():
+    """One list (``KEEP_BOUND_KEYS``) says which config keys train.py passes to keep_bound, under which argument
+    names, and which a checkpoint's record of the last projection is compared on at resume (a changed key projects
+    again instead of restoring)."""
+    import dataclasses
+    import inspect
+    from lipsformer.engine.config import TrainConfig
+    from lipsformer.engine.margin import KEEP_BOUND_KEYS, keep_bound_args, keep_settings
+    from lipsformer.lipschitz.constraints import keep_bound
+    params = inspect.signature(keep_bound).parameters
+    assert set(KEEP_BOUND_KEYS.values()) <= set(params) and set(KEEP_BOUND_KEYS) <= {f.name for f in
+                                                                                     dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(lipschitz_target=3.0, lipschitz_conv_max=0.5)
+    assert keep_bound_args(cfg)["target"] == 3.0 and keep_bound_args(cfg)["conv_max"] == 0.5
+    for key in KEEP_BOUND_KEYS:
+        changed = dataclasses.replace(cfg, **{key: 0.25})
+        assert keep_settings(changed) != keep_settings(cfg)

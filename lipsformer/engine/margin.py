@@ -64,10 +64,20 @@ def margin_criterion(criterion: Callable, eps: float, bound: Optional[float]) ->
     return LipschitzMarginLoss(criterion, eps, 1.0 if bound is None else bound)
 
 
+# config key -> keep_bound's argument: the one list of what bound keeping is given (train.py) and of what a
+# checkpoint's record of it is compared on (:func:`keep_settings`, with the margin's keys after these, in this order)
+KEEP_BOUND_KEYS = dict(lipschitz_target="target", lipschitz_gamma_max="gamma_max", lipschitz_tau_max="tau_max",
+                       lipschitz_weight_max="weight_max", lipschitz_conv_max="conv_max")
+
+
+def keep_bound_args(cfg) -> dict:
+    """:func:`lipsformer.lipschitz.constraints.keep_bound`'s keyword arguments from the config."""
+    return {arg: getattr(cfg, key) for key, arg in KEEP_BOUND_KEYS.items()}
+
+
 def keep_settings(cfg) -> list:
     """The config keys the bound keeping and the margin it sets depend on, by value."""
-    return [cfg.lipschitz_target, cfg.lipschitz_gamma_max, cfg.lipschitz_tau_max, cfg.lipschitz_weight_max,
-            cfg.lipschitz_conv_max, cfg.margin_eps, cfg.margin_bound]
+    return [getattr(cfg, key) for key in (*KEEP_BOUND_KEYS, "margin_eps", "margin_bound")]
 
 
 def kept_record(step: int, bound: float, criterion: Callable, cfg) -> dict:

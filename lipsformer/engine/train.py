@@ -31,7 +31,7 @@ from .config import ConfigError, TrainConfig
 from .ema import ShardEma
 from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
-from .margin import follow_bound, kept_record, margin_criterion, restore_kept
+from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
 from .preemption import Preemption, stop_if_preempted
 from .resume import check_resumable, restore, resume_point, verified
@@ -236,10 +236,7 @@ def _start(cfg: TrainConfig, resume: Optional[str]):
     accelerator.init_trackers("lipsformer")
     keep = None
     if cfg.lipschitz_target is not None:
-        keep = functools.partial(keep_bound, accelerator.unwrap_model(model), cfg.lipschitz_target,
-                                 cfg.lipschitz_gamma_max, tau_max=cfg.lipschitz_tau_max,
-                                 weight_max=cfg.lipschitz_weight_max,
-                                 conv_max=cfg.lipschitz_conv_max)
+        keep = functools.partial(keep_bound, accelerator.unwrap_model(model), **keep_bound_args(cfg))
         if cfg.margin_eps and cfg.margin_bound is None:  # the margin follows the kept bound, in pixel space
             std = resolve_data_config({}, model=accelerator.unwrap_model(model))["std"]
             keep = follow_bound(keep, criterion, 1.0 / min(std))
