@@ -190,18 +190,22 @@ def time_parts(models, x, reps: int) -> dict:
     return result
 
 
+def print_against_baseline(label: str, rows: list, table: dict, baseline: str, widths=(12, 28)) -> None:
+    """``table`` ({model: {row: ms}}) as one line per row of ``rows`` and a total, a column per model, each model's
+    difference to ``baseline`` in brackets (a row a model lacks counts 0)."""
+    print(f"{label:<{widths[0]}}" + "".join(f" {n[:widths[1]]:>{widths[1]}}" for n in table))
+    for row in [*rows, "total"]:
+        cells = []
+        for name, values in table.items():
+            value, ref = (sum(v.values()) if row == "total" else v.get(row, 0.0) for v in (values, table[baseline]))
+            cells.append(f"{value:>9.0f}" + (f" ({value - ref:+7.0f})" if name != baseline else " " * 10))
+        print(f"{row:<{widths[0]}}" + "".join(f" {c:>{widths[1]}}" for c in cells))
+
+
 def print_parts(parts: dict, baseline: str, batch: int) -> None:
     print(f"blocks by part, forward + backward (every block), ms per training step at batch {batch}, "
           f"{torch.get_num_threads()} threads; each model's difference to {baseline} in brackets")
-    names = list(parts)
-    print(f"{'part':<12}" + "".join(f" {n[:28]:>28}" for n in names))
-    for part in ["convs", "attention", "mlp", "total"]:
-        cells = []
-        for n in names:
-            value = sum(parts[n].values()) if part == "total" else parts[n].get(part, 0.0)
-            ref = sum(parts[baseline].values()) if part == "total" else parts[baseline].get(part, 0.0)
-            cells.append(f"{value:>9.0f}" + (f" ({value - ref:+7.0f})" if n != baseline else " " * 10))
-        print(f"{part:<12}" + "".join(f" {c:>28}" for c in cells))
+    print_against_baseline("part", ["convs", "attention", "mlp"], parts, baseline)
 
 
 def train_memory(model, x, device, amp) -> float:
@@ -497,15 +501,7 @@ def main(argv=None) -> None:
     if families:  # where each model's step differs from the baseline's, by operator family
         print(f"\nown time (ms) by operator family, one training step, batch {args.train_batch}; each model's "
               f"difference to {args.baseline} in brackets")
-        print(f"{'family':<36}" + "".join(f" {n[:24]:>24}" for n in families))
-        base = families[args.baseline]
-        for family in list(base) + ["total"]:
-            cells = []
-            for fam in families.values():
-                value = sum(fam.values()) if family == "total" else fam[family]
-                ref = sum(base.values()) if family == "total" else base[family]
-                cells.append(f"{value:>9.0f}" + (f" ({value - ref:+7.0f})" if fam is not base else " " * 10))
-            print(f"{family:<36}" + "".join(f" {c:>24}" for c in cells))
+        print_against_baseline("family", list(families[args.baseline]), families, args.baseline, widths=(36, 24))
 
 
 if __name__ == "__main__":
