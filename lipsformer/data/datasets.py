@@ -1,21 +1,20 @@
 """Datasets that report, rather than hide, the images they cannot read."""
 import contextlib
 import logging
+import os
 import random
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
-from PIL import Image
 from timm.data import create_dataset as timm_create_dataset
 from timm.data import create_transform, resolve_data_config
 from torch.utils.data import Dataset, default_collate, get_worker_info
 from torchvision.transforms import Grayscale
 
 from .augment import apply_transform, portable
-from .classes import FolderLayoutError, no_images_message
+from .scanner import FolderReader, read_image, scan_classes
 
 _logger = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ class SafeImageDataset(Dataset):
         try:  # the reader opens the file: no permission, a dangling link or a folder fail here, not later
             source, target = self.reader[index][:2]
             with contextlib.closing(source) if hasattr(source, "close") else contextlib.nullcontext():
-                img = Image.open(source).convert("RGB")  # convert() decodes, so truncated files fail here
+                img = read_image(source)  # decoded here, so truncated files fail here
         except Exception as e:  # PIL raises several kinds for corrupt or empty files, open() OSErrors
             path = self.filename(index)
             _logger.warning(f"skipped unreadable image {path}: {e}")
@@ -158,18 +157,21 @@ def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, i
     return portable(recipe_transform(model, is_training, cfg, crop_pct, interpolation))
 
 
+def scan_notes(dataset) -> List[str]:
+    """The scanner's notes on a folder dataset (files that are not images, folders skipped); none for other data."""
+    reader = getattr(dataset, "reader", None)
+    return reader.scan.notes if isinstance(reader, FolderReader) else []
+
+
 def create_dataset(name: str, root: Optional[str], split: str, transform, is_training: bool = False,
                    batch_size: int = 1, seed: Optional[int] = None):
-    """A folder (``name=''``) or any timm dataset name; map-style ones count unreadable images and,
-    given a ``seed``, augment each sample reproducibly; streamed ones (``wds/``, ``hfids/``) shuffle with it."""
+    """A folder (``name=''``: ``root/split``, listed by :func:`~.scanner.scan_classes`) or any timm dataset name;
+    map-style ones count unreadable images and, given a ``seed``, augment each sample reproducibly; streamed ones
+    (``wds/``, ``hfids/``) shuffle with it."""
+    if not name:
+        return SafeImageDataset(FolderReader(scan_classes(os.path.join(root, split))), transform, seed=seed)
     streamed = {} if seed is None else dict(seed=seed)  # wds/, hfids/, tfds/ shuffle shards and samples with it
-    try:
-        ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size,
-                                 **streamed)
-    except RuntimeError as e:  # timm's folder reader raises it for one thing: no image found
-        if name:
-            raise
-        raise FolderLayoutError(no_images_message(Path(root) / split)) from e
+    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size, **streamed)
     if hasattr(ds, "reader") and isinstance(ds, torch.utils.data.Dataset) and hasattr(ds.reader, "__getitem__"):
         return SafeImageDataset(ds.reader, transform, seed=seed)
     ds.transform = transform  # iterable (wds/...) datasets: timm's own error handling applies
