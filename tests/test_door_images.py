@@ -1,7 +1,8 @@
 """The image-folder door: one scanner (lipsformer/data/scanner.py) lists and reads the images of training, its
 validation and eval.py. Cases are generated, not listed: every format Pillow writes x every mode that format takes
 (each file read, and scored by eval.py), every skipped folder name, every kind of file that is not an image (Pillow's
-own write-only and identify-only formats among them), an empty class folder. Refused cases assert exit code, one line, no
+own write-only and identify-only formats among them), data against the batch for 1 and 2 processes (Accelerate's
+own sharding as the reference), an empty class folder, a grey model. Refused cases assert exit code, one line, no
 traceback, nothing written (tests/test_mistakes.py's ``refused``); accepted ones assert the counts.
 """
 import csv
@@ -20,7 +21,7 @@ from PIL import EpsImagePlugin, Image, ImageFile
 from conftest import TINY
 from test_mistakes import EVAL, RUN, TRAIN, call, refused
 from test_train import make_folder
-from lipsformer.data.datasets import create_dataset
+from lipsformer.data.datasets import DataConfigError, check_batches, create_dataset
 from lipsformer.data.imagenet_eval import EvalDataset
 from lipsformer.data.scanner import JUNK_FOLDERS, image_extensions, read_image, scan_classes, to_rgb
 
@@ -249,7 +250,39 @@ def test_junk_folders_and_non_image_files_are_left_out_and_said_once(tmp_path, c
     assert sum("are not images" in m for m in said) == 1 and sum("skipped" in m for m in said) == 1, said
 
 
-# -- an empty class folder ---------------------------------------------------------------------------------------------
+# -- refused before anything is written --------------------------------------------------------------------------------
+def test_training_data_smaller_than_one_optimizer_update_is_one_line(tmp_path, capsys):
+    """Fewer images than a batch ended in timm's scheduler assertion; fewer than a global batch ran one update of
+    part of it, its loss still divided by the accumulation steps."""
+    for train, batch, global_batch, accumulation in (((1, 1, 1, 1), 8, 8, 1), ((2, 2, 1, 1), 4, 8, 2)):
+        data = make_folder(tmp_path / f"data_{sum(train)}", train_per_class=train, val_per_class=(1, 1, 1, 1))
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(yaml.safe_dump(dict(RUN, data_dir=str(data), output_dir=str(tmp_path / "run"))))
+        refused(capsys, TRAIN.main, ["--config", cfg, "--set", f"batch_size={batch}", f"global_batch={global_batch}"],
+                tmp_path, f"the training data ({data / 'train'}) has {sum(train)} images, fewer than one optimizer "
+                f"update takes: {global_batch} (global_batch) = batch_size {batch} x 1 process(es) x {accumulation} "
+                f"accumulation step(s)")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_update_per_epoch_is_checked_with_accelerates_own_sharding(processes):
+    """Refused exactly when some process would get fewer batches than one update takes, as Accelerate shards them."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+    for batch in (1, 3, 4):
+        for accumulation in (1, 2, 3):
+            for images in range(0, 30):
+                batches = min(len(BatchSamplerShard(BatchSampler(range(images), batch, drop_last=True), processes, i))
+                              for i in range(processes))
+                try:
+                    check_batches(range(images), batch, processes, accumulation, "train/")
+                    ok = True
+                except DataConfigError as e:
+                    ok = False
+                    assert f"{images} images" in str(e) and f"x {processes} process(es)" in str(e)
+                assert ok == (batches >= accumulation), (images, batch, processes, accumulation)
+
+
 def test_a_class_folder_without_an_image_is_refused_in_eval_and_in_validation(tmp_path, capsys):
     make_folder(tmp_path / "data", train_per_class=(2, 2, 2, 2), val_per_class=(1, 1, 1, 1))
     from lipsformer.weights import export
@@ -267,3 +300,32 @@ def test_a_class_folder_without_an_image_is_refused_in_eval_and_in_validation(tm
         cfg.write_text(yaml.safe_dump(dict(RUN, data_dir=str(data), output_dir=str(tmp_path / "run"))))
         refused(capsys, TRAIN.main, ["--config", cfg], tmp_path, said, "leave the others' folders out")
         cfg.unlink()
+
+
+# -- grey models -------------------------------------------------------------------------------------------------------
+def test_a_grey_model_trains_and_evaluates_on_rgb_and_grey_images(tmp_path, capsys):
+    data = make_folder(tmp_path / "data", train_per_class=(2, 2, 2, 2), val_per_class=(1, 1, 1, 1))
+    for path in sorted(data.rglob("*.jpg"))[::2]:
+        Image.open(path).convert("L").save(path.with_suffix(".png"))
+        path.unlink()
+    grey = dict(RUN, data_dir=str(data), output_dir=str(tmp_path / "run"),
+                model_kwargs=dict(RUN["model_kwargs"], in_chans=1))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(grey))
+    refused(capsys, TRAIN.main, ["--config", cfg], tmp_path, "the model takes 1 input channel(s) but its "
+            "normalisation has 3 mean and 3 std values", "set model_kwargs.pretrained_cfg_overlay: {mean: [0.459], "
+            "std: [0.226]}")
+    refused(capsys, TRAIN.main, ["--config", cfg, "--set", "model_kwargs.in_chans=4"], tmp_path,
+            "the model takes 4 input channels", "set model_kwargs.in_chans to 3 or 1")
+    code, out, err = call(capsys, TRAIN.main, ["--config", cfg, "--set",
+                                               "model_kwargs.pretrained_cfg_overlay={mean: [0.5], std: [0.5]}"])
+    assert code == 0, err
+    code, out, err = call(capsys, EVAL.main, ["--checkpoint", tmp_path / "run", "--data-dir", data, "--workers", 0,
+                                              "--output", tmp_path / "r.json"])
+    assert code == 0 and json.loads((tmp_path / "r.json").read_text())["input_size"] == [1, 32, 32], err
+    assert "(4 of 4 images scored" in out
+    # eval.py: an export of a grey model that kept ImageNet's 3 means
+    from lipsformer.weights import export
+    export(timm.create_model("lipsformer_swin_t", in_chans=1, num_classes=4, **TINY["swin"]), tmp_path / "grey")
+    refused(capsys, EVAL.main, ["--checkpoint", tmp_path / "grey", "--data-dir", data, "--workers", 0], tmp_path,
+            "the model takes 1 input channel(s)", "pretrained_cfg_overlay: {mean: [0.459]")

@@ -10,13 +10,20 @@ import numpy as np
 import torch
 from timm.data import create_dataset as timm_create_dataset
 from timm.data import create_transform, resolve_data_config
-from torch.utils.data import Dataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 from torchvision.transforms import Grayscale
 
+from ..errors import Mistake
 from .augment import apply_transform, portable
 from .scanner import FolderReader, read_image, scan_classes
 
 _logger = logging.getLogger(__name__)
+_LUMA = (0.299, 0.587, 0.114)  # PIL's L = 0.299 R + 0.587 G + 0.114 B
+
+
+class DataConfigError(Mistake, ValueError):
+    """The data cannot be given to the model as it is set up: its input channels against its normalisation, or too
+    few images for one optimizer update an epoch."""
 
 
 @contextmanager
@@ -136,6 +143,7 @@ def recipe_transform(model, is_training: bool, cfg=None, crop_pct=None, interpol
     if cfg is not None:
         data_cfg.update(input_size=(data_cfg["input_size"][0], cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
                         interpolation=cfg.interpolation)
+    check_normalisation(data_cfg)
     grey = [Grayscale(1)] if data_cfg["input_size"][0] == 1 else []  # images are read as RGB
     if not is_training:
         evaluation = create_transform(**data_cfg, is_training=False)
@@ -151,10 +159,49 @@ def recipe_transform(model, is_training: bool, cfg=None, crop_pct=None, interpol
     return train
 
 
+def check_normalisation(data_cfg: dict) -> None:
+    """A :class:`DataConfigError` naming what to set unless the model's input channels are 1 (grey, PIL's ``L``) or 3
+    (RGB) and its normalisation's ``mean`` and ``std`` (timm's ``resolve_data_config``: the model's
+    ``pretrained_cfg``, which keeps ImageNet's 3 values for a model built with ``in_chans: 1``) have one value each
+    or one per channel."""
+    chans, mean, std = data_cfg["input_size"][0], tuple(data_cfg["mean"]), tuple(data_cfg["std"])
+    if chans not in (1, 3):
+        raise DataConfigError(f"the model takes {chans} input channels, but images are read as RGB (3 channels) or "
+                              f"grey (1): set model_kwargs.in_chans to 3 or 1")
+    if len(mean) in (1, chans) and len(std) in (1, chans):
+        return
+    if chans == 1 and len(mean) == len(std) == 3:
+        grey = [round(sum(w * v for w, v in zip(_LUMA, values)), 3) for values in (mean, std)]
+        what = (f"mean: [{grey[0]}], std: [{grey[1]}]}} (the RGB values weighted as in L = 0.299 R + 0.587 G + "
+                f"0.114 B), or your data's own")
+    else:
+        what = f"mean: [...], std: [...]}} with one value each, or {chans}"
+    raise DataConfigError(f"the model takes {chans} input channel(s) but its normalisation has {len(mean)} mean and "
+                          f"{len(std)} std values (mean {list(mean)}, std {list(std)}): set "
+                          f"model_kwargs.pretrained_cfg_overlay: {{{what} (eval.py: --model-args "
+                          f"'{{\"pretrained_cfg_overlay\": {{...}}}}')")
+
+
 def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
     """:func:`recipe_transform` with timm's posterize ops made to give the same images on every Pillow
     (:func:`~lipsformer.data.augment.portable`)."""
     return portable(recipe_transform(model, is_training, cfg, crop_pct, interpolation))
+
+
+def check_batches(dataset, batch_size: int, processes: int, accumulation: int, where: str) -> None:
+    """A :class:`DataConfigError` unless every process gets an optimizer update each epoch. Training batches drop the
+    last partial one, and Accelerate gives each process ``(images // batch_size) // processes`` =
+    ``images // (batch_size * processes)`` batches, of which an update takes ``accumulation``: the data must hold one
+    global batch. Streamed data, whose length is an estimate, are not checked."""
+    if isinstance(dataset, IterableDataset):
+        return
+    images, need = len(dataset), batch_size * processes * accumulation
+    if images < need:
+        raise DataConfigError(
+            f"{where} has {images} images, fewer than one optimizer update takes: {need} (global_batch) = batch_size "
+            f"{batch_size} x {processes} process(es) x {accumulation} accumulation step(s), and each process drops "
+            f"its last partial batch, so no update would run in an epoch: lower global_batch (and batch_size), or add "
+            f"images")
 
 
 def scan_notes(dataset) -> List[str]:

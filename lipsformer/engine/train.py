@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
-from ..data.datasets import scan_notes
+from ..data.datasets import check_batches, scan_notes
 from ..errors import Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
@@ -68,7 +68,8 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
 
 def _build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
     """:func:`build_loaders`, and the training data's class names in label order (None when the reader has none),
-    by which the val data are labelled."""
+    by which the val data are labelled. The data are refused before anything is written when an optimizer update
+    cannot run each epoch (:func:`~lipsformer.data.datasets.check_batches`)."""
     loaders, classes, notes = [], None, []
     for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
@@ -77,6 +78,8 @@ def _build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
         notes += scan_notes(ds)
         if training:
             classes = reader_classes(ds)
+            check_batches(ds, cfg.batch_size, accelerator.num_processes, accelerator.gradient_accumulation_steps,
+                          f"the training data ({cfg.dataset or Path(cfg.data_dir) / split})")
         elif classes is not None:  # val labels by class name, as train/ numbers them (data/classes.py)
             notes.append(relabel(ds, classes, f"{split}/", f"{cfg.train_split}/'s"))
         common = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, collate_fn=collate_skip_failed,
