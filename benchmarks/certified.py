@@ -177,16 +177,11 @@ EPS = DATASETS["digits"].eps  # (the digits radii; each dataset has its own)
 
 @functools.lru_cache(maxsize=2)  # read once per process, not once per run
 def read_images(folder: str):
-    """The images of an ImageNet-style folder (PIL, decoded) and their class indices."""
-    from PIL import Image
-    folder = Path(folder)
-    images, labels = [], []
-    for c, name in enumerate(sorted(p.name for p in folder.iterdir() if p.is_dir())):
-        for f in sorted((folder / name).iterdir()):
-            with Image.open(f) as im:
-                images.append(im.convert("RGB"))  # as the loaders read them
-            labels.append(c)
-    return images, torch.tensor(labels)
+    """The images of an ImageNet-style folder (PIL, decoded) and their class indices, listed and read as the loaders
+    list and read them (:mod:`lipsformer.data.scanner`)."""
+    from lipsformer.data.scanner import read_image, scan_classes
+    samples = scan_classes(folder).samples
+    return [read_image(path) for path, _ in samples], torch.tensor([label for _, label in samples])
 
 
 def load_images(folder: str, model) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -10,28 +10,18 @@ in label order), read back as timm's ``pretrained_cfg["label_names"]``, which ``
 into the exported ``config.json``. A 1000-class model without names is taken to know ImageNet-1k's synsets
 (timm's ``infer_imagenet_subset``) when the folder is named by synsets.
 """
-import itertools
 import json
-import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from timm.data import ImageNetInfo, get_img_extensions, infer_imagenet_subset
-from timm.data.readers.reader_image_folder import ReaderImageFolder
+from timm.data import ImageNetInfo, infer_imagenet_subset
 
 from ..errors import Mistake
+from .scanner import FolderReader, listed
 
 
 class ClassMismatch(Mistake, ValueError):
     """The class folders found cannot be matched to the model's classes."""
-
-
-class FolderLayoutError(Mistake, ValueError):
-    """An image folder that is not one folder of images per class."""
-
-
-def _listed(names: Sequence[str], n: int = 5) -> str:
-    return ", ".join(map(str, names[:n])) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
 def class_mapping(found: Sequence[str], known: Optional[Sequence[str]], num_classes: Optional[int],
@@ -56,12 +46,12 @@ def class_mapping(found: Sequence[str], known: Optional[Sequence[str]], num_clas
     unknown = [c for c in found if c not in index]
     if unknown:
         raise ClassMismatch(f"{where} has class folders that are not among {known_as} {len(index)} classes: "
-                            f"{_listed(unknown)} ({known_as} classes: {_listed(list(index))})")
+                            f"{listed(unknown)} ({known_as} classes: {listed(list(index))})")
     mapping = {c: index[c] for c in found}
     if list(mapping.values()) == list(range(len(found))) and len(found) == len(index):
         return mapping, ""
     missing = [c for c in index if c not in mapping]
-    absent = f" (absent: {_listed(missing)})" if missing else ""
+    absent = f" (absent: {listed(missing)})" if missing else ""
     return mapping, (f"{where}: {len(found)} of {known_as} {len(index)} classes{absent}; labels mapped by class "
                      f"name")
 
@@ -80,43 +70,6 @@ def model_class_names(model, found: Sequence[str] = ()) -> Optional[List[str]]:
     return None
 
 
-def _extensions() -> str:
-    return ", ".join(sorted(get_img_extensions()))
-
-
-def no_images_message(folder) -> str:
-    """What a folder without a single image holds, and what it should hold."""
-    folder = Path(folder)
-    files = [Path(r, f) for r, _, fs in itertools.islice(os.walk(folder), 1000) for f in fs][:3]
-    found = f"; found {', '.join(str(f.relative_to(folder)) for f in files)}" if files else " (it is empty)"
-    return (f"{folder} holds no images ({_extensions()}) in class folders{found}; it should hold one sub-folder of "
-            f"images per class")
-
-
-def check_class_folders(root, samples: Sequence[Tuple[str, int]], class_to_idx: Dict[str, int],
-                        allow_empty: bool = False) -> None:
-    """A :class:`FolderLayoutError` naming what to fix unless ``root`` is one folder of images per class, as timm's
-    folder reader found it (``samples``: ``(path, label)``; ``class_to_idx``: by the folder's leaf name): images lying
-    directly in ``root``, images in a folder inside a class folder (timm would take its name for a class of its own),
-    and, unless ``allow_empty``, a class folder holding no image (timm drops it: another class count, other labels)."""
-    root = Path(root)
-    loose = [Path(p).name for p, _ in samples if Path(p).parent == root]
-    if loose:
-        raise FolderLayoutError(f"{root} holds images directly ({_listed(loose, 3)}): put each image in its class's "
-                                f"folder, {root}/CLASS/IMAGE")
-    nested = next((Path(p).parent for p, _ in samples if Path(p).parent.parent != root), None)
-    if nested is not None:
-        raise FolderLayoutError(f"{nested} is a folder inside a class folder: timm would take its images for a class "
-                                f"of its own, {nested.name!r}; keep one level of folders, {root}/CLASS/IMAGE")
-    if not allow_empty:
-        empty = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")
-                       and e.name not in class_to_idx)
-        if empty:
-            raise FolderLayoutError(f"{root}/{empty[0]} holds no images ({_extensions()})"
-                                    f"{f' (nor do {_listed(empty[1:], 3)})' if len(empty) > 1 else ''}: add its images "
-                                    f"or remove the folder; every class folder needs at least one")
-
-
 def reader_classes(dataset) -> Optional[List[str]]:
     """A timm folder dataset's class names in label order (None for data whose reader does not name them)."""
     class_to_idx = getattr(getattr(dataset, "reader", None), "class_to_idx", None)
@@ -126,11 +79,11 @@ def reader_classes(dataset) -> Optional[List[str]]:
 
 
 def relabel(dataset, known: Sequence[str], where: str, known_as: str) -> str:
-    """Give a timm folder dataset's samples the labels their class names have in ``known``, in place; returns the
-    note of :func:`class_mapping` (raises :class:`ClassMismatch`). Other data pass unchanged: a Hugging Face or
-    webdataset source labels every split from one class list of its own."""
+    """Give a scanned folder's samples (:class:`~.scanner.FolderReader`) the labels their class names have in
+    ``known``, in place; returns the note of :func:`class_mapping` (raises :class:`ClassMismatch`). Other data pass
+    unchanged: a Hugging Face or webdataset source labels every split from one class list of its own."""
     found = reader_classes(dataset)
-    if found is None or not isinstance(dataset.reader, ReaderImageFolder):
+    if found is None or not isinstance(dataset.reader, FolderReader):
         return ""
     mapping, note = class_mapping(found, known, len(known), where, known_as)
     reader = dataset.reader

@@ -1,23 +1,29 @@
 """Datasets that report, rather than hide, the images they cannot read."""
 import contextlib
 import logging
+import os
 import random
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
-from PIL import Image
 from timm.data import create_dataset as timm_create_dataset
 from timm.data import create_transform, resolve_data_config
-from torch.utils.data import Dataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 from torchvision.transforms import Grayscale
 
+from ..errors import Mistake
 from .augment import apply_transform, portable
-from .classes import FolderLayoutError, no_images_message
+from .scanner import FolderReader, read_image, scan_classes
 
 _logger = logging.getLogger(__name__)
+_LUMA = (0.299, 0.587, 0.114)  # PIL's L = 0.299 R + 0.587 G + 0.114 B
+
+
+class DataConfigError(Mistake, ValueError):
+    """The data cannot be given to the model as it is set up: its input channels against its normalisation, or too
+    few images for one optimizer update an epoch."""
 
 
 @contextmanager
@@ -89,7 +95,7 @@ class SafeImageDataset(Dataset):
         try:  # the reader opens the file: no permission, a dangling link or a folder fail here, not later
             source, target = self.reader[index][:2]
             with contextlib.closing(source) if hasattr(source, "close") else contextlib.nullcontext():
-                img = Image.open(source).convert("RGB")  # convert() decodes, so truncated files fail here
+                img = read_image(source)  # decoded here, so truncated files fail here
         except Exception as e:  # PIL raises several kinds for corrupt or empty files, open() OSErrors
             path = self.filename(index)
             _logger.warning(f"skipped unreadable image {path}: {e}")
@@ -137,6 +143,7 @@ def recipe_transform(model, is_training: bool, cfg=None, crop_pct=None, interpol
     if cfg is not None:
         data_cfg.update(input_size=(data_cfg["input_size"][0], cfg.img_size, cfg.img_size), crop_pct=cfg.crop_pct,
                         interpolation=cfg.interpolation)
+    check_normalisation(data_cfg)
     grey = [Grayscale(1)] if data_cfg["input_size"][0] == 1 else []  # images are read as RGB
     if not is_training:
         evaluation = create_transform(**data_cfg, is_training=False)
@@ -152,24 +159,66 @@ def recipe_transform(model, is_training: bool, cfg=None, crop_pct=None, interpol
     return train
 
 
+def check_normalisation(data_cfg: dict) -> None:
+    """A :class:`DataConfigError` naming what to set unless the model's input channels are 1 (grey, PIL's ``L``) or 3
+    (RGB) and its normalisation's ``mean`` and ``std`` (timm's ``resolve_data_config``: the model's
+    ``pretrained_cfg``, which keeps ImageNet's 3 values for a model built with ``in_chans: 1``) have one value each
+    or one per channel."""
+    chans, mean, std = data_cfg["input_size"][0], tuple(data_cfg["mean"]), tuple(data_cfg["std"])
+    if chans not in (1, 3):
+        raise DataConfigError(f"the model takes {chans} input channels, but images are read as RGB (3 channels) or "
+                              f"grey (1): set model_kwargs.in_chans to 3 or 1")
+    if len(mean) in (1, chans) and len(std) in (1, chans):
+        return
+    if chans == 1 and len(mean) == len(std) == 3:
+        grey = [round(sum(w * v for w, v in zip(_LUMA, values)), 3) for values in (mean, std)]
+        what = (f"mean: [{grey[0]}], std: [{grey[1]}]}} (the RGB values weighted as in L = 0.299 R + 0.587 G + "
+                f"0.114 B), or your data's own")
+    else:
+        what = f"mean: [...], std: [...]}} with one value each, or {chans}"
+    raise DataConfigError(f"the model takes {chans} input channel(s) but its normalisation has {len(mean)} mean and "
+                          f"{len(std)} std values (mean {list(mean)}, std {list(std)}): set "
+                          f"model_kwargs.pretrained_cfg_overlay: {{{what} (eval.py: --model-args "
+                          f"'{{\"pretrained_cfg_overlay\": {{...}}}}')")
+
+
 def create_loader_transform(model, is_training: bool, cfg=None, crop_pct=None, interpolation=None):
     """:func:`recipe_transform` with timm's posterize ops made to give the same images on every Pillow
     (:func:`~lipsformer.data.augment.portable`)."""
     return portable(recipe_transform(model, is_training, cfg, crop_pct, interpolation))
 
 
+def check_batches(dataset, batch_size: int, processes: int, accumulation: int, where: str) -> None:
+    """A :class:`DataConfigError` unless every process gets an optimizer update each epoch. Training batches drop the
+    last partial one, and Accelerate gives each process ``(images // batch_size) // processes`` =
+    ``images // (batch_size * processes)`` batches, of which an update takes ``accumulation``: the data must hold one
+    global batch. Streamed data, whose length is an estimate, are not checked."""
+    if isinstance(dataset, IterableDataset):
+        return
+    images, need = len(dataset), batch_size * processes * accumulation
+    if images < need:
+        raise DataConfigError(
+            f"{where} has {images} images, fewer than one optimizer update takes: {need} (global_batch) = batch_size "
+            f"{batch_size} x {processes} process(es) x {accumulation} accumulation step(s), and each process drops "
+            f"its last partial batch, so no update would run in an epoch: lower global_batch (and batch_size), or add "
+            f"images")
+
+
+def scan_notes(dataset) -> List[str]:
+    """The scanner's notes on a folder dataset (files that are not images, folders skipped); none for other data."""
+    reader = getattr(dataset, "reader", None)
+    return reader.scan.notes if isinstance(reader, FolderReader) else []
+
+
 def create_dataset(name: str, root: Optional[str], split: str, transform, is_training: bool = False,
                    batch_size: int = 1, seed: Optional[int] = None):
-    """A folder (``name=''``) or any timm dataset name; map-style ones count unreadable images and,
-    given a ``seed``, augment each sample reproducibly; streamed ones (``wds/``, ``hfids/``) shuffle with it."""
+    """A folder (``name=''``: ``root/split``, listed by :func:`~.scanner.scan_classes`) or any timm dataset name;
+    map-style ones count unreadable images and, given a ``seed``, augment each sample reproducibly; streamed ones
+    (``wds/``, ``hfids/``) shuffle with it."""
+    if not name:
+        return SafeImageDataset(FolderReader(scan_classes(os.path.join(root, split))), transform, seed=seed)
     streamed = {} if seed is None else dict(seed=seed)  # wds/, hfids/, tfds/ shuffle shards and samples with it
-    try:
-        ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size,
-                                 **streamed)
-    except RuntimeError as e:  # timm's folder reader raises it for one thing: no image found
-        if name:
-            raise
-        raise FolderLayoutError(no_images_message(Path(root) / split)) from e
+    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size, **streamed)
     if hasattr(ds, "reader") and isinstance(ds, torch.utils.data.Dataset) and hasattr(ds.reader, "__getitem__"):
         return SafeImageDataset(ds.reader, transform, seed=seed)
     ds.transform = transform  # iterable (wds/...) datasets: timm's own error handling applies

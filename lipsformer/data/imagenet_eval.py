@@ -2,7 +2,8 @@
 
 Every sample is ``(path, labels)``: the labels an image may be given and be right. ``imagenet`` and
 ``imagenet_v2`` have one label per image; ``imagenet_real`` has the ReaL list, which may be empty
-(such images are left out of the score).
+(such images are left out of the score). The images are listed and read by :mod:`.scanner`, as in training: the
+same files are images, the same folders are skipped, a class folder without an image is refused.
 """
 import json
 import logging
@@ -10,20 +11,27 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from PIL import Image
-from timm.data import ImageNetInfo, get_img_extensions
-from timm.data.readers.reader_image_folder import find_images_and_targets
+from timm.data import ImageNetInfo
 from torch.utils.data import Dataset
 
 from .augment import apply_transform
-from .classes import ClassMismatch, FolderLayoutError, check_class_folders, class_mapping, model_class_names, \
-    no_images_message
+from .classes import ClassMismatch, class_mapping, model_class_names
+from .scanner import read_image, scan_classes, scan_images
 
 EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
 Sample = Tuple[str, Tuple[int, ...]]
 _logger = logging.getLogger(__name__)
 _VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})\.")
 _SYNSET = re.compile(r"^n\d{8}$")
+
+
+class Samples(list):
+    """A list of samples, with the notes of the scan that found them (files that are not images, folders skipped,
+    labels mapped by class name), for the caller to say once."""
+
+    def __init__(self, samples=(), notes: Sequence[str] = ()):
+        super().__init__(samples)
+        self.notes = [n for n in notes if n]
 
 
 def val_folder(data_dir) -> Path:
@@ -34,43 +42,38 @@ def val_folder(data_dir) -> Path:
     return data_dir / "val" if (data_dir / "val").is_dir() else data_dir
 
 
-def imagenet_samples(folder, model=None) -> List[Sample]:
-    """One folder per class, found as training finds them (timm's reader); each folder's label is the index of its
-    name among ``model``'s classes (:mod:`lipsformer.data.classes`), or its sorted place without a model."""
-    images, class_to_idx = find_images_and_targets(str(folder))
-    if not images:
-        raise FolderLayoutError(no_images_message(folder))
-    check_class_folders(folder, images, class_to_idx, allow_empty=True)
+def imagenet_samples(folder, model=None) -> Samples:
+    """One folder per class, found as training finds them (:func:`~.scanner.scan_classes`); each folder's label is
+    the index of its name among ``model``'s classes (:mod:`lipsformer.data.classes`), or its sorted place without a
+    model."""
+    scan = scan_classes(folder)
     if model is None:
-        return [(path, (target,)) for path, target in images]
-    found = sorted(class_to_idx, key=class_to_idx.get)
-    mapping, note = class_mapping(found, model_class_names(model, found), model.num_classes, str(folder))
-    if note:
-        _logger.warning(note)
-    return [(path, (mapping[found[target]],)) for path, target in images]
+        return Samples([(path, (target,)) for path, target in scan.samples], scan.notes)
+    mapping, note = class_mapping(scan.classes, model_class_names(model, scan.classes), model.num_classes, str(folder))
+    return Samples([(path, (mapping[scan.classes[target]],)) for path, target in scan.samples], [*scan.notes, note])
 
 
-def imagenet_v2_samples(folder, num_classes: Optional[int] = None) -> List[Sample]:
+def imagenet_v2_samples(folder, num_classes: Optional[int] = None) -> Samples:
     """Folders ``0`` ... ``999``: the folder name *is* the class index (sorting names would put 10 before 2)."""
     folder = Path(folder)
-    samples = []
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
-        if not sub.name.isdigit():
-            raise ValueError(f"ImageNet-v2 class folders are named 0 ... 999; found {sub}")
-        if num_classes is not None and int(sub.name) >= num_classes:
-            raise ClassMismatch(f"{sub} is class {int(sub.name)}, but the model has {num_classes} classes")
-        samples += [(str(p), (int(sub.name),)) for p in _images_in(sub)]
-    if not samples:
-        raise FileNotFoundError(f"no images in numbered class folders under {folder}")
-    return samples
+
+    def numbered(name: str) -> None:
+        if not name.isdigit():
+            raise ValueError(f"ImageNet-v2 class folders are named 0 ... 999; found {folder / name}")
+        if num_classes is not None and int(name) >= num_classes:
+            raise ClassMismatch(f"{folder / name} is class {int(name)}, but the model has {num_classes} classes")
+
+    scan = scan_classes(folder, check_class=numbered)
+    return Samples([(path, (int(scan.classes[target]),)) for path, target in scan.samples], scan.notes)
 
 
-def imagenet_real_samples(folder, real_labels) -> List[Sample]:
+def imagenet_real_samples(folder, real_labels) -> Samples:
     """The val images (flat or in synset folders) with their ReaL label lists, matched by file name:
     ``ILSVRC2012_val_00000001.JPEG`` takes the first list of the JSON file."""
     labels = read_real_labels(real_labels)
-    samples, seen = [], {}
-    for path in _images_in(Path(folder)):
+    scan = scan_images(folder)
+    samples, seen = Samples(notes=scan.notes), {}
+    for path in map(Path, (p for p, _ in scan.samples)):
         match = _VAL_NAME.match(path.name)
         if match is None:
             raise ValueError(f"ReaL labels are keyed by ImageNet val file names (ILSVRC2012_val_NNNNNNNN.JPEG); "
@@ -98,9 +101,9 @@ def read_real_labels(path) -> List[List[int]]:
     return labels
 
 
-def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, model=None) -> List[Sample]:
+def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, model=None) -> Samples:
     """The samples of ``dataset`` under ``data_dir``, labelled for ``model``'s classes when given (a folder's
-    classes by name; a v2 folder or a ReaL label past the model's classes is refused)."""
+    classes by name; a v2 folder or a ReaL label past the model's classes is refused), with the scan's notes."""
     num_classes = None if model is None else model.num_classes
     if dataset == "imagenet":
         return imagenet_samples(val_folder(data_dir), model)
@@ -148,11 +151,6 @@ def describe_samples(dataset: str, samples: Sequence[Sample]) -> str:
     return f"image folder, {len(folders)} classes"
 
 
-def _images_in(folder: Path) -> List[Path]:
-    extensions = {e.lower() for e in get_img_extensions()}
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in extensions)
-
-
 class EvalDataset(Dataset):
     """Yields ``(image, index, "")``, or ``(None, index, path)`` for an image that cannot be read (counted and
     reported by the evaluation, as training counts its own); labels stay with the samples, so scoring never
@@ -168,7 +166,7 @@ class EvalDataset(Dataset):
     def __getitem__(self, index: int):
         path = self.samples[index][0]
         try:
-            img = Image.open(path).convert("RGB")  # convert() decodes, so truncated files fail here
+            img = read_image(path)  # decoded here, so truncated files fail here
         except Exception as e:  # PIL raises several kinds for corrupt or empty files
             _logger.warning(f"skipped unreadable image {path}: {e}")
             return None, index, str(path)

@@ -288,6 +288,9 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
                         f"{trained[1]} px (as they record): its windows / stripes and position biases are resized "
                         f"(set_input_size), so this is not the accuracy at the size it was trained for and is "
                         f"often much lower")
+    if accelerator.is_main_process:  # after every check: a refused evaluation is one line
+        for note in samples.notes:  # files that are not images, folders skipped, labels mapped by name
+            _logger.warning(note)
     model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
     if compile:
         compile_model(model)

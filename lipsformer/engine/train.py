@@ -12,7 +12,6 @@ from accelerate import Accelerator, PartialState
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from timm.data import Mixup, resolve_data_config
-from timm.data.readers.reader_image_folder import ReaderImageFolder
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -21,7 +20,8 @@ from tqdm.auto import tqdm
 
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
-from ..data.classes import check_class_folders, reader_classes, write_class_names
+from ..data.classes import reader_classes, write_class_names
+from ..data.datasets import check_batches, scan_notes
 from ..errors import Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
@@ -68,21 +68,20 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
 
 def _build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
     """:func:`build_loaders`, and the training data's class names in label order (None when the reader has none),
-    by which the val data are labelled."""
-    loaders, classes = [], None
+    by which the val data are labelled. The data are refused before anything is written when an optimizer update
+    cannot run each epoch (:func:`~lipsformer.data.datasets.check_batches`)."""
+    loaders, classes, notes = [], None, []
     for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
         ds = create_dataset(cfg.dataset, cfg.data_dir, split, transform, is_training=training,
-                            batch_size=cfg.batch_size, seed=cfg.seed)
-        reader = getattr(ds, "reader", None)
-        if isinstance(reader, ReaderImageFolder):  # one folder of images per class; a class without images is refused
-            check_class_folders(reader.root, reader.samples, reader.class_to_idx, allow_empty=not training)
+                            batch_size=cfg.batch_size, seed=cfg.seed)  # a folder: scanned (data/scanner.py)
+        notes += scan_notes(ds)
         if training:
             classes = reader_classes(ds)
+            check_batches(ds, cfg.batch_size, accelerator.num_processes, accelerator.gradient_accumulation_steps,
+                          f"the training data ({cfg.dataset or Path(cfg.data_dir) / split})")
         elif classes is not None:  # val labels by class name, as train/ numbers them (data/classes.py)
-            note = relabel(ds, classes, f"{split}/", f"{cfg.train_split}/'s")
-            if note:
-                accelerator.print(note)
+            notes.append(relabel(ds, classes, f"{split}/", f"{cfg.train_split}/'s"))
         common = dict(batch_size=cfg.batch_size, num_workers=cfg.workers, collate_fn=collate_skip_failed,
                       drop_last=training)
         if isinstance(ds, IterableDataset):
@@ -92,6 +91,8 @@ def _build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
         # iterator starts, which a resumed run does at a different moment.
         loaders.append(accelerator.prepare_data_loader(DataLoader(
             ds, shuffle=training, generator=torch.Generator().manual_seed(cfg.seed), **common)))
+    for note in filter(None, notes):
+        accelerator.print(note)
     return (*loaders, classes)
 
 
