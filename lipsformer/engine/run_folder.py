@@ -14,13 +14,16 @@ reads finished runs from it::
       checkpoints/step_NNNNNNNNN/   Accelerate save_state folders, each with manifest.json
       checkpoints/.damaged-step_N/  checkpoints --resume auto skipped, set aside so the run can write them again
       lipsformer/            TensorBoard events
+
+Every file is written through :mod:`lipsformer.writer` (a temporary name, then a rename).
 """
 import json
-import os
 import re
 from pathlib import Path
 from typing import List, Optional
 
+from ..errors import Mistake
+from ..writer import TMP_PREFIX, check_target, replacing, to_json
 from .config import ConfigError
 
 CONFIG = "config.yaml"
@@ -32,53 +35,29 @@ LAST_EMA = "last_ema.safetensors"
 BEST = "best.safetensors"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # inside each checkpoint folder
-TMP_PREFIX = ".tmp-"  # a checkpoint being written; never taken for a finished one
 DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside (kept for inspection)
 
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
 
 
-def umask() -> int:
-    """The process's file-mode creation mask (Linux's /proc/self/status states it; elsewhere read by setting it and
-    setting it back)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def readable_as_outputs(path: Path) -> None:
-    """Give ``path`` (a file, or every file under a folder) the mode ``open()`` gives any other output, 0666 less the
-    umask (0644 under umask 022): safetensors writes through a temporary file of mode 0600, which a colleague on a
-    shared file system could not read."""
-    path = Path(path)
-    mode = 0o666 & ~umask()
-    for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
-        if file.stat().st_mode & 0o777 != mode:
-            os.chmod(file, mode)
-
-
 def read_metrics(path: Path) -> List[dict]:
-    """The rows of a ``metrics.jsonl`` file in order; none when it does not exist."""
+    """The rows of a ``metrics.jsonl`` file in order; none when it does not exist. A last row cut short (the machine
+    went down in the middle of an append) is left out."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def check_output(folder: "RunFolder") -> None:
-    """A ConfigError unless ``output_dir`` is (or can become) a folder: it and every parent that exists are folders."""
-    for path in (folder.root, *folder.root.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(f"output_dir {folder.root}: {path} is a file, not a folder; choose another "
-                                  f"output_dir")
-            return
+    """A ConfigError unless ``output_dir`` is (or can become) a folder this user can write in
+    (:func:`~lipsformer.writer.check_target`)."""
+    try:
+        check_target(folder.root, folder=True)
+    except Mistake as e:
+        raise ConfigError(f"output_dir {e}; choose another output_dir") from None
 
 
 class RunFolder:
@@ -116,14 +95,14 @@ class RunFolder:
 
     def keep_metrics_until(self, step: int, epochs: int) -> None:
         """Drop the rows a resumed run logs again: train rows after optimizer ``step``, epoch rows after epoch
-        ``epochs`` (what the checkpoint resumed from had finished). Rewritten beside the file and renamed."""
+        ``epochs`` (what the checkpoint resumed from had finished), and a last row cut short. Rewritten beside the
+        file and renamed."""
         rows = self.read_metrics()
         kept = [r for r in rows if (r["epoch"] <= epochs if r["kind"] == "epoch" else r["step"] <= step)]
-        if len(kept) == len(rows):
+        if len(kept) == len(rows) and (not rows or self.metrics.read_bytes().endswith(b"\n")):
             return
-        tmp = self.temporary(self.metrics)
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.metrics)
+        with replacing(self.metrics) as tmp:
+            tmp.write_text("".join(to_json(r) + "\n" for r in kept))
 
     def weights(self, ema: bool = False) -> Path:
         """The final weights (``last.safetensors``), or their EMA."""
@@ -135,11 +114,6 @@ class RunFolder:
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:09d}"
-
-    @staticmethod
-    def temporary(final: Path) -> Path:
-        """Where ``final`` is written before its rename."""
-        return final.with_name(TMP_PREFIX + final.name)
 
     @staticmethod
     def set_aside(damaged: Path) -> Path:
