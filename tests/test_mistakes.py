@@ -510,21 +510,27 @@ def test_a_list_on_the_command_line_is_a_list():
     assert cfg.freeze == "patch_embed,stages.0"  # a string key keeps its commas
 
 
-def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
+def interrupted(capsys, monkeypatch, argv: list, step: int) -> tuple:
+    """:func:`call` of train.py ``argv`` with Ctrl-C pressed in optimizer step ``step``."""
     from lipsformer.engine import train as loop
+    real, steps = loop._train_step, []
+
+    def interrupted_at_step(run, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == step:
+            raise KeyboardInterrupt
+        return real(run, *args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "_train_step", interrupted_at_step)
+        return call(capsys, TRAIN.main, argv)
+
+
+def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
     from lipsformer.engine.checkpoint import intact_checkpoint, latest_checkpoint
     from lipsformer.engine.finetune import build_model
     from lipsformer.engine.config import load_config
-    real, steps = loop._train_step, []
-
-    def interrupted_at_step_3(run, *args, **kwargs):
-        steps.append(1)
-        if len(steps) == 3:
-            raise KeyboardInterrupt
-        return real(run, *args, **kwargs)
-    monkeypatch.setattr(loop, "_train_step", interrupted_at_step_3)
     out = base / "interrupted"
-    code, _, err = call(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--output-dir", out])
+    code, _, err = interrupted(capsys, monkeypatch, ["--config", base / "cfg.yaml", "--output-dir", out], 3)
     lines = [line for line in err.splitlines() if line.startswith("interrupted")]
     assert code == 130 and "Traceback" not in err and lines == [
         f"interrupted: training stopped at step 2 (Ctrl-C); newest checkpoint: {out}/checkpoints/step_000000002; "
