@@ -7,16 +7,14 @@
         --certify-eps 0.1 0.25 0.5 --attack-eps 0.1 0.25 0.5 --predictions preds.csv
     accelerate launch eval.py ... (every image is counted once across processes)
 """
-import json
 import os
 import sys
-from pathlib import Path
 
 from lipsformer.cli import ArgumentParser, command, json_value
 from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
-from lipsformer.errors import UsageError
 from lipsformer.lipschitz.certify import parse_eps
+from lipsformer.writer import output_file, write_json
 
 
 def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
@@ -50,8 +48,10 @@ def build_parser() -> ArgumentParser:
                         help="imagenet / imagenet_real: the val folder (or its parent); imagenet_v2: folders 0..999")
     parser.add_argument("--dataset", default="imagenet", choices=EVAL_DATASETS)
     parser.add_argument("--real-labels", help="ReaL labels (real.json), for --dataset imagenet_real")
-    parser.add_argument("--predictions", help="write one CSV row per image: path, targets, top-5 and probabilities")
-    parser.add_argument("--output", help="write the results as JSON")
+    parser.add_argument("--predictions", type=output_file,
+                        help="write one CSV row per image: path, targets, top-5 and probabilities")
+    parser.add_argument("--output", type=output_file,
+                        help="write the results as JSON (strict: a non-finite number is null, with a KEY_reason)")
     parser.add_argument("--use-ema", action="store_true", help="evaluate the checkpoint's EMA weights")
     parser.add_argument("--batch-size", type=int, default=100, help="per process")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="loader workers per process")
@@ -90,11 +90,6 @@ def main(argv=None) -> int:
         parser.error("--pretrained needs --model")
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         parser.error(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
-    for option, path in (("--output", args.output), ("--predictions", args.predictions)):
-        if path and not Path(path).parent.is_dir():  # found now, not after the evaluation
-            raise UsageError(f"{option} {path}: no folder {Path(path).parent}")
-        if path and Path(path).is_dir():
-            raise UsageError(f"{option} {path} is a folder; name the file to write")
     certify_eps = parse_eps(args.certify_eps, "--certify-eps")
     attack_eps = parse_eps(args.attack_eps, "--attack-eps")
     result, samples = evaluate_model(
@@ -119,8 +114,7 @@ def main(argv=None) -> int:
     if args.predictions:
         write_predictions(args.predictions, samples, classes, probs, radius, radius_global, names)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(dict(result, data_dir=args.data_dir), f, indent=2)
+        write_json(args.output, dict(result, data_dir=args.data_dir), reason=result.get("robustness", {}).get("reason"))
     return 0
 
 

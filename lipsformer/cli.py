@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
 from .errors import DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError
+from .writer import forget_written, written
 
 # The one table of exit codes, shared by every command (README "Exit codes"; each command's --help).
 DONE, FAILED, MISTAKE, STOPPED, PREEMPTED, INTERRUPTED = 0, 1, 2, 3, 75, 130
@@ -146,11 +147,14 @@ def report(e: BaseException) -> int:
 
 def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
     """Wrap a command's ``main(argv=None)``: every exception becomes one line and an exit code (:func:`report`);
-    ``main`` returning None is 0. Afterwards the process group, if one was started, is destroyed while the
-    interpreter is still whole (:func:`lipsformer.engine.processes.end_process_group`), except after a bug or
-    Ctrl-C, where another process may still be inside a collective."""
+    ``main`` returning None is 0. The main process ends with a ``wrote:`` line naming every file and folder the
+    command wrote (:func:`lipsformer.writer.written`), whatever the exit code. Afterwards the process group, if one
+    was started, is destroyed while the interpreter is still whole
+    (:func:`lipsformer.engine.processes.end_process_group`), except after a bug or Ctrl-C, where another process may
+    still be inside a collective."""
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
+        forget_written()
         try:
             code = main(*args, **kwargs) or DONE
         except SystemExit:  # --help
@@ -158,11 +162,19 @@ def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
         except BaseException as e:  # noqa: BLE001 - the boundary: every exception is told in one line or as a bug
             code = report(e)
             if family(e) is None or code == INTERRUPTED:
+                _say_written()
                 return code
+        _say_written()
         from .engine.processes import end_process_group
         end_process_group()
         return code
     return run
+
+
+def _say_written() -> None:
+    paths = written()
+    if paths and is_main_process():
+        print(f"wrote: {', '.join(map(str, paths))}", flush=True)
 
 
 def exit_codes_help() -> str:

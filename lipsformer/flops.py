@@ -5,18 +5,16 @@
 fvcore counts one multiply-add as one FLOP. ``scaled_dot_product_attention`` is counted as the
 two matmuls it replaces (q k^T and attn v), so fused and unfused attention give the same count.
 """
-import json
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
 
 from .cli import ArgumentParser, command
-from .errors import UsageError
 from .weights import build_model, check_model_name
+from .writer import output_file, write_json
 
 with warnings.catch_warnings():  # fvcore.nn's focal_loss module calls torch.jit.script on import (deprecated)
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
@@ -118,12 +116,10 @@ def main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m lipsformer.flops", description=__doc__)
     parser.add_argument("--models", nargs="*", default=list(PAPER), help="model names (default: all of the paper's)")
     parser.add_argument("--no-flops", action="store_true", help="parameters only (fast)")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     for name in args.models:  # every name before the first row
         check_model_name(name)
-    if args.json and not Path(args.json).parent.is_dir():
-        raise UsageError(f"--json {args.json}: no folder {Path(args.json).parent}")
     rows = []
     print(f"{'model':<22}{'params (M)':>12}{'paper':>8}{'GFLOPs':>9}{'paper':>8}{'top-1 (paper)':>15}")
     for name in args.models:
@@ -133,8 +129,7 @@ def main(argv=None) -> int:
               f"{_fmt(row.get('gflops'), '.2f'):>9}{_fmt(row.get('paper_gflops'), 'g'):>8}"
               f"{_fmt(row.get('paper_top1'), 'g'):>15}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.json, rows)
     return 0
 
 

@@ -8,8 +8,6 @@ import argparse
 import collections
 import hashlib
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
@@ -26,7 +24,8 @@ from .data.classes import read_class_names
 from .errors import Mistake, did_you_mean
 from .engine.config import ConfigError
 from .layers.attlip import form_mismatch, state_dict_form
-from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step, readable_as_outputs
+from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step
+from .writer import replacing
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
 HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
@@ -369,14 +368,11 @@ def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str]
     if tag is not None:
         current["tag"] = tag
     model.pretrained_cfg = {**{k: v for k, v in saved_cfg.items() if k not in ("sha256", "state_dict")}, **current}
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_for_hf(model, str(tmp), safe_serialization=True,
-                    model_config=dict(source=str(source), source_sha256=sha256_of(weights)
-                                      if weights is not None and weights.is_file() else None))
+        with replacing(out_dir) as tmp:  # save_for_hf's model.safetensors is written 0600: given the outputs' mode
+            save_for_hf(model, str(tmp), safe_serialization=True,
+                        model_config=dict(source=str(source), source_sha256=sha256_of(weights)
+                                          if weights is not None and weights.is_file() else None))
     finally:
         model.pretrained_cfg = saved_cfg
-    readable_as_outputs(tmp)  # save_for_hf's model.safetensors is written 0600
-    os.replace(tmp, out_dir)
     return out_dir

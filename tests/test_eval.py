@@ -320,7 +320,8 @@ def test_eval_refuses_class_folders_it_cannot_match_in_one_line(tmp_path, capsys
     (["--batch-size", "0"], "--batch-size must be at least 1"),  # more of the same kind: these were tracebacks
     (["--workers", "-1"], "--workers must be 0"),
     (["--model-args", "[32]"], "--model-args must be a JSON object of model arguments"),
-    (["--predictions", "missing/p.csv"], "--predictions missing/p.csv: no folder missing"),  # was found after the pass
+    (["--predictions", f"{__file__}/p.csv"],  # was found after the pass
+     f"argument --predictions: {__file__}/p.csv: {__file__} is a file, not a folder"),
 ])
 def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys, args, message):
     # issue 25.2 / 25.5 / 25.11: attacks of 0 steps or restarts reported clean accuracy as "PGD-attacked";

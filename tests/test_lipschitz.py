@@ -394,8 +394,11 @@ def test_command_json_is_strict_and_plot_marks_layers_without_a_finite_bound(tmp
 
 @pytest.mark.parametrize("args, message", [
     (["--model-args", "[1]"], "--model-args must be a JSON object of model arguments"),  # was a TypeError traceback
-    (["--json", "missing/b.json"], "--json missing/b.json: no folder missing"),  # was found after the bounds
-    (["--plot", "missing/b.png"], "--plot missing/b.png: no folder missing"),
+    (["--json", f"{__file__}/b.json"],  # found before the bounds
+     f"python -m lipsformer.lipschitz: argument --json: {__file__}/b.json: {__file__} is a file, not a folder"),
+    (["--plot", f"{__file__}/b.png"],
+     f"python -m lipsformer.lipschitz: argument --plot: {__file__}/b.png: {__file__} is a file, not a folder"),
+    (["--plot", "b.pngx"], "python -m lipsformer.lipschitz: argument --plot: b.pngx: cannot draw a .pngx figure"),
 ])
 def test_command_refuses_unusable_arguments_before_any_work_in_one_line(capsys, args, message):
     from lipsformer.lipschitz.__main__ import main

@@ -392,8 +392,10 @@ BAD_FLAG_VALUES = {
         "--checkpoint": [("{root}/nope", ["no checkpoint"]), ("{root}/data", ["holds neither"])],
         "--data-dir": [("{root}/nope", ["no data folder"]), ("{root}/a_file", ["no data folder"])],
         "--real-labels": [("{root}/nope.json", ["cannot read the ReaL labels file"])],
-        "--predictions": [("{root}/nope/p.csv", ["--predictions", "no folder"]), ("{root}/data", ["is a folder"])],
-        "--output": [("{root}/nope/r.json", ["--output", "no folder"]), ("{root}/data", ["is a folder"])],
+        "--predictions": [("{root}/a_file/p.csv", ["--predictions", "a_file is a file, not a folder"]),
+                          ("{root}/data", ["is a folder"])],
+        "--output": [("{root}/a_file/r.json", ["--output", "a_file is a file, not a folder"]),
+                     ("{root}/data", ["is a folder"])],
         "--model-args": [("{bad", ["not JSON"]), ("[32]", ["must be a JSON object"]),
                          ('{"nosuch": 1}', ["unexpected keyword argument 'nosuch'"])],
     },
@@ -470,13 +472,13 @@ def test_the_other_commands_refuse_mistakes_in_one_line(base, capsys):
         (lipschitz, ["--model", "lipsformer_swin_t", "--model-args", '{"depthz": 3}'], ["'depthz'"]),
         (lipschitz, ["--model", "lipsformer_swin_t", "--checkpoint", random_file], ["cannot read", "random_5.pth"]),
         (lipschitz, ["--checkpoint", base / "run", "--measure", "stages.9"], ["has no module 'stages.9'"]),
-        (lipschitz, ["--model", "lipsformer_swin_t", "--json", base / "nope" / "x.json"], ["no folder"]),
+        (lipschitz, ["--model", "lipsformer_swin_t", "--json", base / "a_file" / "x.json"], ["a_file is a file"]),
         (lipschitz, [], ["pass --model or --checkpoint"]),
         (convert.main, [random_file, "--model", "lipsformer_swin_t", "--out", base / "conv"], ["cannot read"]),
         (convert.main, [base / "run", "--tag", "../x"], ["--tag"]),
         (convert.main, [base / "run", "--out", base / "data"], ["already exists"]),
         (flops.main, ["--models", "lipsformer_swin_x", "--no-flops"], ["unknown model"]),
-        (flops.main, ["--models", "lipsformer_swin_t", "--json", base / "nope" / "f.json"], ["no folder"]),
+        (flops.main, ["--models", "lipsformer_swin_t", "--json", base / "a_file" / "f.json"], ["a_file is a file"]),
         (digits.main, [base / "a_file" / "digits"], ["a_file is a file"]),
         (digits.main, [base / "digits", "--size", "0"], ["--size", "must be at least 1"]),
     ]
@@ -508,21 +510,27 @@ def test_a_list_on_the_command_line_is_a_list():
     assert cfg.freeze == "patch_embed,stages.0"  # a string key keeps its commas
 
 
-def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
+def interrupted(capsys, monkeypatch, argv: list, step: int) -> tuple:
+    """:func:`call` of train.py ``argv`` with Ctrl-C pressed in optimizer step ``step``."""
     from lipsformer.engine import train as loop
+    real, steps = loop._train_step, []
+
+    def interrupted_at_step(run, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == step:
+            raise KeyboardInterrupt
+        return real(run, *args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "_train_step", interrupted_at_step)
+        return call(capsys, TRAIN.main, argv)
+
+
+def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
     from lipsformer.engine.checkpoint import intact_checkpoint, latest_checkpoint
     from lipsformer.engine.finetune import build_model
     from lipsformer.engine.config import load_config
-    real, steps = loop._train_step, []
-
-    def interrupted_at_step_3(run, *args, **kwargs):
-        steps.append(1)
-        if len(steps) == 3:
-            raise KeyboardInterrupt
-        return real(run, *args, **kwargs)
-    monkeypatch.setattr(loop, "_train_step", interrupted_at_step_3)
     out = base / "interrupted"
-    code, _, err = call(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--output-dir", out])
+    code, _, err = interrupted(capsys, monkeypatch, ["--config", base / "cfg.yaml", "--output-dir", out], 3)
     lines = [line for line in err.splitlines() if line.startswith("interrupted")]
     assert code == 130 and "Traceback" not in err and lines == [
         f"interrupted: training stopped at step 2 (Ctrl-C); newest checkpoint: {out}/checkpoints/step_000000002; "

@@ -201,7 +201,7 @@ def test_convert_hint_loads_the_converted_weights_and_config_says_what_they_are(
     monkeypatch.chdir(tmp_path)
     run, model, _ = _fake_run(tmp_path)
     assert convert_main([str(run), "--tag", "digits"]) == 0
-    hint = capsys.readouterr().out.splitlines()[-1]
+    hint = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("load it with"))
     assert hint.startswith("load it with timm.create_model(")
     loaded = eval(hint[len("load it with "):], {"timm": timm})
     assert torch.equal(logits(loaded), logits(model))

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from timm.data import ImageNetInfo, infer_imagenet_subset
 
 from ..errors import Mistake
+from ..writer import write_json
 from .scanner import FolderReader, listed
 
 
@@ -93,11 +94,8 @@ def relabel(dataset, known: Sequence[str], where: str, known_as: str) -> str:
 
 
 def write_class_names(path, names: Sequence[str]) -> None:
-    """``classes.json``: the class names in label order, written beside and renamed over the target."""
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps([str(c) for c in names]))
-    tmp.replace(path)
+    """``classes.json``: the class names in label order (:func:`lipsformer.writer.write_json`)."""
+    write_json(path, [str(c) for c in names], indent=None)
 
 
 def read_class_names(path) -> Optional[List[str]]:

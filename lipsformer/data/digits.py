@@ -10,12 +10,16 @@ from PIL import Image
 
 from ..cli import ArgumentParser, command, positive_int
 from ..errors import Mistake
+from ..writer import mark, replacing, written, written_as
 
 
 def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
-    """Write ``root/train/<digit>/*.png`` and ``root/val/<digit>/*.png`` (every ``val_every``-th image to val).
+    """Write ``root/train/<digit>/*.png`` and ``root/val/<digit>/*.png`` (every ``val_every``-th image to val), as a
+    folder beside it renamed into place once complete.
 
-    Idempotent: a folder already complete (marked by ``root/.complete``) is left as it is.
+    Idempotent: a folder already written with these settings (its mark, :func:`lipsformer.writer.written_as`) is
+    left as it is; one written by a data writer with other settings is replaced; a non-empty folder written by
+    anything else is refused (a Mistake, before any work).
     """
     try:
         from sklearn.datasets import load_digits
@@ -24,21 +28,17 @@ def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
                       "(or the dev extra: pip install -e '.[dev]')") from None
 
     root = Path(root)
-    if (root / ".complete").exists():
+    settings = dict(written_by="python -m lipsformer.data.digits", size=size, val_every=val_every)
+    if written_as(root, settings):
         return root
-    for path in (root, *root.parents):  # found before the first image is written
-        if path.exists():
-            if not path.is_dir():
-                raise Mistake(f"{root}: {path} is a file, not a folder; choose another folder for the digits")
-            break
     digits = load_digits()
-    for i, (image, label) in enumerate(zip(digits.images, digits.target)):
-        split = "val" if i % val_every == 0 else "train"
-        folder = root / split / str(label)
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = (image / 16.0 * 255).astype(np.uint8)
-        Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert("RGB").save(folder / f"{i:04d}.png")
-    (root / ".complete").touch()
+    with replacing(root) as tmp:
+        for i, (image, label) in enumerate(zip(digits.images, digits.target)):
+            folder = tmp / ("val" if i % val_every == 0 else "train") / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = (image / 16.0 * 255).astype(np.uint8)
+            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert("RGB").save(folder / f"{i:04d}.png")
+        mark(tmp, settings)
     return root
 
 
@@ -48,7 +48,9 @@ def main(argv=None) -> int:
     parser.add_argument("root", help="the folder to write (train/ and val/ inside)")
     parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels")
     args = parser.parse_args(argv)
-    print(write_digits_folder(args.root, args.size))
+    root = write_digits_folder(args.root, args.size)
+    if root not in written():  # else the boundary's "wrote:" line names it
+        print(f"{root} holds these digits already: left as it is")
     return 0
 
 

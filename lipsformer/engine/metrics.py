@@ -1,6 +1,5 @@
 """What a run reports about itself: ``metrics.jsonl`` rows (and Accelerate's trackers), the running sums of an
 epoch's training batches, the per-stage |alpha| statistics, and ``curves.png`` drawn from the rows."""
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,20 +10,22 @@ from accelerate.utils import gather_object
 
 from ..layers.residual import WeightedResidual
 from ..models._base import LipsFormerBase
+from ..writer import append_text, save_figure, to_json
 from .ema import _whole
 from .run_folder import read_metrics
 
 
 class MetricsLog:
-    """Metrics to a JSONL file (main process) and to Accelerate's trackers."""
+    """Metrics to a JSONL file (main process) and to Accelerate's trackers. Each row is strict JSON (a non-finite
+    value is null with a ``KEY_reason``) appended whole: a failed append is cut back, leaving no partial row
+    (:func:`lipsformer.writer.append_text`)."""
 
     def __init__(self, accelerator, path: Path):
         self.accelerator, self.path = accelerator, path
 
     def __call__(self, kind: str, step: int, **values):
         if self.accelerator.is_main_process:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(dict(kind=kind, step=step, **values)) + "\n")
+            append_text(self.path, to_json(dict(kind=kind, step=step, **values)) + "\n")
         self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
 
@@ -121,6 +122,8 @@ def draw_curves(rows: List[dict], title: str):
 def plot_curves(metrics_path: Path, png_path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
     fig = draw_curves(read_metrics(metrics_path), title or str(Path(metrics_path).parent))
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure(fig, png_path)
+    finally:
+        plt.close(fig)
 

@@ -5,10 +5,10 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import yaml
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from safetensors import SafetensorError
 from torch.utils.data import IterableDataset
 
@@ -75,28 +75,41 @@ def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
                 f"schedule)")
 
 
-def verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path], model) -> Optional[Path]:
-    """``resume_from`` once verified; with ``--resume auto`` the newest intact checkpoint, with a warning
-    naming what was wrong with each newer one."""
+def verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path],
+             model) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """``resume_from`` once verified; with ``--resume auto`` the newest intact checkpoint, and ``(folder, what was
+    wrong)`` for each newer one (:func:`begin`, which sets them aside once the run holds the folder)."""
     if resume_from is None:
-        return None
+        return None, []
     if resume != "auto":
         verify_checkpoint(resume_from, model)
-        return resume_from
+        return resume_from, []
     intact, problems = intact_checkpoint(folder.root, model)
     if intact is None:
         raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: "
                               + "; ".join(f"{damaged.name}: {why}" for damaged, why in problems))
-    processes = PartialState()
-    for damaged, why in problems:  # set aside, so the resumed run writes that step again
-        aside = RunFolder.set_aside(damaged)
-        _logger.warning(f"--resume auto: skipped damaged checkpoint {damaged.name}: {why}; falling back to "
-                        f"{intact.name} (the damaged one is kept as {aside.name})")
-        processes.wait_for_everyone()
-        if processes.is_main_process:
-            os.replace(damaged, aside)
-    processes.wait_for_everyone()
-    return intact
+    return intact, problems
+
+
+def begin(folder: RunFolder, resume_from: Optional[Path], damaged: List[Tuple[Path, str]], state: TrainState,
+          say: Callable[[str], None]) -> None:
+    """What the folder keeps from earlier starts, settled by the main process once it holds the folder's lock (its
+    first writes): newer checkpoints that failed verification set aside, so that the run writes those steps again;
+    resumed, the rows logged after the checkpoint dropped (they are logged again); not resumed, the outputs of an
+    earlier start that left no checkpoint moved to ``attempt-N/`` (:meth:`RunFolder.set_aside_attempt`), so that
+    none of its rows or events is taken for this run's."""
+    for path, why in damaged:
+        aside = RunFolder.set_aside(path)
+        _logger.warning(f"--resume auto: skipped damaged checkpoint {path.name}: {why}; falling back to "
+                        f"{resume_from.name} (the damaged one is kept as {aside.name})")
+        os.replace(path, aside)
+    if resume_from is not None:
+        folder.keep_metrics_until(state.step, state.epoch)
+        return
+    aside = folder.set_aside_attempt()
+    if aside is not None:
+        say(f"{folder.root} held the outputs of an earlier start that left no checkpoint: moved to {aside}; this run "
+            f"starts the folder afresh")
 
 
 def restore(accelerator: Accelerator, resume_from: Path, state: TrainState, cfg: TrainConfig, folder: RunFolder,

@@ -14,13 +14,24 @@ reads finished runs from it::
       checkpoints/step_NNNNNNNNN/   Accelerate save_state folders, each with manifest.json
       checkpoints/.damaged-step_N/  checkpoints --resume auto skipped, set aside so the run can write them again
       lipsformer/            TensorBoard events
+      attempt-N/             the outputs of an earlier start that left no checkpoint, moved aside by the next start
+      .lock                  held by the run writing the folder (:class:`RunLock`): its pid, host and start time
+
+Every file is written through :mod:`lipsformer.writer` (a temporary name, then a rename).
 """
+import contextlib
+import datetime
+import errno
+import fcntl
 import json
 import os
 import re
+import socket
 from pathlib import Path
 from typing import List, Optional
 
+from ..errors import Mistake, Stopped
+from ..writer import TMP_PREFIX, WriteFailed, check_target, remove, replacing, to_json, write_held
 from .config import ConfigError
 
 CONFIG = "config.yaml"
@@ -32,53 +43,33 @@ LAST_EMA = "last_ema.safetensors"
 BEST = "best.safetensors"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # inside each checkpoint folder
-TMP_PREFIX = ".tmp-"  # a checkpoint being written; never taken for a finished one
+TRACKER = "lipsformer"  # Accelerate's TensorBoard folder (init_trackers' project name)
+LOCK = ".lock"
+ATTEMPT = "attempt-{}"
+OUTPUTS = (CONFIG, CLASSES, METRICS, CURVES, LAST, LAST_EMA, BEST, TRACKER)  # what a start writes beside checkpoints
 DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside (kept for inspection)
 
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
 
 
-def umask() -> int:
-    """The process's file-mode creation mask (Linux's /proc/self/status states it; elsewhere read by setting it and
-    setting it back)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def readable_as_outputs(path: Path) -> None:
-    """Give ``path`` (a file, or every file under a folder) the mode ``open()`` gives any other output, 0666 less the
-    umask (0644 under umask 022): safetensors writes through a temporary file of mode 0600, which a colleague on a
-    shared file system could not read."""
-    path = Path(path)
-    mode = 0o666 & ~umask()
-    for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
-        if file.stat().st_mode & 0o777 != mode:
-            os.chmod(file, mode)
-
-
 def read_metrics(path: Path) -> List[dict]:
-    """The rows of a ``metrics.jsonl`` file in order; none when it does not exist."""
+    """The rows of a ``metrics.jsonl`` file in order; none when it does not exist. A last row cut short (the machine
+    went down in the middle of an append) is left out."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def check_output(folder: "RunFolder") -> None:
-    """A ConfigError unless ``output_dir`` is (or can become) a folder: it and every parent that exists are folders."""
-    for path in (folder.root, *folder.root.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(f"output_dir {folder.root}: {path} is a file, not a folder; choose another "
-                                  f"output_dir")
-            return
+    """A ConfigError unless ``output_dir`` is (or can become) a folder this user can write in
+    (:func:`~lipsformer.writer.check_target`)."""
+    try:
+        check_target(folder.root, folder=True)
+    except Mistake as e:
+        raise ConfigError(f"output_dir {e}; choose another output_dir") from None
 
 
 class RunFolder:
@@ -116,14 +107,14 @@ class RunFolder:
 
     def keep_metrics_until(self, step: int, epochs: int) -> None:
         """Drop the rows a resumed run logs again: train rows after optimizer ``step``, epoch rows after epoch
-        ``epochs`` (what the checkpoint resumed from had finished). Rewritten beside the file and renamed."""
+        ``epochs`` (what the checkpoint resumed from had finished), and a last row cut short. Rewritten beside the
+        file and renamed."""
         rows = self.read_metrics()
         kept = [r for r in rows if (r["epoch"] <= epochs if r["kind"] == "epoch" else r["step"] <= step)]
-        if len(kept) == len(rows):
+        if len(kept) == len(rows) and (not rows or self.metrics.read_bytes().endswith(b"\n")):
             return
-        tmp = self.temporary(self.metrics)
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.metrics)
+        with replacing(self.metrics) as tmp:
+            tmp.write_text("".join(to_json(r) + "\n" for r in kept))
 
     def weights(self, ema: bool = False) -> Path:
         """The final weights (``last.safetensors``), or their EMA."""
@@ -135,11 +126,6 @@ class RunFolder:
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:09d}"
-
-    @staticmethod
-    def temporary(final: Path) -> Path:
-        """Where ``final`` is written before its rename."""
-        return final.with_name(TMP_PREFIX + final.name)
 
     @staticmethod
     def set_aside(damaged: Path) -> Path:
@@ -159,8 +145,194 @@ class RunFolder:
     def is_run(self) -> bool:
         return self.config.is_file()
 
+    def clear_temporaries(self) -> None:
+        """Remove what a killed writer left half-written (``.tmp-*`` files and checkpoint folders): called by the
+        holder of the folder's lock, so no one is writing them."""
+        for place in (self.root, self.checkpoints):
+            if place.is_dir():
+                for tmp in place.glob(TMP_PREFIX + "*"):
+                    remove(tmp)
+
+    def set_aside_attempt(self) -> Optional[Path]:
+        """Move the outputs of an earlier start that left no checkpoint to resume from (its config, metrics rows,
+        TensorBoard events, weights, set-aside checkpoints) into ``attempt-N/``, so that a new start writes the
+        folder afresh and inherits none of its rows, while nothing written is lost. Returns that folder (None when
+        there was nothing to move)."""
+        self.clear_temporaries()
+        if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
+            self.checkpoints.rmdir()
+        found = [self.root / name for name in (*OUTPUTS, CHECKPOINTS) if (self.root / name).exists()]
+        if not found:
+            return None
+        n = 1
+        while (self.root / ATTEMPT.format(n)).exists():
+            n += 1
+        aside = self.root / ATTEMPT.format(n)
+        aside.mkdir()
+        for path in found:
+            os.replace(path, aside / path.name)
+        return aside
+
 
 def checkpoint_step(path) -> Optional[int]:
     """The optimizer step a checkpoint folder was written at, or None when the name is not a checkpoint's."""
     match = _CHECKPOINT.match(Path(path).name)
     return int(match.group(1)) if match else None
+
+
+class FolderInUse(Mistake):
+    """Another train.py holds the run folder's lock: exit 2, nothing written."""
+
+
+# A file system that keeps no locks (Lustre mounted without -o flock, NFS without a lock daemon) says so with these:
+# the lock file's content (pid, host) is then the only lock.
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+class RunLock:
+    """One writer per run folder: ``OUTPUT_DIR/.lock``, a POSIX record lock (``lockf``) the main process takes before
+    the run's first write and holds to its end, holding the holder's pid, host and start time for whoever is refused.
+
+    The kernel lets go of the lock when its process ends however it ends (kill -9 included), and a forked loader
+    worker does not inherit it, so a lock file left by a killed run is taken over by the next start. On NFS the
+    server holds the lock for the client (NFSv3's lock daemon, NFSv4's state): it keeps one writer across hosts, and
+    a node that went down gives its locks up when its lease runs out (about 90 s on NFSv4). Where the file system
+    keeps no locks, the file's content decides: a pid that no longer runs on this host is taken over, a holder on
+    another host is refused with a line saying how to take over. Used as a context manager, it is let go (and its
+    file removed) when the block ends."""
+
+    def __init__(self, root):
+        self.folder = RunFolder(root)
+        self.path = self.folder.root / LOCK
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def check(self, accelerator) -> None:
+        """A FolderInUse naming the holder when another process holds the lock (read only: nothing is written),
+        said by every process."""
+        self._on_main(accelerator, self._check)
+
+    def take(self, accelerator) -> None:
+        """Take the lock on the main process (the folder is created); a FolderInUse naming the holder, or a
+        WriteFailed, on every process when it could not. Then nothing half-written by an earlier holder is left."""
+        self._on_main(accelerator, self._take)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
+                os.unlink(self.path)  # while still held: no one takes a file that is then removed
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    @staticmethod
+    def _on_main(accelerator, action) -> None:
+        refused = None
+        if accelerator.is_main_process:
+            try:
+                action()
+            except (FolderInUse, WriteFailed) as e:
+                refused = e
+        if accelerator.num_processes > 1:  # the other processes stop as the main one does
+            from accelerate.utils import broadcast_object_list
+            said = broadcast_object_list([refused and (isinstance(refused, Stopped), str(refused))])[0]
+            if said and refused is None:
+                refused = (Stopped if said[0] else FolderInUse)(said[1])
+        if refused is not None:
+            raise refused
+
+    def _check(self) -> None:
+        if self.fd is not None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file (or none this user can read): the take says
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            holder = None
+        except OSError as e:
+            holder = _holder(fd) if e.errno not in _NO_LOCKS else _running(fd)
+        finally:
+            os.close(fd)  # lets go of the shared lock, if taken
+        if holder is not None:
+            raise self._in_use(holder)
+
+    def _take(self) -> None:
+        if self.fd is not None:
+            return
+        made = not self.folder.root.exists()
+        try:
+            self.folder.root.mkdir(parents=True, exist_ok=True)
+            while True:  # the holder may remove the file between our open and our lock: then lock the new one
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    holder = None
+                except OSError as e:
+                    holder = _holder(fd) if e.errno not in _NO_LOCKS else _running(fd)
+                if holder is not None:
+                    os.close(fd)
+                    raise self._in_use(holder)
+                if os.path.exists(self.path) and os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    break
+                os.close(fd)
+        except FolderInUse:
+            raise
+        except OSError as e:
+            raise WriteFailed(self.path, e) from None
+        self.fd = fd
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        try:
+            write_held(fd, self.path, json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), started=started)),
+                       "the run wrote nothing")
+        except WriteFailed:
+            self.release()
+            if made:  # made for this run: left as the run found it
+                with contextlib.suppress(OSError):
+                    self.folder.root.rmdir()
+            raise
+        self.folder.clear_temporaries()
+
+    def _in_use(self, holder: dict) -> FolderInUse:
+        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+               if holder else "it has not written its pid yet")
+        elsewhere = holder.get("host") not in (None, socket.gethostname())
+        return FolderInUse(
+            f"output_dir {self.folder.root} is in use by another train.py ({who}; its lock {self.path}): wait for it "
+            f"to end or choose another output_dir"
+            + (f"; if it no longer runs (its node went down), remove {self.path} to take over" if elsewhere else ""))
+
+
+def _holder(fd: int) -> dict:
+    """What a lock file says of its holder (empty when it says nothing readable)."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _running(fd: int) -> Optional[dict]:
+    """Where the file system keeps no locks: the lock file's holder when it may still run (on another host, or a pid
+    that runs on this one), else None (no holder, or a stale one to take over)."""
+    holder = _holder(fd)
+    if not holder.get("pid"):
+        return None
+    if holder.get("host") != socket.gethostname():
+        return holder
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return None
+    except (PermissionError, ValueError, OverflowError):
+        pass
+    return holder

@@ -34,8 +34,8 @@ from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
 from .preemption import Preemption, stop_if_preempted
-from .resume import check_resumable, restore, resume_point, verified
-from .run_folder import RunFolder, check_output
+from .resume import begin, check_resumable, restore, resume_point, verified
+from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
 
 
@@ -181,13 +181,16 @@ def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
     return scheduler
 
 
-def _start(cfg: TrainConfig, resume: Optional[str]):
+def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = None):
     """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked. Every check
-    comes before the first write. Returns the :class:`_Run`, or the summary of a run that the checkpoint resumed from
-    had finished (nothing to do, nothing written)."""
+    comes before the first write, which takes the folder's ``lock`` (one writer per run folder). Returns the
+    :class:`_Run`, or the summary of a run that the checkpoint resumed from had finished (nothing to do, nothing
+    written)."""
     folder = RunFolder(cfg.output_dir)
     check_output(folder)
     accelerator = create_accelerator(cfg)
+    lock = lock or RunLock(folder.root)
+    lock.check(accelerator)  # another run writes there: refused before any work
     set_tf32(cfg.tf32)
     if cfg.lipschitz_target is not None and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("lipschitz_target needs whole weights on every process; it does not run under FSDP "
@@ -205,7 +208,7 @@ def _start(cfg: TrainConfig, resume: Optional[str]):
         raise ConfigError(f"attlip_train_steps sets the proximal steps of AttLip attention, which {cfg.model} does "
                           f"not use here: set model_kwargs.attn: attlip, or unset attlip_train_steps")
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
-    resume_from = verified(folder, resume, resume_from, model)
+    resume_from, damaged = verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader, classes = _build_loaders(cfg, model, accelerator)
     check_classes(cfg, classes)
@@ -225,13 +228,13 @@ def _start(cfg: TrainConfig, resume: Optional[str]):
         finished = restore(accelerator, resume_from, state, cfg, folder, train_loader, updates_per_epoch)
         if finished is not None:  # the checkpoint resumed from ends the run: nothing to do, nothing written
             return finished
-    if accelerator.is_main_process:  # every check above came first: a refused run writes nothing
-        folder.root.mkdir(parents=True, exist_ok=True)
+    lock.take(accelerator)  # every check above came first: a refused run writes nothing
+    if accelerator.is_main_process:  # what the folder keeps from earlier starts (resume.py), then this run's files
+        begin(folder, resume_from, damaged, state, accelerator.print)
         cfg.save(folder.config)
         if classes is not None:  # the weights' class names, for eval.py and exports (data/classes.py)
             write_class_names(folder.classes, classes)
-        if resume_from is not None:  # rows logged after that checkpoint are logged again from here
-            folder.keep_metrics_until(state.step, state.epoch)
+    accelerator.wait_for_everyone()  # damaged checkpoints are set aside before any process writes one again
     if resume_from is None:
         scheduler.step_update(0)
     accelerator.init_trackers("lipsformer")
@@ -261,8 +264,8 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     nothing is done and the summary says ``finished_before``.
     """
     preemption = Preemption()
-    with preemption.watching():
-        run = _start(cfg, resume)
+    with preemption.watching(), RunLock(cfg.output_dir) as lock:  # let go of (and removed) however the run ends
+        run = _start(cfg, resume, lock)
         if isinstance(run, dict):  # the checkpoint resumed from is the end of the run: nothing to do
             return run
         run.preemption = preemption

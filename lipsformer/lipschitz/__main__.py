@@ -3,16 +3,15 @@
     python -m lipsformer.lipschitz --model lipsformer_swin_t --model-args '{"v_norm": true}'
     python -m lipsformer.lipschitz --model lipsformer_cswin_t --checkpoint run/ --measure network stages.2.blocks.0
 """
-import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
 from ..cli import ArgumentParser, command, json_value
 from ..errors import UsageError, did_you_mean
 from ..weights import build_model, check_model_args, create_from_checkpoint
+from ..writer import output_figure, output_file, save_figure, write_json
 from .bounds import lipschitz_report
 from .estimate import jacobian_norm
 
@@ -53,12 +52,10 @@ def main(argv=None) -> int:
                         help='e.g. \'{"v_norm": true}\' (SCSA with normalised v, inside Theorem 1)')
     parser.add_argument("--measure", nargs="+", default=[], metavar="NAME",
                         help="measure the Jacobian norm of 'network' or of submodules (e.g. stages.2.blocks.0)")
-    parser.add_argument("--json", help="write the table and bounds as JSON")
-    parser.add_argument("--plot", help="write a PNG of every layer's bound")
+    parser.add_argument("--json", type=output_file,
+                        help="write the table and bounds as JSON (a bound that is not finite is null, with a reason)")
+    parser.add_argument("--plot", type=output_figure, help="write a PNG of every layer's bound")
     args = parser.parse_args(argv)
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path and not Path(path).parent.is_dir():  # found now, not after the bounds are computed
-            raise UsageError(f"{option} {path}: no folder {Path(path).parent}")
     if not args.checkpoint and not args.model:
         parser.error("pass --model or --checkpoint")
     if args.input_size and min(args.input_size) < 1:
@@ -94,29 +91,19 @@ def main(argv=None) -> int:
         measured = measure(model, args.measure, size)
         for n, value in measured.items():
             print(f"measured Jacobian norm of {n}: {value:.4g} (a lower bound)")
-    if args.json:  # strict JSON: a bound that is not finite is null (json's Infinity token is not JSON)
-        with open(args.json, "w") as f:
-            json.dump(_finite(dict(model=name, log10_bound=report.log10_bound,
+    if args.json:  # strict JSON: a bound that is not finite is null, with why (json's Infinity token is not JSON)
+        unbounded = [r.name for r in report.rows if not math.isfinite(r.lip)]
+        write_json(args.json, dict(model=name, log10_bound=report.log10_bound,
                                    log10_train_expected_bound=report.log10_train_expected_bound,
                                    log10_stages=dict(report.stages()), measured=measured,
-                                   rows=[vars(r) for r in report.rows])), f, indent=2, allow_nan=False)
+                                   rows=[vars(r) for r in report.rows]),
+                   reason=f"no finite certified bound for {', '.join(unbounded)}" if unbounded else "")
     if args.plot:
         unbounded = _plot(report, args.plot, name)
         if unbounded:
             print(f"plot: {len(unbounded)} of {len(report.rows)} layers have no finite bound (red, marked inf): "
                   f"{', '.join(unbounded[:5])}{', ...' if len(unbounded) > 5 else ''}")
     return 0
-
-
-def _finite(value):
-    """``value`` with every non-finite float replaced by None (JSON null)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _plot(report, path, title) -> list:
@@ -141,8 +128,10 @@ def _plot(report, path, title) -> list:
         ax.legend(loc="upper left")
     ax.set(xlabel="layer (input to output)", ylabel="log10 certified bound", title=title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
     return unbounded
 
 
