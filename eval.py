@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from lipsformer.cli import ArgumentParser, command, json_value
+from lipsformer.cli import ArgumentParser, command, json_value, path
 from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
 from lipsformer.errors import UsageError
@@ -44,14 +44,15 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="eval.py", description=__doc__)
     parser.add_argument("--model", help="registered model name (optional when the checkpoint's config names it)")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="weight file, train.py output folder, or exported folder")
+    source.add_argument("--checkpoint", type=path, help="weight file, train.py output folder, or exported folder")
     source.add_argument("--pretrained", action="store_true", help="the model's published weights (timm)")
-    parser.add_argument("--data-dir", required=True,
+    parser.add_argument("--data-dir", type=path, required=True,
                         help="imagenet / imagenet_real: the val folder (or its parent); imagenet_v2: folders 0..999")
     parser.add_argument("--dataset", default="imagenet", choices=EVAL_DATASETS)
-    parser.add_argument("--real-labels", help="ReaL labels (real.json), for --dataset imagenet_real")
-    parser.add_argument("--predictions", help="write one CSV row per image: path, targets, top-5 and probabilities")
-    parser.add_argument("--output", help="write the results as JSON")
+    parser.add_argument("--real-labels", type=path, help="ReaL labels (real.json), for --dataset imagenet_real")
+    parser.add_argument("--predictions", type=path,
+                        help="write one CSV row per image: path, targets, top-5 and probabilities")
+    parser.add_argument("--output", type=path, help="write the results as JSON")
     parser.add_argument("--use-ema", action="store_true", help="evaluate the checkpoint's EMA weights")
     parser.add_argument("--batch-size", type=int, default=100, help="per process")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="loader workers per process")

@@ -27,6 +27,8 @@ from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
 from .errors import DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError
+from .extras import MissingExtra
+from .settings import SettingError, expand_path, unique_pairs
 
 # The one table of exit codes, shared by every command (README "Exit codes"; each command's --help).
 DONE, FAILED, MISTAKE, STOPPED, PREEMPTED, INTERRUPTED = 0, 1, 2, 3, 75, 130
@@ -83,7 +85,7 @@ FAMILIES: List[Family] = [
     Family((Interrupted,), INTERRUPTED, "interrupted", _message, True),
     Family((KeyboardInterrupt,), INTERRUPTED, "interrupted", lambda e: "Ctrl-C; what was written before is intact",
            True),
-    Family((Mistake,), MISTAKE, "error"),
+    Family((Mistake, MissingExtra), MISTAKE, "error"),
     Family((DownloadFailed,), FAILED, "error"),
     Family((Stopped,), STOPPED, "stopped"),
     Family((yaml.YAMLError,), MISTAKE, "error", _yaml_line),
@@ -201,8 +203,20 @@ def positive_int(text: str) -> int:
 
 
 def json_value(text: str):
-    """argparse type: JSON (``--model-args '{"img_size": 32}'``), or one line saying where it is not."""
+    """argparse type: JSON (``--model-args '{"img_size": 32}'``), or one line saying where it is not; an object
+    that gives a key twice is refused (:func:`lipsformer.settings.unique_pairs`)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_pairs)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}; write e.g. '{{\"img_size\": 32}}'") from None
+    except SettingError as e:
+        raise argparse.ArgumentTypeError(f"{e}: {text}") from None
+
+
+def path(text: str) -> str:
+    """argparse type of every flag that names a file or folder: ``~`` and ``$VARIABLES`` expanded
+    (:func:`lipsformer.settings.expand_path`); an unset variable is one line naming it."""
+    try:
+        return expand_path(text, "")
+    except SettingError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .cli import ArgumentParser, command
+from .cli import ArgumentParser, command, path
 from .errors import UsageError
 from .weights import build_model, check_model_name
 
@@ -113,13 +113,17 @@ def _fmt(v: Optional[float], spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-@command
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.flops", description=__doc__)
     parser.add_argument("--models", nargs="*", default=list(PAPER), help="model names (default: all of the paper's)")
     parser.add_argument("--no-flops", action="store_true", help="parameters only (fast)")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", type=path, help="also write the rows to this JSON file")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     for name in args.models:  # every name before the first row
         check_model_name(name)
     if args.json and not Path(args.json).parent.is_dir():

