@@ -80,6 +80,14 @@ def build_parser() -> ArgumentParser:
                         help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")
     parser.add_argument("--attack-steps", type=int, default=20, help="PGD steps per restart")
     parser.add_argument("--attack-restarts", type=int, default=3, help="PGD random restarts")
+    # the flags a mode ignores (lipsformer.cli.Ignored)
+    parser.ignored_unless("--real-labels", "is read only with --dataset imagenet_real",
+                          lambda args: args.dataset == "imagenet_real")
+    parser.ignored_unless("--use-ema", "takes a --checkpoint's EMA weights; --pretrained weights hold one set",
+                          lambda args: args.checkpoint is not None)
+    for flag in ("--attack-steps", "--attack-restarts"):
+        parser.ignored_unless(flag, "sets the PGD attack of --attack-eps, which is not given",
+                              lambda args: bool(args.attack_eps))
     return parser
 
 

@@ -32,6 +32,10 @@ def build_parser() -> ArgumentParser:
                              "(--list-keys lists them)")
     parser.add_argument("--list-keys", action="store_true",
                         help="print every config key with its type, default and meaning, and exit")
+    for action in parser._actions:
+        if action.option_strings and action.dest not in ("help", "list_keys"):
+            parser.ignored_unless(max(action.option_strings, key=len), "is ignored with --list-keys (it prints the "
+                                  "keys and exits)", lambda args: not args.list_keys)
     return parser
 
 

@@ -20,7 +20,7 @@ import sys
 import traceback
 import urllib.error
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Tuple, Type
+from typing import Callable, List, NamedTuple, Optional, Set, Tuple, Type
 
 import yaml
 from PIL import Image, UnidentifiedImageError
@@ -181,17 +181,53 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+class Ignored(NamedTuple):
+    """A flag that the mode the other flags choose would ignore: given while ``acts(args)`` is false, the command
+    refuses it with the line ``{prog}: {flag} {says}``, which names the flag that decides."""
+
+    flag: str
+    says: str  # e.g. "is read only with --dataset imagenet_real"
+    acts: Callable[[argparse.Namespace], bool]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with defaults in ``--help``, the exit codes as its epilog, and an error that is one line
-    (a :class:`~lipsformer.errors.UsageError` for the boundary, not argparse's usage block and ``sys.exit``)."""
+    (a :class:`~lipsformer.errors.UsageError` for the boundary, not argparse's usage block and ``sys.exit``).
+
+    :meth:`ignored_unless` adds a row to the parser's table of flags a mode ignores (:attr:`ignored`); after
+    parsing, a flag given on the command line (``given``: default values do not count) whose row says it would not
+    act is refused."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("epilog", exit_codes_help())
         super().__init__(*args, **kwargs)
+        self.ignored: List[Ignored] = []
+        self.given: Set[str] = set()  # the dests of the options the last parse read from the command line
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} ({self.prog} --help lists the options)")
+
+    def ignored_unless(self, flag: str, says: str, acts: Callable[[argparse.Namespace], bool]) -> None:
+        self.ignored.append(Ignored(flag, says, acts))
+
+    def flag_dest(self, flag: str) -> str:
+        return next(a.dest for a in self._actions if flag in a.option_strings)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = set()
+        return super().parse_known_args(args, namespace)
+
+    def _get_values(self, action, arg_strings):  # argparse calls it for each option the command line gives
+        self.given.add(action.dest)
+        return super()._get_values(action, arg_strings)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for row in self.ignored:
+            if self.flag_dest(row.flag) in self.given and not row.acts(parsed):
+                raise UsageError(f"{self.prog}: {row.flag} {row.says}; drop {row.flag}")
+        return parsed
 
 
 def positive_int(text: str) -> int:
