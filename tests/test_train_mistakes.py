@@ -57,7 +57,7 @@ def config(tmp_path):
     # item 11: pretrained=local-dir:... (was 'names weights of local-dir:...')
     (lambda t: ["--set", "pretrained=local-dir:checkpoints/x"], ["set init_checkpoint: checkpoints/x"]),
     # item 7: options that would do nothing
-    (lambda t: ["--set", "num_classes=-5"], ["num_classes must be at least 1"]),
+    (lambda t: ["--set", "num_classes=-5"], ["num_classes must be at least 2"]),
     (lambda t: ["--set", "sched=step"], ["sched step needs decay_epochs"]),
     (lambda t: ["--set", "freeze=backbone", "mixup=0", "cutmix=0"], ["neither pretrained nor init_checkpoint"]),
     (lambda t: ["--set", "model_kwargs.pretrained_cfg_overlay={file: w.safetensors}"],

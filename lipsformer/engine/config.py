@@ -63,7 +63,8 @@ _POSITIVE = Range(0, low_in=False, says="positive (or null)")
 # Every number of TrainConfig (tests/test_mistakes.py holds that each has a row): values torch / timm would refuse
 # late, after the run wrote its folder, or would quietly misuse (a negative clip_grad flips the gradients).
 RANGES = {
-    "num_classes": _AT_LEAST_1, "drop_path": Range(0, 1), "img_size": _AT_LEAST_1, "crop_pct": Range(0, 2, False, True),
+    "num_classes": Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"),
+    "drop_path": Range(0, 1), "img_size": _AT_LEAST_1, "crop_pct": Range(0, 2, False, True),
     "workers": _ZERO_OR_MORE, "max_bad_fraction": Range(0, 1, True, True),
     "epochs": _AT_LEAST_1, "global_batch": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "lr": Range(0, low_in=False),
     "betas": Range(0, 1), "eps": Range(0), "weight_decay": Range(0), "decay_epochs": _POSITIVE,
