@@ -130,8 +130,19 @@ def _report_bug(e: BaseException) -> None:
 
 
 def report(e: BaseException) -> int:
-    """Tell ``e`` on stderr as the boundary does and return its exit code."""
+    """Tell ``e`` on stderr as the boundary does and return its exit code.
+
+    Launched as several processes (torchrun, ``accelerate launch``), the processes agree first
+    (:func:`lipsformer.engine.processes.agree`): a mistake every process found is said once, by the main process,
+    and every process exits with its code; one found by some processes only is said by each of them, naming its
+    rank. An error that only follows from another process having failed (a collective whose peer is gone) is not
+    told again: that process exits with the code the failed one gave."""
     row = family(e)
+    if row is None and _multi_process():
+        from .engine.processes import failed_elsewhere
+        code = failed_elsewhere()
+        if code is not None:
+            return code
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
     elif row is None:
@@ -141,9 +152,19 @@ def report(e: BaseException) -> int:
               f"mistake in the input; please report it with the lines above ({TRACEBACK_ENV}=1 shows the full "
               f"traceback)", file=sys.stderr)
         return FAILED
-    if not row.once or is_main_process():
-        print(f"{row.label}: {row.line(e)}", file=sys.stderr)
+    if row.once:  # the same signal reached every process
+        if is_main_process():
+            print(f"{row.label}: {row.line(e)}", file=sys.stderr)
+        return row.code
+    if _multi_process():
+        from .engine.processes import agree
+        return agree(row.code, row.label, row.line(e))
+    print(f"{row.label}: {row.line(e)}", file=sys.stderr)
     return row.code
+
+
+def _multi_process() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
