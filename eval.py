@@ -10,7 +10,7 @@
 import os
 import sys
 
-from lipsformer.cli import ArgumentParser, command, json_value
+from lipsformer.cli import ArgumentParser, command, json_value, path
 from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
 from lipsformer.lipschitz.certify import parse_eps
@@ -42,12 +42,12 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="eval.py", description=__doc__)
     parser.add_argument("--model", help="registered model name (optional when the checkpoint's config names it)")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="weight file, train.py output folder, or exported folder")
+    source.add_argument("--checkpoint", type=path, help="weight file, train.py output folder, or exported folder")
     source.add_argument("--pretrained", action="store_true", help="the model's published weights (timm)")
-    parser.add_argument("--data-dir", required=True,
+    parser.add_argument("--data-dir", type=path, required=True,
                         help="imagenet / imagenet_real: the val folder (or its parent); imagenet_v2: folders 0..999")
     parser.add_argument("--dataset", default="imagenet", choices=EVAL_DATASETS)
-    parser.add_argument("--real-labels", help="ReaL labels (real.json), for --dataset imagenet_real")
+    parser.add_argument("--real-labels", type=path, help="ReaL labels (real.json), for --dataset imagenet_real")
     parser.add_argument("--predictions", type=output_file,
                         help="write one CSV row per image: path, targets, top-5 and probabilities")
     parser.add_argument("--output", type=output_file,
@@ -79,6 +79,14 @@ def build_parser() -> ArgumentParser:
                         help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")
     parser.add_argument("--attack-steps", type=int, default=20, help="PGD steps per restart")
     parser.add_argument("--attack-restarts", type=int, default=3, help="PGD random restarts")
+    # the flags a mode ignores (lipsformer.cli.Ignored)
+    parser.ignored_unless("--real-labels", "is read only with --dataset imagenet_real",
+                          lambda args: args.dataset == "imagenet_real")
+    parser.ignored_unless("--use-ema", "takes a --checkpoint's EMA weights; --pretrained weights hold one set",
+                          lambda args: args.checkpoint is not None)
+    for flag in ("--attack-steps", "--attack-restarts"):
+        parser.ignored_unless(flag, "sets the PGD attack of --attack-eps, which is not given",
+                              lambda args: bool(args.attack_eps))
     return parser
 
 

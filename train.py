@@ -10,17 +10,21 @@ job with --resume auto (examples/slurm/ does).
 """
 import sys
 
-from lipsformer.cli import ArgumentParser, command, is_main_process
+from lipsformer.cli import ArgumentParser, command, is_main_process, path
 from lipsformer.engine.config import describe_keys, load_config
 from lipsformer.engine.train import train
+
+# The options that set a config key, and the key each sets.
+FLAG_KEYS = {"--data-dir": "data_dir", "--output-dir": "output_dir", "--lipschitz-target": "lipschitz_target"}
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="train.py", description=__doc__)
-    parser.add_argument("--config", help="YAML recipe (configs/*.yaml)")
-    parser.add_argument("--data-dir", help="folder with train/ and val/ (sets data_dir)")
-    parser.add_argument("--output-dir", help="where checkpoints, metrics and curves go (sets output_dir)")
-    parser.add_argument("--resume", help="'auto' (newest checkpoint in the output folder) or a checkpoint folder")
+    parser.add_argument("--config", type=path, help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("--data-dir", type=path, help="folder with train/ and val/ (sets data_dir)")
+    parser.add_argument("--output-dir", type=path, help="where checkpoints, metrics and curves go (sets output_dir)")
+    parser.add_argument("--resume", type=path,
+                        help="'auto' (newest checkpoint in the output folder) or a checkpoint folder")
     parser.add_argument("--lipschitz-target", type=float,
                         help="keep the certified network bound under this value (sets lipschitz_target)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
@@ -28,7 +32,17 @@ def build_parser() -> ArgumentParser:
                              "(--list-keys lists them)")
     parser.add_argument("--list-keys", action="store_true",
                         help="print every config key with its type, default and meaning, and exit")
+    for action in parser._actions:
+        if action.option_strings and action.dest not in ("help", "list_keys"):
+            parser.ignored_unless(max(action.option_strings, key=len), "is ignored with --list-keys (it prints the "
+                                  "keys and exits)", lambda args: not args.list_keys)
     return parser
+
+
+def config_from_args(args):
+    """The run's TrainConfig: ``--config``, then ``--set``, then the options that set a key (:data:`FLAG_KEYS`)."""
+    flags = {key: (flag, getattr(args, key)) for flag, key in FLAG_KEYS.items()}
+    return load_config(args.config, args.set, flags)
 
 
 @command
@@ -37,14 +51,7 @@ def main(argv=None) -> int:
     if args.list_keys:
         print(describe_keys())
         return 0
-    overrides = list(args.set)
-    if args.data_dir:
-        overrides.append(f"data_dir={args.data_dir}")
-    if args.output_dir:
-        overrides.append(f"output_dir={args.output_dir}")
-    if args.lipschitz_target is not None:
-        overrides.append(f"lipschitz_target={args.lipschitz_target}")
-    cfg = load_config(args.config, overrides)
+    cfg = config_from_args(args)
     summary = train(cfg, resume=args.resume)
     if not is_main_process():  # one line for the run, not one per process
         return 0

@@ -20,13 +20,15 @@ import sys
 import traceback
 import urllib.error
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Tuple, Type
+from typing import Callable, List, NamedTuple, Optional, Set, Tuple, Type
 
 import yaml
 from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
 from .errors import DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError
+from .extras import MissingExtra
+from .settings import SettingError, expand_path, unique_pairs
 from .writer import forget_written, written
 
 # The one table of exit codes, shared by every command (README "Exit codes"; each command's --help).
@@ -84,7 +86,7 @@ FAMILIES: List[Family] = [
     Family((Interrupted,), INTERRUPTED, "interrupted", _message, True),
     Family((KeyboardInterrupt,), INTERRUPTED, "interrupted", lambda e: "Ctrl-C; what was written before is intact",
            True),
-    Family((Mistake,), MISTAKE, "error"),
+    Family((Mistake, MissingExtra), MISTAKE, "error"),
     Family((DownloadFailed,), FAILED, "error"),
     Family((Stopped,), STOPPED, "stopped"),
     Family((yaml.YAMLError,), MISTAKE, "error", _yaml_line),
@@ -129,8 +131,19 @@ def _report_bug(e: BaseException) -> None:
 
 
 def report(e: BaseException) -> int:
-    """Tell ``e`` on stderr as the boundary does and return its exit code."""
+    """Tell ``e`` on stderr as the boundary does and return its exit code.
+
+    Launched as several processes (torchrun, ``accelerate launch``), the processes agree first
+    (:func:`lipsformer.engine.processes.agree`): a mistake every process found is said once, by the main process,
+    and every process exits with its code; one found by some processes only is said by each of them, naming its
+    rank. An error that only follows from another process having failed (a collective whose peer is gone) is not
+    told again: that process exits with the code the failed one gave."""
     row = family(e)
+    if row is None and _multi_process():
+        from .engine.processes import failed_elsewhere
+        code = failed_elsewhere()
+        if code is not None:
+            return code
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
     elif row is None:
@@ -140,9 +153,19 @@ def report(e: BaseException) -> int:
               f"mistake in the input; please report it with the lines above ({TRACEBACK_ENV}=1 shows the full "
               f"traceback)", file=sys.stderr)
         return FAILED
-    if not row.once or is_main_process():
-        print(f"{row.label}: {row.line(e)}", file=sys.stderr)
+    if row.once:  # the same signal reached every process
+        if is_main_process():
+            print(f"{row.label}: {row.line(e)}", file=sys.stderr)
+        return row.code
+    if _multi_process():
+        from .engine.processes import agree
+        return agree(row.code, row.label, row.line(e))
+    print(f"{row.label}: {row.line(e)}", file=sys.stderr)
     return row.code
+
+
+def _multi_process() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
@@ -191,17 +214,53 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+class Ignored(NamedTuple):
+    """A flag that the mode the other flags choose would ignore: given while ``acts(args)`` is false, the command
+    refuses it with the line ``{prog}: {flag} {says}``, which names the flag that decides."""
+
+    flag: str
+    says: str  # e.g. "is read only with --dataset imagenet_real"
+    acts: Callable[[argparse.Namespace], bool]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with defaults in ``--help``, the exit codes as its epilog, and an error that is one line
-    (a :class:`~lipsformer.errors.UsageError` for the boundary, not argparse's usage block and ``sys.exit``)."""
+    (a :class:`~lipsformer.errors.UsageError` for the boundary, not argparse's usage block and ``sys.exit``).
+
+    :meth:`ignored_unless` adds a row to the parser's table of flags a mode ignores (:attr:`ignored`); after
+    parsing, a flag given on the command line (``given``: default values do not count) whose row says it would not
+    act is refused."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("epilog", exit_codes_help())
         super().__init__(*args, **kwargs)
+        self.ignored: List[Ignored] = []
+        self.given: Set[str] = set()  # the dests of the options the last parse read from the command line
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} ({self.prog} --help lists the options)")
+
+    def ignored_unless(self, flag: str, says: str, acts: Callable[[argparse.Namespace], bool]) -> None:
+        self.ignored.append(Ignored(flag, says, acts))
+
+    def flag_dest(self, flag: str) -> str:
+        return next(a.dest for a in self._actions if flag in a.option_strings)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = set()
+        return super().parse_known_args(args, namespace)
+
+    def _get_values(self, action, arg_strings):  # argparse calls it for each option the command line gives
+        self.given.add(action.dest)
+        return super()._get_values(action, arg_strings)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for row in self.ignored:
+            if self.flag_dest(row.flag) in self.given and not row.acts(parsed):
+                raise UsageError(f"{self.prog}: {row.flag} {row.says}; drop {row.flag}")
+        return parsed
 
 
 def positive_int(text: str) -> int:
@@ -213,8 +272,20 @@ def positive_int(text: str) -> int:
 
 
 def json_value(text: str):
-    """argparse type: JSON (``--model-args '{"img_size": 32}'``), or one line saying where it is not."""
+    """argparse type: JSON (``--model-args '{"img_size": 32}'``), or one line saying where it is not; an object
+    that gives a key twice is refused (:func:`lipsformer.settings.unique_pairs`)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_pairs)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}; write e.g. '{{\"img_size\": 32}}'") from None
+    except SettingError as e:
+        raise argparse.ArgumentTypeError(f"{e}: {text}") from None
+
+
+def path(text: str) -> str:
+    """argparse type of every flag that names a file or folder: ``~`` and ``$VARIABLES`` expanded
+    (:func:`lipsformer.settings.expand_path`); an unset variable is one line naming it."""
+    try:
+        return expand_path(text, "")
+    except SettingError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None

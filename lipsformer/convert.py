@@ -12,24 +12,29 @@ import re
 import sys
 from pathlib import Path
 
-from .cli import ArgumentParser, command, json_value
+from .cli import ArgumentParser, command, json_value, path
 from .errors import UsageError
 from .weights import check_model_args, create_from_checkpoint, export, sha256_of
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
 
-@command
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.convert", description=__doc__)
-    parser.add_argument("source", help="a released .pth, a weight file, a train.py output folder, or an export")
+    parser.add_argument("source", type=path,
+                        help="a released .pth, a weight file, a train.py output folder, or an export")
     parser.add_argument("--model", help="registered model name (needed when the source does not say)")
     parser.add_argument("--model-args", type=json_value, default={}, metavar="JSON",
                         help='model arguments the source was built with, e.g. \'{"img_size": 32}\'')
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights")
     parser.add_argument("--tag", default="converted", help="pretrained tag of the output folder's name")
-    parser.add_argument("--out", help="output folder (default: checkpoints/MODEL.TAG)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=path, help="output folder (default: checkpoints/MODEL.TAG)")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if not TAG.fullmatch(args.tag):  # it names a folder under checkpoints/: a name, never a path
         raise UsageError(f"--tag must be a name of letters, digits, '_' and '-' (the folder is "
                          f"checkpoints/MODEL.TAG), got {args.tag!r}")

@@ -111,13 +111,17 @@ def _fmt(v: Optional[float], spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-@command
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.flops", description=__doc__)
     parser.add_argument("--models", nargs="*", default=list(PAPER), help="model names (default: all of the paper's)")
     parser.add_argument("--no-flops", action="store_true", help="parameters only (fast)")
     parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     for name in args.models:  # every name before the first row
         check_model_name(name)
     rows = []

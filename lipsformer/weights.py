@@ -14,7 +14,6 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import timm
 import torch
-import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from timm.data import resolve_model_data_config
@@ -22,6 +21,7 @@ from timm.models import get_pretrained_cfg, save_for_hf
 
 from .data.classes import read_class_names
 from .errors import Mistake, did_you_mean
+from .settings import read_yaml
 from .engine.config import ConfigError
 from .layers.attlip import form_mismatch, state_dict_form
 from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step
@@ -243,7 +243,7 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
         run = RunFolder(path)
         if run.is_run():
             file = run.weights(ema=use_ema)
-            if use_ema and not file.is_file() and not (yaml.safe_load(run.config.read_text()) or {}).get("ema_decay"):
+            if use_ema and not file.is_file() and not (read_yaml(run.config) or {}).get("ema_decay"):
                 raise CheckpointError(f"{path} was trained without an EMA (ema_decay is not set in its "
                                       f"{run.config.name}); drop --use-ema")
             if not file.is_file():
@@ -271,7 +271,7 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
 
 
 def _run_meta(run: RunFolder) -> dict:
-    cfg = yaml.safe_load(run.config.read_text())
+    cfg = read_yaml(run.config)
     size = cfg["img_size"]
     pretrained = dict(num_classes=cfg["num_classes"], input_size=(3, size, size), crop_pct=cfg["crop_pct"],
                       interpolation=cfg["interpolation"])

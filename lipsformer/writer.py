@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 from .errors import Mistake, Stopped
+from .settings import expand_path
 
 TMP_PREFIX = ".tmp-"  # a file or folder being written; never taken for a finished one
 OLD_PREFIX = ".old-"  # a folder being replaced by a new one of the same name, removed once it is
@@ -260,11 +261,13 @@ def check_target(path, folder: bool = False) -> Path:
 
 
 def output_file(text: str) -> str:
-    """argparse type of an option naming a file to write: :func:`check_target`, said as that option's error."""
+    """argparse type of an option naming a file to write: ``~`` and ``$VARIABLES`` expanded
+    (:func:`lipsformer.settings.expand_path`), then :func:`check_target`, said as that option's error."""
     try:
+        text = expand_path(text, "")
         check_target(text)
     except Mistake as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
     return text
 
 

@@ -75,6 +75,7 @@ def shrunk(path: Path, data: Path, out: Path, *extra: str) -> list:
     sets = tiny_model(path) + ["batch_size=4", "global_batch=8", f"epochs={epochs}", f"workers={min(cfg.workers, 1)}"]
     if cfg.mixed_precision == "bf16" and not NATIVE_BF16:
         sets.append("mixed_precision=no")  # the word, as users type it (YAML would read a boolean)
+    sets = [s for s in sets if s.split("=", 1)[0] not in {e.split("=", 1)[0] for e in extra}]  # a key is set once
     return ["--config", str(path), "--data-dir", str(data), "--output-dir", str(out), "--set", *sets, *extra]
 
 

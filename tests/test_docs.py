@@ -191,19 +191,19 @@ def load_script(relative: str):
 
 
 def check_train(argv: list):
-    from lipsformer.engine.config import load_config
     try:
-        args = load_script("train.py").build_parser().parse_args(argv)
-        overrides = list(args.set)
-        for flag, key in (("data_dir", "data_dir"), ("output_dir", "output_dir"),
-                          ("lipschitz_target", "lipschitz_target")):
-            if getattr(args, flag) is not None:
-                overrides.append(f"{key}={getattr(args, flag)}")
-        if args.config or overrides:
-            load_config(args.config, overrides)
+        train_config(argv)
     except Exception as e:  # noqa: BLE001 - the doc's problem, one line
         return f"train.py: {type(e).__name__}: {e}"
     return None
+
+
+def train_config(argv: list):
+    """``(args, TrainConfig)`` of train.py's ``argv``, as train.py builds them (nothing trains); the config is None
+    with --list-keys."""
+    script = load_script("train.py")
+    args = script.build_parser().parse_args(argv)
+    return args, None if args.list_keys else script.config_from_args(args)
 
 
 def check_script(script: str, argv: list):
@@ -292,6 +292,8 @@ def check_command(command: str, inline: bool = False):
     elif head == "sbatch" and rest and rest[0].startswith("examples/slurm/"):
         # every argument after the script goes to train.py (see the script's header)
         problem = check_script("train.py", rest[1:]) if (ROOT / rest[0]).is_file() else f"{rest[0]}: no such file"
+    elif head in (".", "source") and rest == [".venv/bin/activate"]:
+        problem = None if "VENV := .venv" in (ROOT / "Makefile").read_text() else "the Makefile makes no .venv"
     elif head == "bash" and rest and (ROOT / rest[0]).is_file():
         problem = None  # a script of the repository; its own arguments are documented in its header
     elif head == "pip" and rest[:1] == ["install"]:
@@ -402,6 +404,149 @@ def test_every_python_block_compiles_and_the_cheap_ones_run(monkeypatch, tmp_pat
         ran += 1
     assert not listed, f"NOT_RUN names blocks that are no longer in the docs: {listed}"
     assert ran >= 2
+
+
+# ---------------------------------------------------------------------------------------------------- a fresh shell
+
+# What a README command may read without a command above it making it: the reader's own data and files, each
+# introduced in the README's text.
+USER_SUPPLIED = {
+    "/data/": "the reader's ImageNet-style folders (the Install section names /data/imagenet and /data/mine)",
+    "real.json": "the ReaL labels file, whose source the Evaluate section links",
+}
+
+
+def make_recipe(target: str) -> list:
+    """The command lines of a Makefile target, ``$(PY)`` read as the venv's ``python``."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(rf"^{re.escape(target)}\s*:(?!=)", line))
+    recipe = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip().replace("$(PY)", "python"))
+    return recipe
+
+
+def parsed(run, argv0: str, argv: list) -> argparse.Namespace:
+    """The namespace the parser of ``run()`` (a module or script as __main__) makes of ``argv``."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), parse_only(argv0, argv):
+            run()
+    except Parsed as e:
+        return e.code
+    raise AssertionError(f"{argv0} did not parse its arguments")
+
+
+def command_module(name: str):
+    """The module ``python -m name`` runs (a package's ``__main__``)."""
+    module = importlib.import_module(name)
+    return importlib.import_module(f"{name}.__main__") if hasattr(module, "__path__") else module
+
+
+def effects(command: str) -> tuple:
+    """``(reads, makes)``: the folders and files a command reads that must exist before it, and the folders it
+    makes, as the tools' own parsers and train.py's config read them."""
+    tokens = shlex.split(command, comments=True)
+    head, rest = tokens[0], tokens[1:]
+    if head == "make":
+        reads, makes = [], []
+        for target in rest:
+            for line in make_recipe(target):
+                if not line.startswith("rm "):
+                    r, m = effects(line)
+                    reads += [p for p in r if p not in makes]
+                    makes += m
+        return reads, makes
+    if head == "accelerate":
+        from accelerate.commands.launch import launch_command_parser
+        args = launch_command_parser().parse_args(rest[1:])
+        head, rest = "python", [args.training_script, *args.training_script_args]
+    if head == "torchrun":
+        from torch.distributed.run import get_args_parser
+        args = get_args_parser().parse_args(rest)
+        head, rest = "python", [args.training_script, *args.training_script_args]
+    if head == "sbatch":
+        head, rest = "python", ["train.py", *rest[1:]]
+    if head not in ("python", "python3") or not rest:
+        return [], []
+    if rest[0] == "train.py":
+        args, cfg = train_config(rest[1:])
+        if cfg is None:
+            return [], []
+        resume = [args.resume] if args.resume not in (None, "auto") else []
+        return [p for p in (cfg.data_dir, cfg.init_checkpoint, *resume) if p], [cfg.output_dir]
+    if rest[0] == "eval.py":
+        args = load_script("eval.py").build_parser().parse_args(rest[1:])
+        return [p for p in (args.checkpoint, args.data_dir, args.real_labels) if p], []
+    if rest[0] == "-m" and rest[1] in ("lipsformer.data.digits", "lipsformer.data.mnist"):
+        return [], [command_module(rest[1]).build_parser().parse_args(rest[2:]).root]
+    if rest[0] == "-m" and rest[1] == "lipsformer.lipschitz":
+        args = command_module(rest[1]).build_parser().parse_args(rest[2:])
+        return [args.checkpoint] if args.checkpoint else [], []
+    if rest[0] == "-m" and rest[1] == "lipsformer.convert":
+        args = command_module(rest[1]).build_parser().parse_args(rest[2:])
+        return [args.source], [args.out or "checkpoints"]
+    if rest[0].startswith("benchmarks/"):
+        def run():
+            sys.path.insert(0, str((ROOT / rest[0]).parent))
+            try:
+                runpy.run_path(str(ROOT / rest[0]), run_name="__main__")
+            finally:
+                sys.path.remove(str((ROOT / rest[0]).parent))
+        args = parsed(run, rest[0], rest[1:])
+        return [], [args.out] if getattr(args, "out", None) else []
+    return [], []
+
+
+def readme_problems(text: str) -> list:
+    """What would fail running the README's shell blocks top to bottom in a fresh clone and a fresh shell: a
+    command before the venv is activated, or one that reads a folder or file no command above it makes."""
+    problems, made, active = [], [], False
+    for lang, body, line in fences(text):
+        if lang not in ("bash", "sh", "shell", "console"):
+            continue
+        for command, offset in shell_commands(body):
+            where = f"README.md:{line + offset}: {command}"
+            if command in ALLOWED:
+                continue
+            head = shlex.split(command, comments=True)[0]
+            if head in (".", "source"):
+                active = True
+                continue
+            if head in ("python", "python3", "pip", "accelerate", "torchrun", "sbatch") and not active:
+                problems.append(f"{where}\n    runs before '. .venv/bin/activate' (a fresh shell has no lipsformer)")
+            reads, makes = effects(command)
+            for path in reads:
+                norm = os.path.normpath(path)
+                if not any(norm == m or norm.startswith(m + os.sep) for m in made) and \
+                        not any(norm.startswith(u) if u.endswith("/") else norm == u for u in USER_SUPPLIED):
+                    problems.append(f"{where}\n    reads {path}, which no command above it makes")
+            made += [os.path.normpath(m) for m in makes]
+    return problems
+
+
+def test_the_readme_runs_top_to_bottom_in_a_fresh_clone_and_shell():
+    """Every command the README shows runs as written after `make install` in a new shell: the venv is activated
+    before the first command that needs it, and every checkpoint, run or data folder a command reads is made by a
+    command above it (or is the reader's own data, USER_SUPPLIED)."""
+    problems = readme_problems((ROOT / "README.md").read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_fresh_shell_check_catches_what_a_new_user_would_hit():
+    good = "```bash\nmake install\n. .venv/bin/activate\npython -m lipsformer.data.digits output/digits\n" \
+           "python train.py --config configs/demo_digits.yaml --output-dir output/run\n" \
+           "python eval.py --checkpoint output/run --data-dir output/digits\n```\n"
+    assert readme_problems(good) == []
+    no_venv = good.replace(". .venv/bin/activate\n", "")
+    assert any("before '. .venv/bin/activate'" in p for p in readme_problems(no_venv))
+    no_run = good.replace("--checkpoint output/run", "--checkpoint output/other")
+    assert [p.splitlines()[1].strip() for p in readme_problems(no_run)] == \
+        ["reads output/other, which no command above it makes"]
+    swapped = good.replace("python -m lipsformer.data.digits output/digits\n", "") + \
+        "```bash\npython -m lipsformer.data.digits output/digits\n```\n"
+    assert any("reads output/digits" in p for p in readme_problems(swapped))
 
 
 # The checker itself: each kind of drift it exists for is caught (a missing file, a bad flag, a dead anchor, a

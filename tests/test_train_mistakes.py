@@ -57,7 +57,7 @@ def config(tmp_path):
     # item 11: pretrained=local-dir:... (was 'names weights of local-dir:...')
     (lambda t: ["--set", "pretrained=local-dir:checkpoints/x"], ["set init_checkpoint: checkpoints/x"]),
     # item 7: options that would do nothing
-    (lambda t: ["--set", "num_classes=-5"], ["num_classes must be at least 1"]),
+    (lambda t: ["--set", "num_classes=-5"], ["num_classes must be at least 2"]),
     (lambda t: ["--set", "sched=step"], ["sched step needs decay_epochs"]),
     (lambda t: ["--set", "freeze=backbone", "mixup=0", "cutmix=0"], ["neither pretrained nor init_checkpoint"]),
     (lambda t: ["--set", "model_kwargs.pretrained_cfg_overlay={file: w.safetensors}"],
@@ -150,7 +150,8 @@ def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, caps
     assert train_cli(capsys, "--config", config, "--set", "epochs=1")[0] == 0
     before = snapshot(run)
     for change in ("epochs=3", "lr=0.01"):
-        code, _, err = train_cli(capsys, "--config", config, "--resume", "auto", "--set", "epochs=1", change)
+        sets = [change] if change.startswith("epochs=") else ["epochs=1", change]  # a key is set once
+        code, _, err = train_cli(capsys, "--config", config, "--resume", "auto", "--set", *sets)
         key, value = change.split("=")
         assert_one_line(code, err, 2, f"--resume: {key} is {yaml.safe_load(value)!r} here but",
                         f"init_checkpoint: {run}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..cli import ArgumentParser, command, positive_int
+from ..cli import ArgumentParser, command, path, positive_int
 from ..errors import Mistake
 from ..writer import mark, replacing, written, written_as
 
@@ -42,12 +42,16 @@ def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
     return root
 
 
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m lipsformer.data.digits", description=__doc__)
+    parser.add_argument("root", type=path, help="the folder to write (train/ and val/ inside)")
+    parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels")
+    return parser
+
+
 @command
 def main(argv=None) -> int:
-    parser = ArgumentParser(prog="python -m lipsformer.data.digits", description=__doc__)
-    parser.add_argument("root", help="the folder to write (train/ and val/ inside)")
-    parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     root = write_digits_folder(args.root, args.size)
     if root not in written():  # else the boundary's "wrote:" line names it
         print(f"{root} holds these digits already: left as it is")

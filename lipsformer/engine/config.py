@@ -11,6 +11,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import yaml
 
 from ..errors import Mistake, did_you_mean
+from ..settings import SettingError, expand_path, load_yaml, read_yaml
 from ..writer import write_text
 from .speed import COMPILE_MODES
 
@@ -63,7 +64,8 @@ _POSITIVE = Range(0, low_in=False, says="positive (or null)")
 # Every number of TrainConfig (tests/test_mistakes.py holds that each has a row): values torch / timm would refuse
 # late, after the run wrote its folder, or would quietly misuse (a negative clip_grad flips the gradients).
 RANGES = {
-    "num_classes": _AT_LEAST_1, "drop_path": Range(0, 1), "img_size": _AT_LEAST_1, "crop_pct": Range(0, 2, False, True),
+    "num_classes": Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"),
+    "drop_path": Range(0, 1), "img_size": _AT_LEAST_1, "crop_pct": Range(0, 2, False, True),
     "workers": _ZERO_OR_MORE, "max_bad_fraction": Range(0, 1, True, True),
     "epochs": _AT_LEAST_1, "global_batch": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "lr": Range(0, low_in=False),
     "betas": Range(0, 1), "eps": Range(0), "weight_decay": Range(0), "decay_epochs": _POSITIVE,
@@ -80,6 +82,13 @@ RANGES = {
     "compile_memory_budget": Range(0, 1, False, True), "layer_decay": Range(0, 1, False, True),
     "freeze_stages": _ZERO_OR_MORE,
 }
+# A key whose value is a file or folder: field(metadata=PATH). Its ~ and $VARIABLES are expanded (settings.expand_path).
+PATH = {"path": True}
+
+
+def path_keys() -> List[str]:
+    """The TrainConfig keys that hold a path (their field's metadata is :data:`PATH`)."""
+    return [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("path")]
 
 
 @dataclass
@@ -95,7 +104,7 @@ class TrainConfig:
     crop_pct: float = 0.9
     interpolation: str = "bicubic"
     # data: a folder with train/ and val/ (one folder per class), or any timm dataset name (hfds/..., wds/...)
-    data_dir: Optional[str] = None
+    data_dir: Optional[str] = field(default=None, metadata=PATH)
     dataset: str = ""
     train_split: str = "train"
     val_split: str = "val"
@@ -128,7 +137,7 @@ class TrainConfig:
     mixed_precision: str = "bf16"
     # run
     seed: int = 0
-    output_dir: str = "output/run"
+    output_dir: str = field(default="output/run", metadata=PATH)
     checkpoint_every_steps: int = 1000  # optimizer steps; a checkpoint is also written at every epoch end
     keep_last: int = 3
     on_nonfinite: str = "stop"
@@ -157,7 +166,7 @@ class TrainConfig:
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls / convolutions on CUDA (bf16 / fp16 runs: no effect)
     # fine-tuning (lipsformer.engine.finetune): start from weights; --resume takes precedence over both sources
     pretrained: Optional[str] = None  # published weights, as a timm name: lipsformer_swin_t.official_in1k
-    init_checkpoint: Optional[str] = None  # released .pth, checkpoints/MODEL.TAG folder, or a train.py run folder
+    init_checkpoint: Optional[str] = field(default=None, metadata=PATH)  # .pth, checkpoints/MODEL.TAG or a run
     init_use_ema: bool = False  # take init_checkpoint's EMA weights
     reset_head: bool = False  # re-create the classifier even at the source's class count (other classes)
     layer_decay: Optional[float] = None  # timm's layer-wise lr decay in (0, 1] over the model's group_matcher
@@ -165,7 +174,14 @@ class TrainConfig:
     freeze_stages: int = 0  # hold patch_embed and the first N stages fixed
 
     def __post_init__(self):
-        """Every check a config can fail without running anything lives here, each naming its key."""
+        """Every check a config can fail without running anything lives here, each naming its key. Path keys get
+        their ``~`` and ``$VARIABLES`` expanded first."""
+        for key in path_keys():
+            if isinstance(getattr(self, key), str):
+                try:
+                    setattr(self, key, expand_path(getattr(self, key), key))
+                except SettingError as e:
+                    raise ConfigError(str(e)) from None
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}"
@@ -420,29 +436,37 @@ def parse_override(item: str) -> Tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r} must look like key=value")
     key, raw = (s.strip() for s in item.split("=", 1))
-    value = yaml.safe_load(_Named(raw, f"--set {item}"))
+    value = load_yaml(_Named(raw, f"--set {item}"))
     if isinstance(value, str) and "," in raw and raw[:1] not in "[{\"'" and _is_list(key):
-        value = yaml.safe_load(_Named(f"[{raw}]", f"--set {item}"))  # --set model_kwargs.depths=1,1,2,1
+        value = load_yaml(_Named(f"[{raw}]", f"--set {item}"))  # --set model_kwargs.depths=1,1,2,1
     if isinstance(value, bool) and raw in CHOICES.get(key, ()):
         value = raw  # YAML 1.1 reads no as a boolean: --set mixed_precision=no means the word
     return key, value
 
 
-def load_config(path=None, overrides: Optional[List[str]] = None) -> TrainConfig:
-    """TrainConfig from a YAML file plus ``key=value`` overrides (values parsed as YAML). A file that is not YAML (or
-    not text) raises PyYAML's error naming the file and the place."""
+def load_config(path=None, overrides: Optional[List[str]] = None, flags: Optional[Dict[str, Tuple[str, Any]]] = None
+                ) -> TrainConfig:
+    """TrainConfig from a YAML file, then ``key=value`` overrides (values parsed as YAML), then ``flags``: ``key ->
+    (flag, value)`` from a command's own options (``--data-dir``), values already typed. The file and the overrides
+    are read strictly (:mod:`lipsformer.settings`: a key given twice is refused); a key set twice on the command
+    line (two ``--set``, or ``--set`` and its flag) is refused too. A file that is not YAML (or not text) raises
+    PyYAML's error naming the file and the place."""
     data: Dict[str, Any] = {}
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} is a folder, not a YAML file" if Path(path).is_dir() else
                               f"config file {path}: no such file")
-        with open(path, "rb") as f:  # bytes: PyYAML decodes them and names the file in any error
-            loaded = yaml.safe_load(f)
+        loaded = read_yaml(path)
         if not isinstance(loaded, (dict, type(None))):
             raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
         data.update(loaded or {})
-    for item in overrides or []:
-        key, value = parse_override(item)
+    given: Dict[str, str] = {}  # key -> where the command line set it
+    items = [(f"--set {item}", *parse_override(item)) for item in overrides or []]
+    items += [(f"{flag} {value}", key, value) for key, (flag, value) in (flags or {}).items() if value is not None]
+    for where, key, value in items:
+        if key in given:
+            raise ConfigError(f"{key} is set twice on the command line ({given[key]}, then {where}); give it once")
+        given[key] = where
         if key.startswith("model_kwargs."):
             kwargs = data.get("model_kwargs") or {}
             if not isinstance(kwargs, dict):

@@ -7,11 +7,11 @@ import pickle
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-import yaml
 from accelerate import Accelerator
 from safetensors import SafetensorError
 from torch.utils.data import IterableDataset
 
+from ..settings import read_yaml
 from ..weights import CheckpointError
 from .checkpoint import TrainState, intact_checkpoint, latest_checkpoint, verify_checkpoint
 from .config import RESTORED_ON_RESUME, ConfigError, TrainConfig, check_type
@@ -58,7 +58,7 @@ def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
     saved_config = RunFolder(resume_from.parent.parent).config
     if not saved_config.is_file():
         return
-    saved = yaml.safe_load(saved_config.read_text()) or {}
+    saved = read_yaml(saved_config) or {}
     for key in RESTORED_ON_RESUME:
         if key not in saved:
             continue

@@ -25,7 +25,7 @@ from ..data.datasets import check_batches, scan_notes
 from ..errors import Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
-from ..lipschitz.constraints import keep_bound
+from ..lipschitz.constraints import check_keepable, keep_bound
 from .checkpoint import TrainState, save_checkpoint, save_weights
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
@@ -207,6 +207,8 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     if cfg.attlip_train_steps is not None and not any(isinstance(m, AttLip) for m in model.modules()):
         raise ConfigError(f"attlip_train_steps sets the proximal steps of AttLip attention, which {cfg.model} does "
                           f"not use here: set model_kwargs.attn: attlip, or unset attlip_train_steps")
+    if cfg.lipschitz_target is not None:  # a bound no projection can keep: refused before anything is written
+        check_keepable(model)
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
     resume_from, damaged = verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process

@@ -13,10 +13,11 @@ from .norm import create_norm
 class PatchEmbed(nn.Module):
     """Conv(kernel = stride = ``patch_size``) + norm, (B, C, H, W) -> (B, H', W', D).
 
+    An input that is not 4-D or has another number of channels than ``in_chans`` is a ``ValueError`` saying so.
     ``strict_img_size=True`` (default) raises ``ValueError`` naming the built size when an input of another size
-    arrives: LipsFormer's windows, stripes and relative position tables are fixed at construction. With
-    ``False`` any size runs: the input is zero-padded at the bottom and right to a multiple of the patch size,
-    so the output is (B, ceil(H / p), ceil(W / p), D).
+    arrives: LipsFormer's windows, stripes and relative position tables are fixed at construction (timm's
+    ``strict_img_size``). With ``False`` any size runs: the input is zero-padded at the bottom and right to a
+    multiple of the patch size, so the output is (B, ceil(H / p), ceil(W / p), D).
     """
 
     def __init__(self, img_size=224, patch_size=4, in_chans=3, embed_dim=96, norm="center",
@@ -39,6 +40,9 @@ class PatchEmbed(nn.Module):
         self.grid_size = (img_size[0] // self.patch_size[0], img_size[1] // self.patch_size[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4 or x.shape[1] != self.proj.in_channels:
+            raise ValueError(f"input of shape {tuple(x.shape)}: the model takes (B, {self.proj.in_channels}, H, W) "
+                             f"images (in_chans={self.proj.in_channels})")
         H, W = x.shape[-2:]
         if self.strict_img_size:
             if (H, W) != self.img_size:

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..cli import ArgumentParser, command, json_value
+from ..cli import ArgumentParser, command, json_value, path
 from ..errors import UsageError, did_you_mean
 from ..weights import build_model, check_model_args, create_from_checkpoint
 from ..writer import output_figure, output_file, save_figure, write_json
@@ -42,11 +42,10 @@ def measure(model, names, input_size, iters: int = 20, seed: int = 0) -> dict:
     return out
 
 
-@command
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.lipschitz", description=__doc__)
     parser.add_argument("--model", help="registered model name (optional with a checkpoint that names it)")
-    parser.add_argument("--checkpoint", help="weight file, training run folder or exported folder")
+    parser.add_argument("--checkpoint", type=path, help="weight file, training run folder or exported folder")
     parser.add_argument("--input-size", type=int, nargs=3, metavar=("C", "H", "W"), help="default: the model's")
     parser.add_argument("--model-args", type=json_value, default={}, metavar="JSON",
                         help='e.g. \'{"v_norm": true}\' (SCSA with normalised v, inside Theorem 1)')
@@ -55,6 +54,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file,
                         help="write the table and bounds as JSON (a bound that is not finite is null, with a reason)")
     parser.add_argument("--plot", type=output_figure, help="write a PNG of every layer's bound")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.checkpoint and not args.model:
         parser.error("pass --model or --checkpoint")

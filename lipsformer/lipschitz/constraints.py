@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..errors import Stopped
+from ..errors import Mistake, Stopped
 from ..layers import AttentionKernel, CenterNorm, ConvexResidual, NormalizedConv2d, NormalizedLinear
 from .bounds import conv_bound, lipschitz_report, matrix_norm
 
@@ -37,6 +37,29 @@ _CONV_INPUT_HW: "weakref.WeakKeyDictionary[nn.Conv2d, Tuple[int, int]]" = weakre
 
 class BoundUnreachable(Stopped, ValueError):
     """The target cannot be met by shrinking residual weights (the layers outside residuals exceed it)."""
+
+
+class NotKeepable(Mistake, ValueError):
+    """A model whose bound no projection can keep, whatever its weights: a module with no registered bound, or one
+    whose bound is infinite by construction (dot-product attention, LayerNorm, SCSA with unnormalised v)."""
+
+
+def check_keepable(model: nn.Module, what: str = "lipschitz_target") -> None:
+    """Raise :class:`NotKeepable` naming the module when :func:`keep_bound` could never keep ``model``'s bound,
+    before anything is trained or written. ``what`` names the setting that asks for it. Every infinite bound of the
+    registry is one of construction (the module's kind), not of its weights, so the weights at hand tell."""
+    from .registry import NoBoundError
+    try:
+        report = lipschitz_report(model)
+    except NoBoundError as e:
+        raise NotKeepable(f"{what}: {e}") from None
+    unbounded = [r for r in report.rows if not math.isfinite(r.lip)]
+    if unbounded:
+        first = unbounded[0]
+        raise NotKeepable(f"{what}: {first.name} has no finite Lipschitz bound ({first.note or 'by construction'})"
+                          f"{f', nor have {len(unbounded) - 1} more layers' if len(unbounded) > 1 else ''}; no "
+                          f"projection can keep this model's bound: choose Lipschitz options that bound every layer, "
+                          f"or unset {what}")
 
 
 @torch.no_grad()

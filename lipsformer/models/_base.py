@@ -21,6 +21,55 @@ from ..layers.normalized import LINEARS, normalize_linear_maps
 from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# The scalar constructor arguments both families share: argument -> (test, what the error says it must be).
+ARGUMENTS = {
+    "in_chans": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "num_classes": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0: no classifier, the pooled features out)"),
+    "embed_dim": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "patch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "mlp_ratio": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "drop_rate": (lambda v: _is_number(v) and 0 <= v < 1, "in [0, 1)"),
+    "proj_drop_rate": (lambda v: _is_number(v) and 0 <= v < 1, "in [0, 1)"),
+    "drop_path_rate": (lambda v: _is_number(v) and 0 <= v < 1, "in [0, 1)"),
+}
+
+
+def check_arguments(depths, num_heads, *, stage_lists: Optional[dict] = None, **scalars) -> None:
+    """A ``ValueError`` naming the argument unless the constructor's arguments can build a model: each scalar of
+    :data:`ARGUMENTS` in its range; ``depths`` a list of at least one stage, each of at least one block;
+    ``num_heads`` (and each of ``stage_lists``, e.g. CSwin's ``split_size``) one positive integer per stage, each
+    stage's width (``embed_dim * 2**i``) divisible by its heads; an MLP of at least one hidden unit. Sizes that
+    must fit ``img_size`` (windows, stripes) are checked where each stage is built."""
+    for name, value in scalars.items():
+        test, says = ARGUMENTS[name]
+        if not test(value):
+            raise ValueError(f"{name} must be {says}, got {value!r}")
+    lists = dict(depths=depths, num_heads=num_heads, **(stage_lists or {}))
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)) or not all(_is_int(v) and v >= 1 for v in value):
+            raise ValueError(f"{name} must be a list of integers >= 1, one per stage, got {value!r}")
+    if not depths:
+        raise ValueError("depths must name at least one stage (of at least one block), got an empty list")
+    if len({len(v) for v in lists.values()}) > 1:
+        named = [f"{k} {tuple(v)}" for k, v in lists.items()]
+        raise ValueError(f"{', '.join(named[:-1])} and {named[-1]} must have the same length (one value per stage)")
+    embed_dim = scalars["embed_dim"]
+    for i, heads in enumerate(num_heads):
+        if embed_dim * 2 ** i % heads:
+            raise ValueError(f"num_heads[{i}] = {heads} does not divide stage {i}'s width {embed_dim * 2 ** i} "
+                             f"(embed_dim {embed_dim} x 2^{i}); choose embed_dim and num_heads so that each divides")
+    if int(embed_dim * scalars["mlp_ratio"]) < 1:
+        raise ValueError(f"mlp_ratio {scalars['mlp_ratio']} gives the MLP no hidden unit at embed_dim {embed_dim}")
+
+
 # True while timm builds a model whose weights it loads next (``pretrained=True``): the costly spectral init is left out.
 _WEIGHTS_WILL_LOAD: ContextVar[bool] = ContextVar("lipsformer_weights_will_load", default=False)
 
@@ -98,11 +147,16 @@ class LipsFormerBase(nn.Module):
         return res
 
     def _build_head(self, num_classes: int, global_pool: str, drop_rate: float) -> None:
+        """timm's ClassifierHead: ``num_classes`` 0 gives none (the pooled features come out, as timm's models),
+        1 a single logit (a score; training needs two classes or more)."""
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.head_hidden_size = self.num_features
-        self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
-                                   input_fmt="NHWC")
+        try:
+            self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate,
+                                       input_fmt="NHWC")
+        except AssertionError as e:  # timm's pooling factory asserts on an unknown type
+            raise ValueError(f"global_pool {global_pool!r}: {e} (timm's: avg, max, avgmax, catavgmax, '')") from None
 
     def _init_weights(self, mode: str) -> None:
         """:func:`lipsformer.layers.init_weights` over the model. When the weights are about to be loaded

@@ -21,8 +21,8 @@ from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed,
 from ..layers.options import CERTIFIABLE, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
-                    pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, check_arguments, convert_released,
+                    create_model, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
@@ -163,10 +163,10 @@ class LipsFormerCSwin(LipsFormerBase):
             **lipschitz_kwargs,
     ):
         super().__init__()
+        check_arguments(depths, num_heads, stage_lists=dict(split_size=split_size), in_chans=in_chans,
+                        num_classes=num_classes, embed_dim=embed_dim, patch_size=patch_size, mlp_ratio=mlp_ratio,
+                        drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
         lips = LipschitzOptions.resolve(type(self).__name__, self.lipschitz_defaults, lipschitz, **lipschitz_kwargs)
-        if not len(depths) == len(num_heads) == len(split_size):
-            raise ValueError(f"depths {tuple(depths)}, num_heads {tuple(num_heads)} and split_size "
-                             f"{tuple(split_size)} must have the same length")
         self.split_size = tuple(split_size)
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 

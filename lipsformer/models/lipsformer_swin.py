@@ -18,8 +18,8 @@ from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed,
 from ..layers.options import CERTIFIABLE, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse_heads
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, convert_released, create_model,
-                    pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, check_arguments, convert_released,
+                    create_model, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -133,6 +133,9 @@ class LipsFormerSwin(LipsFormerBase):
             attends over the whole stage (released rule); every stage must divide by its window.
         drop_rate: classifier dropout; proj_drop_rate: dropout after MLP and attention projections.
         drop_path_rate: stochastic depth, linear over blocks, the same inside a block.
+        num_classes: 0 builds no classifier (the pooled features come out, as timm's models); 1 a single logit.
+        Every argument is checked before anything is built (:func:`lipsformer.models._base.check_arguments`): a
+            value the model cannot use is a ``ValueError`` naming the argument.
         strict_img_size: inputs must have ``img_size`` (default). ``False``: any size runs, padded with zeros
             where a patch, window or 2x2 merge does not divide and cropped back, so stage ``i`` maps are
             ceil(H / (patch * 2^i)) high (for detection / segmentation backbones), as timm's Swin.
@@ -167,9 +170,10 @@ class LipsFormerSwin(LipsFormerBase):
             **lipschitz_kwargs,
     ):
         super().__init__()
+        check_arguments(depths, num_heads, in_chans=in_chans, num_classes=num_classes, embed_dim=embed_dim,
+                        patch_size=patch_size, mlp_ratio=mlp_ratio, drop_rate=drop_rate, proj_drop_rate=proj_drop_rate,
+                        drop_path_rate=drop_path_rate)
         lips = LipschitzOptions.resolve(type(self).__name__, self.lipschitz_defaults, lipschitz, **lipschitz_kwargs)
-        if len(depths) != len(num_heads):
-            raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} must have the same length")
         self.window_size = window_size
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 

@@ -36,9 +36,14 @@ class TorchlipCNN(nn.Module):
     def __init__(self, num_classes: int = 10, in_chans: int = 1, img_size: int = 32, widths: Tuple[int, int] = (16, 32),
                  hidden: int = 64, **_):
         super().__init__()
-        torchlip = require("deel.torchlip", "torchlip", "the peer CNN (torchlip_cnn)")
+        checks = [("num_classes", num_classes, 1), ("in_chans", in_chans, 1), ("img_size", img_size, 4),
+                  ("hidden", hidden, 1), *((f"widths[{i}]", w, 1) for i, w in enumerate(widths))]
+        for name, value, least in checks:
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if img_size % 4:
             raise ValueError(f"img_size {img_size} must be divisible by 4 (two 2x2 poolings)")
+        torchlip = require("deel.torchlip", "torchlip", "the peer CNN (torchlip_cnn)")
         side = img_size // 4
         self.num_classes, self.img_size = num_classes, img_size
         self.pretrained_cfg = dict(input_size=(in_chans, img_size, img_size), mean=(0.5,) * in_chans,
