@@ -3,7 +3,8 @@
 in shape, in dtype and in finiteness (a NaN or an Inf), saved as .safetensors, .pth or a train.py run folder, loaded
 through eval.py, the Lipschitz toolkit, convert, train.py's init_checkpoint and timm's Python path: each is refused in
 one line naming the tensor, exit 2, no traceback, nothing written. Then what loading changes only where it is asked
-to (a new classifier, an adapted first conv) and says in one line; classes.json with one name per output.
+to (a new classifier, an adapted first conv) and says in one line; classes.json with one name per output; and the
+certificate API's checks of its input.
 """
 import json
 import random
@@ -22,6 +23,7 @@ from test_train import make_folder
 from lipsformer import convert
 from lipsformer.data.classes import write_class_names
 from lipsformer.engine.config import TrainConfig
+from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
 from lipsformer.weights import CheckpointError, create_from_checkpoint, export, weights_fit
 
@@ -252,3 +254,49 @@ def test_classes_json_has_one_name_per_output(door, capsys, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     refused(capsys, EVAL.main, ["--checkpoint", folder, "--data-dir", root / "data", "--workers", 0], tmp_path,
             "config.json's label_names names 2 classes, the classifier has 4 outputs")
+
+
+# -- the certificate API's input ----------------------------------------------------------------------------------
+def test_the_certificate_api_names_what_is_wrong_with_its_input():
+    """0-255 pixels used to run into the AttLip solver's step cap (a SolverToleranceError blaming its tolerance), a
+    NaN pixel gave a NaN radius, a 3-D image or wrong channels a shape error from deep inside the model."""
+    from accelerate import Accelerator
+    from lipsformer.lipschitz.certify import (CertifyInputError, certify_dataset, normalization, pgd_l2,
+                                              pixel_lipschitz, predict_certified)
+    model = timm.create_model("lipsformer_swin_t_cert", **dict(TINY["swin"], window_size=4), num_classes=4).eval()
+    mean, std = normalization(model)
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(SEED))
+    good = (pixels - mean) / std
+    nan = good.clone()
+    nan[1, 0, 3, 3] = float("nan")
+    cases = [
+        ((pixels * 255).to(torch.uint8), "images are uint8, pixels look like 0-255: convert to float and divide by "
+                                         "255"),
+        ((pixels * 255 - mean) / std, "pixels look like 0-255 (values up to 25"),
+        (pixels * 255, "pixels look like 0-255"),
+        (nan, "images hold 1 NaN or Inf value(s), the first in image 1"),
+        (good[0], "must be 4-D (batch, channels, height, width), got shape (3, 32, 32): add the batch dimension"),
+        (good[:0], "images are empty (shape (0, 3, 32, 32))"),
+        (good[:, :1], "images have 1 channels, the model takes 3"),
+        ((good - mean) / std, "outside the pixel range [0, 1]"),
+        (good.long(), "must be floating point"),
+    ]
+    for images, message in cases:
+        with pytest.raises(CertifyInputError, match=re.escape(message)) as info:
+            predict_certified(model, images)
+        assert isinstance(info.value, Mistake) and isinstance(info.value, ValueError)
+    with pytest.raises(CertifyInputError, match=re.escape("pixels: pixels look like 0-255")):
+        pgd_l2(model, pixels * 255, torch.tensor([0, 1]), 0.1, mean, std, steps=1, restarts=1)
+    try:
+        with pytest.raises(CertifyInputError, match=re.escape("NaN or Inf")):
+            certify_dataset(model, [(nan, torch.tensor([0, 1]))], Accelerator(cpu=True), [[0], [1]], [0.1])
+    finally:
+        from conftest import reset_accelerate
+        reset_accelerate()
+    # what passes: pixels in [0, 1] within a grey level (bfloat16 images), normalised
+    _, _, radius = predict_certified(model, good.to(torch.bfloat16))
+    assert torch.isfinite(radius).all() and (radius >= 0).all()
+    with torch.no_grad():
+        dict(model.named_parameters())["head.fc.weight"][0, 0] = float("nan")
+    with pytest.raises(CertifyInputError, match=r"the model's head\.fc\.weight holds 1 non-finite value"):
+        pixel_lipschitz(model)
