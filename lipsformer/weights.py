@@ -259,10 +259,8 @@ def fit_state_dict(state_dict: dict, model: torch.nn.Module, source, adapt: Opti
     dropped = set(head) if new_head else set()  # a file's classifier is dropped where the model asks for another
     missing = [k for k in ours if k not in state_dict and k not in dropped]
     unexpected = [k for k in state_dict if k not in ours and k not in dropped]
-    problems = [f"{what} ({len(keys)}): {', '.join(keys[:5])}" for what, keys in
-                (("missing keys", missing), ("unexpected keys", unexpected)) if keys]
-    if problems:
-        raise CheckpointError(f"{source} does not fit {name}: {'; '.join(problems)}: {REBUILD}")
+    if missing or unexpected:  # another model or configuration: its shape mismatches too, in the same line
+        _refuse(source, name, missing, unexpected, _shapes(state_dict, ours, dropped))
     _check_values(state_dict, ours, source, name)
     fit = WeightsFit(str(source))
     if adapt is not None:
@@ -270,11 +268,9 @@ def fit_state_dict(state_dict: dict, model: torch.nn.Module, source, adapt: Opti
     out = {k: v for k, v in state_dict.items() if k in ours}
     _fit_head(out, ours, model, cfg, head, new_head, fit, source, name)
     _fit_stem(out, ours, cfg, fit, source, name)
-    shapes = [f"{k}: file {tuple(out[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
-              if out[k].shape != v.shape]
+    shapes = _shapes(out, ours)
     if shapes:
-        raise CheckpointError(f"{source} does not fit {name}: shape mismatches ({len(shapes)}): "
-                              f"{', '.join(shapes[:5])}: {REBUILD}")
+        _refuse(source, name, [], [], shapes)
     if fit.new_head:
         cfg.pop("label_names", None)  # they name the file's classes, not the new classifier's
     check_label_names(cfg.get("label_names"), getattr(model, "num_classes", None), f"{source}'s config")
@@ -287,6 +283,17 @@ def fit_state_dict(state_dict: dict, model: torch.nn.Module, source, adapt: Opti
     for line in fit.lines():
         _logger.info(f"{source}: {line}")
     return out
+
+
+def _shapes(state_dict: dict, ours: dict, skip=()) -> List[str]:
+    return [f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
+            if k in state_dict and k not in skip and state_dict[k].shape != v.shape]
+
+
+def _refuse(source, name: str, missing: List[str], unexpected: List[str], shapes: List[str]) -> None:
+    problems = [f"{what} ({len(keys)}): {', '.join(keys[:5])}" for what, keys in
+                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if keys]
+    raise CheckpointError(f"{source} does not fit {name}: {'; '.join(problems)}: {REBUILD}")
 
 
 def _check_values(state_dict: dict, ours: dict, source, name: str) -> None:
