@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .cli import ArgumentParser, command, json_value, path
 from .errors import UsageError
-from .weights import check_model_args, create_from_checkpoint, export, sha256_of
+from .weights import check_model_args, create_from_checkpoint, export, sha256_of, weights_fit
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
         raise UsageError(f"--out {args.out} already exists; remove it or choose another output folder")
     model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema, **check_model_args(args.model_args))
     name = model.pretrained_cfg["architecture"]
+    for line in weights_fit(model).lines():  # what the written weights hold that the source did not (adapted: ...)
+        print(line)
     out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source, tag=args.tag)
     print(f"wrote {out} (model.safetensors sha256 {sha256_of(out / 'model.safetensors')})\n"
           f'load it with timm.create_model("local-dir:{out}", pretrained=True)')

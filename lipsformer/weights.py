@@ -8,7 +8,9 @@ import argparse
 import collections
 import hashlib
 import json
+import logging
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -17,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from timm.data import resolve_model_data_config
-from timm.models import get_pretrained_cfg, save_for_hf
+from timm.models import adapt_input_conv, get_pretrained_cfg, save_for_hf
 
 from .data.classes import read_class_names
 from .errors import Mistake, did_you_mean
@@ -32,6 +34,7 @@ HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
 # what train.py's weight files record in their safetensors metadata (strings): the input size they were made at,
 # as JSON [C, H, W], so a copy of best.safetensors away from its run folder still says it
 INPUT_SIZE_KEY = "input_size"
+_logger = logging.getLogger(__name__)
 
 
 def input_size_metadata(input_size) -> dict:
@@ -195,35 +198,187 @@ def _unsafe_globals(path) -> List[str]:
         return []
 
 
-def check_state_dict(state_dict: dict, model: torch.nn.Module, source) -> None:
-    """Raise naming ``source`` and the first mismatching keys unless ``state_dict`` fits ``model``.
+@dataclass
+class WeightsFit:
+    """What loading a weight file did beyond copying each tensor as it is (:func:`fit_state_dict` records it on the
+    model as ``model.weights_fit``): train.py's start line, eval.py, the Lipschitz toolkit and convert say each event
+    in one line (:meth:`lines`)."""
 
-    Classifier weights of another class count are allowed through: timm drops them when the model is
-    built with a different ``num_classes``.
+    source: str = ""
+    reinitialised: List[str] = field(default_factory=list)  # the model's keys that keep their fresh initial values
+    new_head: str = ""  # "head.fc (1000 -> 7 classes)": the classifier re-created for another class count
+    adapted: List[str] = field(default_factory=list)  # "patch_embed.proj (3 -> 1 channels)"
+
+    def lines(self) -> List[str]:
+        return [f"re-initialised: {self.new_head}"] * bool(self.new_head) + [f"adapted: {a}" for a in self.adapted]
+
+
+def weights_fit(model: torch.nn.Module) -> WeightsFit:
+    """What :func:`fit_state_dict` recorded when ``model``'s weights were loaded (nothing for a model built without)."""
+    return getattr(model, "weights_fit", None) or WeightsFit()
+
+
+# A family's own adaptation of loaded tensors to the model's configuration (e.g. relative position bias tables to its
+# window size): ``(state dict, one description per event)``; a tensor it cannot adapt is left for the shape check.
+Adapter = Callable[[dict, torch.nn.Module], Tuple[dict, List[str]]]
+REBUILD = "build the model the file was made for (its model name and model arguments: model_kwargs, --model-args)"
+
+
+def fit_state_dict(state_dict: dict, model: torch.nn.Module, source, adapt: Optional[Adapter] = None) -> dict:
+    """The one fit check between a weight file and the model it is loaded into; returns the state dict to load
+    strictly (every key of the model, each of its shape and kind) and records what it changed as
+    ``model.weights_fit`` (:class:`WeightsFit`). Anything else is a :class:`CheckpointError` of one line naming
+    ``source``, the tensor and what to change, in this order:
+
+    * names: a key the model lacks, or one the file lacks;
+    * kind: a floating-point tensor for every floating-point parameter (an integer tensor is never converted); a
+      float16, bfloat16 or float64 file is accepted and cast to the model's dtype by the load (float64 rounds);
+    * values: every floating-point tensor finite in the model's dtype (the first non-finite one is named with its
+      count);
+    * shapes, after ``adapt`` (the family's, e.g. Swin's bias tables resized to the model's windows, each said).
+
+    Two changes happen only where the model asks for them, as timm's ``load_pretrained`` decides: the weights'
+    ``pretrained_cfg`` declares their class count and input channels (``num_classes``, ``input_size``), and a model
+    built for another (an explicit ``num_classes`` / ``in_chans``) gets a new classifier (its own initial values:
+    ``re-initialised: head.fc (1000 -> 7 classes)``) or the file's first conv adapted by timm's ``adapt_input_conv``
+    (``adapted: patch_embed.proj (3 -> 1 channels)``). A model built for the declared values and a file that differs
+    is refused, naming ``num_classes`` / ``in_chans``. Afterwards ``pretrained_cfg`` declares what the model holds, so
+    timm's own adaptation after a ``pretrained_filter_fn`` finds nothing to do.
     """
     ours = model.state_dict()
-    cfg = model.pretrained_cfg or {}
-    classifier = cfg.get("classifier") or "head.fc"
-    stem, source_chans = f"{cfg.get('first_conv')}.weight", (cfg.get("input_size") or (3,))[0]
-
-    def adapted(key, theirs, mine) -> bool:  # timm's load_pretrained adapts the stem to in_chans (adapt_input_conv)
-        return (key == stem and len(theirs) == 4 and theirs[1] == source_chans
-                and (theirs[0], *theirs[2:]) == (mine[0], *mine[2:]))
-
+    cfg = getattr(model, "pretrained_cfg", None)
+    cfg = cfg if cfg is not None else {}
+    name = cfg.get("architecture", type(model).__name__)
     form = form_mismatch(state_dict, ours)
     if form:
-        name = (model.pretrained_cfg or {}).get("architecture", type(model).__name__)
         raise CheckpointError(f"{source} does not fit {name}: {form}")
-    missing = [k for k in ours if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in ours]
-    shapes = [f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
-              if k in state_dict and state_dict[k].shape != v.shape and not k.startswith(classifier + ".")
-              and not adapted(k, tuple(state_dict[k].shape), tuple(v.shape))]
+    classifier = cfg.get("classifier") or "head.fc"
+    head = (f"{classifier}.weight", f"{classifier}.bias")
+    new_head = getattr(model, "num_classes", None) != cfg.get("num_classes", getattr(model, "num_classes", None))
+    dropped = set(head) if new_head else set()  # a file's classifier is dropped where the model asks for another
+    missing = [k for k in ours if k not in state_dict and k not in dropped]
+    unexpected = [k for k in state_dict if k not in ours and k not in dropped]
+    if missing or unexpected:  # another model or configuration: its shape mismatches too, in the same line
+        _refuse(source, name, missing, unexpected, _shapes(state_dict, ours, dropped))
+    _check_values(state_dict, ours, source, name)
+    fit = WeightsFit(str(source))
+    if adapt is not None:
+        state_dict, fit.adapted = adapt(state_dict, model)
+    out = {k: v for k, v in state_dict.items() if k in ours}
+    _fit_head(out, ours, model, cfg, head, new_head, fit, source, name)
+    _fit_stem(out, ours, cfg, fit, source, name)
+    shapes = _shapes(out, ours)
+    if shapes:
+        _refuse(source, name, [], [], shapes)
+    if fit.new_head:
+        cfg.pop("label_names", None)  # they name the file's classes, not the new classifier's
+    check_label_names(cfg.get("label_names"), getattr(model, "num_classes", None), f"{source}'s config")
+    if hasattr(model, "num_classes"):  # the config now declares what the model holds (timm's load then changes
+        cfg["num_classes"] = model.num_classes  # nothing more: its own adaptation sees nothing to adapt)
+    stem = ours.get(f"{cfg.get('first_conv')}.weight")
+    if stem is not None and stem.dim() == 4:
+        cfg["input_size"] = (stem.shape[1], *tuple(cfg.get("input_size") or (3, 224, 224))[1:])
+    model.weights_fit = fit
+    for line in fit.lines():
+        _logger.info(f"{source}: {line}")
+    return out
+
+
+def _shapes(state_dict: dict, ours: dict, skip=()) -> List[str]:
+    return [f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
+            if k in state_dict and k not in skip and state_dict[k].shape != v.shape]
+
+
+def _refuse(source, name: str, missing: List[str], unexpected: List[str], shapes: List[str]) -> None:
     problems = [f"{what} ({len(keys)}): {', '.join(keys[:5])}" for what, keys in
                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if keys]
-    if problems:
-        name = (model.pretrained_cfg or {}).get("architecture", type(model).__name__)
-        raise CheckpointError(f"{source} does not fit {name}: " + "; ".join(problems))
+    raise CheckpointError(f"{source} does not fit {name}: {'; '.join(problems)}: {REBUILD}")
+
+
+def _check_values(state_dict: dict, ours: dict, source, name: str) -> None:
+    """Kind and finiteness of every file tensor the model has (see :func:`fit_state_dict`)."""
+    broken = []
+    for key, theirs in state_dict.items():
+        mine = ours.get(key)
+        if mine is None:
+            continue
+        if not mine.is_floating_point():
+            if theirs.dtype != mine.dtype:
+                raise CheckpointError(f"{source}: {key} is {_dtype(theirs)}, {name}'s is {_dtype(mine)}: the file "
+                                      f"holds another kind of tensor there; {REBUILD}")
+            continue
+        if not theirs.is_floating_point():
+            raise CheckpointError(f"{source}: {key} is {_dtype(theirs)}, {name}'s is {_dtype(mine)}: weights are "
+                                  f"floating-point numbers (an integer tensor is not converted); save the model's "
+                                  f"floating-point state dict")
+        values = theirs if theirs.dtype == mine.dtype else theirs.to(mine.dtype)
+        bad = int(values.numel() - torch.isfinite(values).sum())
+        if bad:
+            broken.append((key, bad, theirs.numel(), theirs.dtype != mine.dtype and f" as {_dtype(mine)}"))
+    if broken:
+        key, bad, total, cast = broken[0]
+        more = f" (and {len(broken) - 1} more tensors)" if len(broken) > 1 else ""
+        raise CheckpointError(f"{source}: {key} holds {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf{cast or ''}) "
+                              f"of {total}{more}: these weights are broken (a diverged run or a damaged file); load "
+                              f"another checkpoint")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _fit_head(out: dict, ours: dict, model, cfg: dict, head, new_head: bool, fit: WeightsFit, source, name) -> None:
+    """The classifier: the file's where it fits; the model's own where the model asks for another class count."""
+    theirs, mine = out.get(head[0]), ours.get(head[0])
+    if not new_head:
+        if mine is not None and theirs is not None and theirs.dim() == 2 and theirs.shape[1:] == mine.shape[1:] \
+                and theirs.shape[0] != mine.shape[0]:
+            raise CheckpointError(f"{source}: {head[0]} is a classifier of {theirs.shape[0]} classes, {name} is "
+                                  f"built for {mine.shape[0]}: set num_classes to {theirs.shape[0]} (a new classifier "
+                                  f"is for fine-tuning: train.py's init_checkpoint, or reset_head for other classes)")
+        return
+    mine_keys = [k for k in head if k in ours]
+    if not mine_keys or all(k in out and out[k].shape == ours[k].shape for k in mine_keys):
+        return  # no classifier to fill (num_classes=0), or the file's fits the model
+    for key in mine_keys:
+        out[key] = ours[key]
+        fit.reinitialised.append(key)
+    classes = cfg.get("num_classes") if theirs is None else theirs.shape[0]
+    fit.new_head = f"{head[0].rsplit('.', 1)[0]} ({classes} -> {model.num_classes} classes)"
+
+
+def _fit_stem(out: dict, ours: dict, cfg: dict, fit: WeightsFit, source, name) -> None:
+    """The first conv: the file's where its input channels are the model's; adapted (timm's ``adapt_input_conv``)
+    where the model asks for other channels than the weights declare."""
+    if not cfg.get("first_conv"):
+        return
+    key = f"{cfg['first_conv']}.weight"
+    theirs, mine = out.get(key), ours.get(key)
+    if theirs is None or mine is None or mine.dim() != 4 or theirs.dim() != 4 or theirs.shape == mine.shape \
+            or (theirs.shape[0], *theirs.shape[2:]) != (mine.shape[0], *mine.shape[2:]):
+        return  # the same shape, or not a matter of channels (a plain shape mismatch)
+    have, want = theirs.shape[1], mine.shape[1]
+    declared = (cfg.get("input_size") or (3,))[0]
+    if want == declared:
+        raise CheckpointError(f"{source}: {key} takes {have} input channels, {name} is built for {want}: set "
+                              f"in_chans to {have}")
+    try:
+        adapted = adapt_input_conv(want, theirs, base_chans=have)
+    except (NotImplementedError, ValueError):
+        adapted = None
+    if adapted is None or adapted.shape != mine.shape:
+        raise CheckpointError(f"{source}: {key} takes {have} input channels and timm's adapt_input_conv cannot adapt "
+                              f"it to in_chans {want}: set in_chans to {have}")
+    out[key] = adapted
+    fit.adapted.append(f"{cfg['first_conv']} ({have} -> {want} channels)")
+
+
+def check_label_names(names, num_classes, where) -> None:
+    """A CheckpointError unless ``names`` (the weights' class names, when known: a run's classes.json, an export's
+    label_names) has one name per output of the classifier."""
+    if names is not None and num_classes is not None and len(names) != num_classes:
+        raise CheckpointError(f"{where} names {len(names)} classes, the classifier has {num_classes} outputs: it "
+                              f"needs one name per output, in label order")
 
 
 def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
@@ -272,14 +427,14 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
 
 def _run_meta(run: RunFolder) -> dict:
     cfg = read_yaml(run.config)
-    size = cfg["img_size"]
-    pretrained = dict(num_classes=cfg["num_classes"], input_size=(3, size, size), crop_pct=cfg["crop_pct"],
-                      interpolation=cfg["interpolation"])
+    size, kwargs = cfg["img_size"], dict(cfg.get("model_kwargs") or {})
+    pretrained = dict(num_classes=cfg["num_classes"], input_size=(kwargs.get("in_chans", 3), size, size),
+                      crop_pct=cfg["crop_pct"], interpolation=cfg["interpolation"])
     names = read_class_names(run.classes)
     if names is not None:
+        check_label_names(names, cfg["num_classes"], run.classes)
         pretrained["label_names"] = tuple(names)
-    return dict(model=cfg["model"],
-                model_args=dict(cfg.get("model_kwargs") or {}, num_classes=cfg["num_classes"], img_size=size),
+    return dict(model=cfg["model"], model_args=dict(kwargs, num_classes=cfg["num_classes"], img_size=size),
                 pretrained_cfg=pretrained)
 
 
@@ -311,7 +466,19 @@ def _hub_meta(config_path: Path) -> dict:
     if cfg.get("label_names") and "label_names" not in pretrained:  # timm's exports keep them at the top
         pretrained["label_names"] = cfg["label_names"]
     pretrained = {k: tuple(v) if isinstance(v, list) else v for k, v in pretrained.items()}
+    check_label_names(pretrained.get("label_names"), pretrained.get("num_classes", cfg.get("num_classes")),
+                      f"{config_path}'s label_names")
     return dict(model=cfg["architecture"], model_args=dict(cfg.get("model_args") or {}), pretrained_cfg=pretrained)
+
+
+def _registered_cfg(name: str) -> dict:
+    """timm's pretrained config of ``name`` as a dict (empty for a name timm does not know)."""
+    check_model_name(name)
+    try:
+        cfg = get_pretrained_cfg(name)
+    except RuntimeError:  # an unknown tag: the model's own config
+        cfg = get_pretrained_cfg(name.split(".", 1)[0])
+    return cfg.to_dict() if cfg is not None else {}
 
 
 def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = False, new_head: bool = False,
@@ -319,9 +486,11 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     """A timm model with the weights at ``path`` (any form :func:`resolve_checkpoint` accepts).
 
     The model name and its arguments come from the run / export config when there is one; ``model`` must
-    agree with it. A released-layout file is converted by the family's ``checkpoint_filter_fn``. With
-    ``new_head`` (fine-tuning), a classifier of another class count than ``num_classes`` is re-created (timm
-    drops the file's); without it, such a file does not fit.
+    agree with it; ``num_classes`` and ``in_chans`` default to the file's classifier and first conv. A
+    released-layout file is converted by the family's ``checkpoint_filter_fn``. Every tensor passes
+    :func:`fit_state_dict`: with ``new_head`` (fine-tuning), a classifier of another class count than
+    ``num_classes`` is re-created; without it, such a file does not fit. An ``in_chans`` other than the file's adapts
+    its first conv. What was re-created or adapted is ``weights_fit(model)``.
     """
     file, meta = resolve_checkpoint(path, use_ema)
     if model and meta.get("model") and model != meta["model"]:
@@ -336,6 +505,7 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     if form is not None and "attlip_form" not in args:  # the form the file's AttLip weights are (a run of a
         args["attlip_form"] = form  # *_cert model from before 'orthogonal' became its default holds 'general')
     head = next((state_dict[k] for k in ("head.fc.weight", "head.weight") if k in state_dict), None)  # ours, released
+    head = head if head is not None and head.dim() == 2 else None
     if "num_classes" not in args and head is not None:
         args["num_classes"] = head.shape[0]
     overlay = dict(meta.get("pretrained_cfg") or {})
@@ -343,6 +513,11 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     overlay.update(file=str(file), state_dict=state_dict, custom_load=False)
     if "num_classes" in args:
         overlay["num_classes"] = head.shape[0] if new_head and head is not None else args["num_classes"]
+    stem = state_dict.get(f"{_registered_cfg(model).get('first_conv')}.weight")
+    if stem is not None and stem.dim() == 4:  # the channels the file's first conv takes: what the weights declare
+        args.setdefault("in_chans", stem.shape[1])
+        size = overlay.get("input_size") or _registered_cfg(model)["input_size"]
+        overlay["input_size"] = (stem.shape[1], *size[1:])
     net = build_model(model, pretrained=True, pretrained_cfg_overlay=overlay, **args)
     net.pretrained_cfg.pop("state_dict", None)  # the weights are in the model; do not keep a second copy
     return net

@@ -30,6 +30,12 @@ def certifiable():
     return timm.create_model("lipsformer_cswin_t", **CERTIFIABLE).eval()
 
 
+def normalised(model, *shape):
+    """Random pixels in [0, 1] normalised with ``model``'s mean and std: what the certificate API takes."""
+    mean, std = normalization(model)
+    return (torch.rand(*shape) - mean) / std
+
+
 def test_pixel_lipschitz_is_the_reports_bound_times_the_normalisations():
     model = certifiable()
     L = pixel_lipschitz(model)
@@ -53,10 +59,10 @@ def test_images_of_another_size_than_the_bound_are_refused():
     model = timm.create_model("lipsformer_cswin_t", **dict(CERTIFIABLE, strict_img_size=False)).eval()
     try:
         accelerator = Accelerator(cpu=True)
-        loader = [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))]
+        loader = [(normalised(model, 2, 3, 32, 32), torch.tensor([0, 1]))]
         assert certify_dataset(model, loader, accelerator, [[0], [1]], certify_eps=[0.1])["count"] == 2
         with pytest.raises(NoBoundError, match="for 32x32 inputs, the model was given 40x40"):
-            certify_dataset(model, [(torch.randn(2, 3, 40, 40), torch.tensor([0, 1]))], accelerator, [[0], [1]])
+            certify_dataset(model, [(normalised(model, 2, 3, 40, 40), torch.tensor([0, 1]))], accelerator, [[0], [1]])
     finally:
         reset_accelerate()
 
@@ -193,8 +199,8 @@ def test_certifying_gives_the_model_back_in_its_mode_and_says_why_nothing_certif
     from accelerate import Accelerator
     from lipsformer.lipschitz import predict_certified
     from lipsformer.lipschitz.certify import certify_dataset
-    images = torch.randn(2, 3, 32, 32)
     model = timm.create_model("lipsformer_cswin_t", **dict(CERTIFIABLE, attn="dot", tied_qk=False)).train()
+    images = normalised(model, 2, 3, 32, 32)
     model.stages[0].eval()  # a frozen part, as training keeps it
     modes = [m.training for m in model.modules()]
     with pytest.warns(UserWarning, match=r"nothing is certified \(every radius is 0\): the certified bound is "

@@ -75,7 +75,7 @@ def test_released_file_finetunes_into_a_7_class_model(tmp_path, data, released):
     assert summary["step"] == 2
     init = next(r for r in read_metrics(tmp_path / "run") if r["kind"] == "init")
     assert init == dict(kind="init", step=0, source=str(path), reinitialised=["head.fc.weight", "head.fc.bias"],
-                        frozen=[])
+                        adapted=[], frozen=[])
     last = load_file(str(tmp_path / "run" / "last.safetensors"))
     assert last["head.fc.weight"].shape == (CLASSES, model.num_features)
     assert not torch.equal(last["stages.2.blocks.1.attn.qkv.weight"], source["stages.2.blocks.1.attn.qkv.weight"])

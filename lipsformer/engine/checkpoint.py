@@ -124,7 +124,7 @@ def check_loadable(folder: Path, model: torch.nn.Module) -> None:
         form = form_mismatch(saved, ours)
         if form:
             raise CheckpointError(f"{weights} does not fit this run's model: {form}")
-        if wrong:  # resuming needs every tensor as it was (check_state_dict would let a new classifier through)
+        if wrong:  # resuming needs every tensor as it was (fit_state_dict would let a new classifier through)
             raise CheckpointError(f"{weights} does not fit this run's model: {len(wrong)} tensors differ in name or "
                                   f"shape, e.g. {', '.join(wrong[:3])}")
     for path in sorted(folder.glob("*.pkl")) + sorted(folder.glob("*.bin")):

@@ -18,7 +18,7 @@ from ..data.imagenet_eval import describe_samples, label_names
 from ..errors import Stopped
 from ..lipschitz.certify import certify_dataset
 from ..weights import (build_model, check_model_args, check_model_name, create_from_checkpoint, has_published_weights,
-                       recorded_input_size)
+                       recorded_input_size, weights_fit)
 from ..writer import replacing
 from .config import ConfigError, TrainConfig
 from .finetune import WeightsUnavailable
@@ -225,14 +225,19 @@ def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_step
 def _create_model(model_name, checkpoint, use_ema: bool, model_args: dict):
     """The model to evaluate, from ``checkpoint`` or timm's published weights, and the input size (C, H, W) its
     weights were made at as they record it (:func:`~lipsformer.weights.recorded_input_size`; a published weight's
-    config), or None where nothing records it. A model argument the constructor refuses (e.g. an ``img_size`` the
-    windows do not divide) is a ModelArgsError (:func:`~lipsformer.weights.build_model`), a failed download a
-    WeightsUnavailable."""
+    config), or None where nothing records it. Every tensor passes the fit check
+    (:func:`~lipsformer.weights.fit_state_dict`: names, shapes, kinds, finite values; a first conv adapted only for
+    an explicit ``in_chans``); a ``num_classes`` other than the weights' classifier is refused, for published weights
+    too. A model argument the constructor refuses (e.g. an ``img_size`` the windows do not divide) is a
+    ModelArgsError (:func:`~lipsformer.weights.build_model`), a failed download a WeightsUnavailable."""
     try:
         if checkpoint is not None:
             model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
             return model, recorded_input_size(checkpoint, use_ema)
         model = build_model(model_name, pretrained=True, **model_args)
+        if weights_fit(model).new_head:  # timm's rule for another num_classes: a classifier that would score chance
+            raise ConfigError(f"--model-args num_classes {model.num_classes}: eval.py scores the published weights' "
+                              f"own classifier, not a new one ({weights_fit(model).new_head}); drop num_classes")
         return model, tuple(model.pretrained_cfg["input_size"])
     except OSError as e:  # urllib's URLError, requests' ConnectionError: no network, or the server refused
         if checkpoint is not None:
@@ -278,6 +283,8 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
         raise FileNotFoundError(f"no data folder {data_dir}")
     accelerator = Accelerator(cpu=cpu, mixed_precision=amp)
     model, trained = _create_model(model_name, checkpoint, use_ema, model_args)
+    for line in weights_fit(model).lines():  # what the weights did not bring as they are (adapted: ...)
+        accelerator.print(line)
     try:  # labels for the model's classes: a folder's classes by name (data/classes.py)
         samples = eval_samples(dataset, data_dir, real_labels, model=model)
     except ValueError as e:  # the data do not fit the dataset's layout or the model's classes
@@ -303,6 +310,7 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
                   amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
                   input_size=list(data_cfg["input_size"]),
                   trained_input_size=None if trained is None else list(trained),  # null: nothing records it
+                  adapted=weights_fit(model).adapted,
                   data=describe_samples(dataset, samples), crop_pct=data_cfg["crop_pct"],
                   interpolation=data_cfg["interpolation"], compile=compile, channels_last=channels_last)
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack

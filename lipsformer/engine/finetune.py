@@ -3,8 +3,9 @@
 Fine-tuning is loading plus a fresh optimizer. The weights come through timm's pretrained path
 (``pretrained: MODEL.TAG``) or :func:`lipsformer.weights.create_from_checkpoint` (``init_checkpoint``: a
 released-layout ``.pth``, an exported ``checkpoints/MODEL.TAG`` folder, a train.py run folder); the family's
-``checkpoint_filter_fn`` converts released layouts and refuses, by key, any tensor that does not fit. A
-classifier of another class count is re-created. The optimizer, schedule and EMA start fresh;
+``checkpoint_filter_fn`` converts released layouts and :func:`lipsformer.weights.fit_state_dict` refuses, by key, any
+tensor that does not fit. A classifier of another class count is re-created, a first conv for another ``in_chans``
+adapted; the start line says both. The optimizer, schedule and EMA start fresh;
 ``--resume`` restores a fine-tuning run like any other, so its starting weights are not loaded again.
 """
 from dataclasses import dataclass, field
@@ -34,9 +35,16 @@ class ModelStart:
     source: str = "scratch"  # 'scratch', 'resumed', the pretrained name or the init_checkpoint path
     reinitialised: List[str] = field(default_factory=list)  # state-dict keys not taken from the source
     frozen: List[str] = field(default_factory=list)  # module names whose parameters do not train
+    adapted: List[str] = field(default_factory=list)  # tensors changed to fit the model: "patch_embed.proj (3 -> 1 ..."
 
     def row(self) -> dict:
-        return dict(source=self.source, reinitialised=self.reinitialised, frozen=self.frozen)
+        return dict(source=self.source, reinitialised=self.reinitialised, adapted=self.adapted, frozen=self.frozen)
+
+    def line(self) -> str:
+        """train.py's start line: where the weights came from, and what of them the run does not take as they are."""
+        adapted = f"adapted: {', '.join(self.adapted)}; " if self.adapted else ""
+        return (f"weights: {self.source}; re-initialised: {', '.join(self.reinitialised) or 'none'}; {adapted}"
+                f"frozen: {', '.join(self.frozen) or 'none'}")
 
 
 def pretrained_name(cfg: TrainConfig) -> str:
@@ -81,13 +89,6 @@ def classifier_keys(model: torch.nn.Module) -> List[str]:
     return [k for k in model.state_dict() if k.startswith(classifier_name(model) + ".")]
 
 
-def reinitialised_keys(model: torch.nn.Module) -> List[str]:
-    """The classifier's keys when the weights came with another class count (timm then re-creates it)."""
-    if (model.pretrained_cfg or {}).get("num_classes", model.num_classes) == model.num_classes:
-        return []
-    return classifier_keys(model)
-
-
 def frozen_modules(model: torch.nn.Module, cfg: TrainConfig) -> List[str]:
     """Names of the modules ``freeze`` / ``freeze_stages`` hold fixed, or a ConfigError naming the bad value."""
     names: List[str] = []
@@ -126,10 +127,12 @@ def start_model(cfg: TrainConfig, load_weights: bool = True) -> Tuple[torch.nn.M
     restores its own) and frozen as configured. Every error here comes before the run writes anything."""
     if load_weights and (cfg.pretrained or cfg.init_checkpoint):
         model, source = _load(cfg)
-        start = ModelStart(source=source, reinitialised=reinitialised_keys(model))
+        fit = weights.weights_fit(model)  # what the fit check re-created (another class count) or adapted
+        start = ModelStart(source=source, reinitialised=list(fit.reinitialised), adapted=list(fit.adapted))
         if cfg.reset_head and not start.reinitialised:  # same class count, other classes: a new classifier
             init_weights(model.get_submodule(classifier_name(model)), model.lipschitz.init)
             start.reinitialised = classifier_keys(model)
+            model.pretrained_cfg.pop("label_names", None)  # the source's classes, not the new classifier's
     else:
         model = build_model(cfg)
         start = ModelStart(source="scratch" if load_weights else "resumed")

@@ -250,8 +250,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
                val_loader, state, MetricsLog(accelerator, folder.metrics), keep, last_good=resume_from, start=start)
     if resume_from is None:
         run.log("init", 0, **start.row())
-        accelerator.print(f"weights: {start.source}; re-initialised: {', '.join(start.reinitialised) or 'none'}; "
-                          f"frozen: {', '.join(start.frozen) or 'none'}")
+        accelerator.print(start.line())
     if keep is not None and not (resume_from is not None and restore_kept(state.kept, criterion, cfg)):
         run.keep_bound()
     return run

@@ -10,7 +10,7 @@ import torch
 
 from ..cli import ArgumentParser, command, json_value, path
 from ..errors import UsageError, did_you_mean
-from ..weights import build_model, check_model_args, create_from_checkpoint
+from ..weights import build_model, check_model_args, create_from_checkpoint, weights_fit
 from ..writer import output_figure, output_file, save_figure, write_json
 from .bounds import lipschitz_report
 from .estimate import jacobian_norm
@@ -82,6 +82,9 @@ def main(argv=None) -> int:
                          f"module name such as stages.0.blocks.0")
     report = lipschitz_report(model)  # a module type with no registered bound: a NoBoundError naming it
     name = model.pretrained_cfg.get("architecture", args.model)
+    fit = weights_fit(model)
+    for line in fit.lines():  # a bound for adapted weights is the adapted model's: said before it
+        print(line)
     print(f"{name}: certified Lipschitz bounds (l2), as log10")
     print(f"{'part':<12} {'log10 bound':>12}")
     for part, bound in report.stages():
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
             print(f"measured Jacobian norm of {n}: {value:.4g} (a lower bound)")
     if args.json:  # strict JSON: a bound that is not finite is null, with why (json's Infinity token is not JSON)
         unbounded = [r.name for r in report.rows if not math.isfinite(r.lip)]
-        write_json(args.json, dict(model=name, log10_bound=report.log10_bound,
+        write_json(args.json, dict(model=name, adapted=fit.adapted, log10_bound=report.log10_bound,
                                    log10_train_expected_bound=report.log10_train_expected_bound,
                                    log10_stages=dict(report.stages()), measured=measured,
                                    rows=[vars(r) for r in report.rows]),

@@ -46,11 +46,19 @@ from timm.data import resolve_data_config
 from torch import nn
 
 from ..data.datasets import eval_data_config
-from ..errors import UsageError
+from ..errors import Mistake, UsageError
 from ..layers.attlip import AttLip, solve_to_tolerance
 from .bounds import LipschitzReport, NoBoundError, lipschitz_report
 
 SQRT2 = math.sqrt(2.0)
+PIXEL_TOLERANCE = 1.0 / 255  # one 8-bit grey level: float rounding and bfloat16 images pass, 0-255 pixels do not
+NORMALISED_ONCE = ", normalised once with the model's mean and std"
+
+
+class CertifyInputError(Mistake, ValueError):
+    """Input the certificate API does not certify: images that are not a floating-point (batch, channels, height,
+    width) batch of finite pixels in [0, 1] (after undoing the model's normalisation) with the model's channels, or
+    a model whose weights are not finite."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,8 @@ def normalization(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def pixel_lipschitz(model: nn.Module, report: Optional[LipschitzReport] = None) -> PixelLipschitz:
     """``L`` of the certificate: :func:`lipschitz_report`'s bound times ``1 / min(std)`` of the model's
-    preprocessing."""
+    preprocessing; a model with a non-finite weight is a :class:`CertifyInputError`."""
+    _check_finite(model)
     report = lipschitz_report(model) if report is None else report
     _, std = normalization(model)
     network = report.bound
@@ -116,6 +125,64 @@ def pixel_lipschitz(model: nn.Module, report: Optional[LipschitzReport] = None) 
         backbone = report.backbone()
         pairwise = dict(backbone=backbone.bound, backbone_defect=backbone.defect, gaps=head_gaps(report.head))
     return PixelLipschitz(network, 1.0 / float(std.min()), reason, report.defect, **pairwise)
+
+
+def input_channels(model: nn.Module) -> int:
+    """The channels ``model`` takes: its first conv's (timm's ``first_conv``), else its data config's."""
+    model = getattr(model, "module", model)  # a DDP-wrapped model
+    first = (getattr(model, "pretrained_cfg", None) or {}).get("first_conv")
+    try:
+        channels = getattr(model.get_submodule(first), "in_channels", None) if isinstance(first, str) else None
+    except AttributeError:
+        channels = None
+    return int(channels or resolve_data_config({}, model=model)["input_size"][0])
+
+
+def check_images(images, model: nn.Module, mean: torch.Tensor, std: torch.Tensor, normalised: bool = True,
+                 what: str = "images") -> None:
+    """A :class:`CertifyInputError` naming what to change unless ``images`` is a floating-point (B, C, H, W) batch,
+    B, H, W >= 1, C the model's input channels, of finite values that are pixels in [0, 1] within
+    :data:`PIXEL_TOLERANCE`: after undoing the normalisation ``(x - mean) / std`` where ``normalised``, as they are
+    otherwise. uint8 and 0-255 float pixels are named as such; a NaN or Inf pixel is refused, never a NaN radius."""
+    if not isinstance(images, torch.Tensor):
+        raise CertifyInputError(f"{what} must be a torch.Tensor of shape (batch, channels, height, width), got a "
+                                f"{type(images).__name__}")
+    if images.dim() != 4:
+        hint = ": add the batch dimension (images.unsqueeze(0))" if images.dim() == 3 else ""
+        raise CertifyInputError(f"{what} must be 4-D (batch, channels, height, width), got shape "
+                                f"{tuple(images.shape)}{hint}")
+    if images.numel() == 0:
+        raise CertifyInputError(f"{what} are empty (shape {tuple(images.shape)}): give at least one image")
+    then = ", then normalise with the model's mean and std" if normalised else ""
+    if images.dtype == torch.uint8:
+        raise CertifyInputError(f"{what} are uint8, pixels look like 0-255: convert to float and divide by 255{then}")
+    if not images.is_floating_point():
+        raise CertifyInputError(f"{what} must be floating point (pixels in [0, 1]), got {images.dtype}")
+    channels = input_channels(model)
+    if images.shape[1] != channels:
+        raise CertifyInputError(f"{what} have {images.shape[1]} channels, the model takes {channels} (shape "
+                                f"{tuple(images.shape)}): give (batch, {channels}, height, width)")
+    if {mean.shape[0], std.shape[0]} - {1, channels}:
+        raise CertifyInputError(f"the model's normalisation has {mean.shape[0]} channels (mean "
+                                f"{mean.flatten().tolist()}, std {std.flatten().tolist()}) and its input {channels}: "
+                                f"set mean and std for {channels} (pretrained_cfg_overlay)")
+    x = images.detach().float()
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        first = int((~finite).flatten(1).any(1).nonzero()[0])
+        raise CertifyInputError(f"{what} hold {int((~finite).sum())} NaN or Inf value(s), the first in image {first}: "
+                                f"nothing is certified for them; drop or repair those images")
+    pixels = x * std.to(x) + mean.to(x) if normalised else x
+    lo, hi = float(pixels.min()), float(pixels.max())
+    if -PIXEL_TOLERANCE <= lo and hi <= 1 + PIXEL_TOLERANCE:
+        return
+    if any(low >= -PIXEL_TOLERANCE and high > 2 for low, high in ((lo, hi), (float(x.min()), float(x.max())))):
+        raise CertifyInputError(f"{what}: pixels look like 0-255 (values up to {max(hi, float(x.max())):.4g}): divide "
+                                f"by 255{' before normalising' if normalised else ''}; radii are in [0, 1] pixel space")
+    undone = " after undoing the model's normalisation" if normalised else ""
+    raise CertifyInputError(f"{what}{undone} span [{lo:.4g}, {hi:.4g}], outside the pixel range [0, 1] (tolerance "
+                            f"{PIXEL_TOLERANCE:.4g}): give pixels in [0, 1]"
+                            f"{NORMALISED_ONCE if normalised else ''}")
 
 
 def logit_margin(logits: torch.Tensor) -> torch.Tensor:
@@ -179,6 +246,7 @@ def _in_evaluation_mode(fn):
 def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optional[PixelLipschitz] = None,
                       max_steps: int = 1000) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Predictions and certified radii of a batch of normalised ``images``: ``(logits, pred, radius)``.
+    ``images`` must be pixels in [0, 1] normalised with the model's mean and std (:func:`check_images`).
 
     The one call behind ``eval.py --certify-eps``. The forward runs in eval mode (the model is given back in the
     mode it came in), in float32 with autocast off (an Accelerate-prepared model's mixed-precision wrapper is
@@ -191,6 +259,7 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
     bare = getattr(model, "module", model)
     with evaluation_mode(bare):
         _check_float32(bare)
+        check_images(images, bare, *normalization(bare))
         L = pixel_lipschitz(bare) if lipschitz is None else lipschitz  # the eval-mode map's bound, its divisors
         out = _certified_forward(bare, images, L, max_steps)           # the ones the forward divides by
     if not L.finite:
@@ -199,10 +268,22 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
 
 
 def _check_float32(bare: nn.Module) -> None:
+    """Weights a certificate can be computed for: float32 or wider, and finite (a NaN weight is a NaN radius)."""
     dtypes = {p.dtype for p in bare.parameters() if p.is_floating_point()}
     if any(torch.finfo(d).bits < 32 for d in dtypes):
         raise NoBoundError(f"certificates need float32 margins; the model's weights are {sorted(map(str, dtypes))}: "
                            f"load it in float32 (autocast for the rest of evaluation is fine)")
+    _check_finite(bare)
+
+
+def _check_finite(model: nn.Module) -> None:
+    """A CertifyInputError naming the first parameter of ``model`` with a NaN or Inf (whose bound and radii would be
+    NaN)."""
+    for name, p in model.named_parameters():
+        bad = int(p.numel() - torch.isfinite(p.detach()).sum()) if p.is_floating_point() else 0
+        if bad:
+            raise CertifyInputError(f"the model's {name} holds {bad} non-finite value(s) (NaN or Inf): no bound holds "
+                                    f"for it; load finite weights")
 
 
 def _certified_forward(bare: nn.Module, images: torch.Tensor, L: PixelLipschitz,
@@ -225,12 +306,14 @@ def pgd_l2(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor, eps: Un
            mean: torch.Tensor, std: torch.Tensor, steps: int = 20, restarts: int = 3, step_size: Optional[float] = None,
            seed: int = 0) -> torch.Tensor:
     """l2 PGD (Madry et al. 2018) on pixels in [0, 1]: per image, whether some perturbation of norm <= ``eps``
-    (a float or one per image) was found that makes the prediction differ from ``labels``.
+    (a float or one per image) was found that makes the prediction differ from ``labels``. ``pixels`` are checked
+    as :func:`check_images` checks images, without the normalisation.
 
     Each restart starts at a random point of the ball and ascends the margin loss ``max_{j != y} z_j - z_y``
     (Carlini & Wagner) with normalised gradient steps of ``step_size`` (default ``2.5 eps / steps``), projected
     back onto the ball and the [0, 1] box; an image counts as fooled as soon as any iterate changes its prediction.
     """
+    check_images(pixels, model, mean, std, normalised=False, what="pixels")
     b = pixels.shape[0]
     eps_t = torch.as_tensor(eps, dtype=pixels.dtype, device=pixels.device).expand(b).reshape(b, 1, 1, 1)
     alpha = eps_t * 2.5 / steps if step_size is None else torch.full_like(eps_t, step_size)
@@ -293,6 +376,7 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
         images, index = batch[0], batch[1]
         if images is None:
             continue
+        check_images(images, bare, mean, std)
         images = images.float()
         if tuple(images.shape[-2:]) != built:  # strict_img_size=False runs other sizes; the bound is not theirs
             raise NoBoundError(f"the certified bound is for {built[0]}x{built[1]} inputs, the model was given "

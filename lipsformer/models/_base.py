@@ -12,13 +12,13 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead
-from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq, load_pretrained
+from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq
 from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..layers import LipsBlock, LipschitzOptions, init_weights
 from ..layers.normalized import LINEARS, normalize_linear_maps
-from ..weights import CheckpointError, check_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
+from ..weights import Adapter, CheckpointError, fit_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
 
 def _is_int(v) -> bool:
@@ -199,7 +199,8 @@ class LipsFormerBase(nn.Module):
 
     def load_pretrained_file(self, path: str, filter_fn: Callable[[dict, nn.Module], dict]) -> None:
         """Load weights at ``path`` converted by ``filter_fn``: a download must match the config's sha256
-        (a mismatching one is removed from the cache), and the file is read without running pickled code."""
+        (a mismatching one is removed from the cache), and the file is read without running pickled code.
+        ``filter_fn`` ends in :func:`lipsformer.weights.fit_state_dict`, whose state dict fits the model exactly."""
         cfg = dict(self.pretrained_cfg)
         if not cfg.get("file") and cfg.get("sha256"):
             try:
@@ -209,12 +210,7 @@ class LipsFormerBase(nn.Module):
                 raise CheckpointError(f"{e}; the cached copy was removed") from None
         cfg["file"] = str(path)
         self.pretrained_cfg = cfg
-        state_dict = filter_fn(read_checkpoint(path), self)
-        head = state_dict.get(f"{cfg['classifier']}.weight")
-        if head is not None:  # the file's own class count: its head is kept when it fits the model
-            cfg["num_classes"] = head.shape[0]
-        load_pretrained(self, dict(cfg, state_dict=state_dict), num_classes=self.num_classes,
-                        in_chans=self.patch_embed.proj.in_channels)
+        self.load_state_dict(filter_fn(read_checkpoint(path), self))
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -304,16 +300,15 @@ def rename_prefix(key: str, renames, inverse: bool = False) -> str:
 
 
 def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
-                     rename: Callable[[str], Optional[str]],
-                     adapt: Optional[Callable[[dict, nn.Module], dict]] = None) -> dict:
+                     rename: Callable[[str], Optional[str]], adapt: Optional[Adapter] = None) -> dict:
     """Our state dict from a released-layout one (raw or wrapped); one already in our layout passes through.
-    Either way it is checked to fit ``model`` (:func:`lipsformer.weights.check_state_dict`).
+    Either way it then passes the fit check (:func:`lipsformer.weights.fit_state_dict`), which returns what to load.
 
     ``released_marker`` is a key prefix only the released layout has; ``rename`` maps a released key to ours,
     or to ``None`` for buffers we rebuild and modules the released code builds but never uses. The released
     code builds its 1x1 conv (``nin``) even without conv blocks: it is dropped when the model has none. Released
     checkpoints fix tau; a model built with ``learn_tau=True`` starts from its own tau. ``adapt(state_dict, model)``
-    then fits tensors to the model's configuration (e.g. bias tables to its window size) before the check.
+    fits tensors to the model's configuration (e.g. bias tables to its window size) inside the fit check.
     """
     state_dict = unwrap_state_dict(state_dict)
     if any(k.startswith(released_marker) for k in state_dict):
@@ -329,10 +324,7 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
             if name.endswith(".tau") and name not in converted:
                 converted[name] = value.detach().clone()
         state_dict = converted
-    if adapt is not None:
-        state_dict = adapt(state_dict, model)
-    check_state_dict(state_dict, model, weights_source(model.pretrained_cfg))
-    return state_dict
+    return fit_state_dict(state_dict, model, weights_source(model.pretrained_cfg), adapt)
 
 
 def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],

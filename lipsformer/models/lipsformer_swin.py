@@ -7,7 +7,9 @@ position bias per head, SCSA with tau 10 and unnormalised v, conv blocks D, Cent
 the attention and after the MLP residual, patch merging at the start of stages 2-4, a final
 CenterNorm, average pooling and a linear head; spectral initialisation.
 """
-from typing import Optional, Sequence, Tuple
+import collections
+import math
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import register_notrace_module, resize_rel_pos_bias_table, to_2tuple, trunc_normal_
@@ -231,21 +233,28 @@ def _released_to_ours(key: str) -> Optional[str]:
     return key
 
 
-def _resize_bias_tables(state_dict: dict, model: LipsFormerSwin) -> dict:
-    """Each relative position bias table whose shape differs from the model's, resized to the model's window as
-    timm's Swin ``checkpoint_filter_fn`` does (bicubic, ``resize_rel_pos_bias_table``)."""
-    out = dict(state_dict)
+def _resize_bias_tables(state_dict: dict, model: LipsFormerSwin) -> Tuple[dict, List[str]]:
+    """Each relative position bias table of a square window whose shape differs from the model's, resized to the
+    model's window as timm's Swin ``checkpoint_filter_fn`` does (bicubic, ``resize_rel_pos_bias_table``), with one
+    line per pair of window sizes. A table of another shape is left for the fit check to name."""
+    out, resized = dict(state_dict), collections.Counter()
     for key, value in state_dict.items():
         if not key.endswith(".relative_position_bias_table"):
             continue
         try:
             attn = model.get_submodule(key.rsplit(".", 1)[0])
         except AttributeError:
-            continue  # not in this model: check_state_dict names it
-        shape = attn.relative_position_bias_table.shape
-        if isinstance(attn, WindowAttention) and value.shape != shape and value.shape[1] == shape[1]:
-            out[key] = resize_rel_pos_bias_table(value, new_window_size=attn.window, new_bias_shape=shape)
-    return out
+            continue  # not in this model: the fit check names it
+        shape = attn.relative_position_bias_table.shape if isinstance(attn, WindowAttention) else None
+        if shape is None or value.shape == shape or value.dim() != 2 or value.shape[1] != shape[1]:
+            continue
+        side = math.isqrt(value.shape[0])  # a square window w's table has (2w - 1)^2 rows
+        if side * side != value.shape[0] or side % 2 == 0:
+            continue
+        out[key] = resize_rel_pos_bias_table(value.float(), new_window_size=attn.window, new_bias_shape=shape)
+        resized[((side + 1) // 2, tuple(attn.window))] += 1
+    return out, [f"{n} relative position bias table{'s' * (n > 1)} (window {w}x{w} -> {a}x{b}, bicubic)"
+                 for (w, (a, b)), n in resized.items()]
 
 
 def checkpoint_filter_fn(state_dict: dict, model: LipsFormerSwin) -> dict:
