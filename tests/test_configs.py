@@ -72,7 +72,8 @@ def shrunk(path: Path, data: Path, out: Path, *extra: str) -> list:
     (and bf16 off where the machine has no bf16 arithmetic)."""
     cfg = load_config(path)
     epochs = len(cfg.attlip_train_steps or [1])  # one epoch per phase of an AttLip step schedule: all of it runs
-    sets = tiny_model(path) + ["batch_size=4", "global_batch=8", f"epochs={epochs}", f"workers={min(cfg.workers, 1)}"]
+    sets = tiny_model(path) + ["batch_size=4", "global_batch=8", f"epochs={epochs}", f"workers={min(cfg.workers, 1)}",
+                               f"num_classes={len(list((data / 'train').iterdir()))}"]
     if cfg.mixed_precision == "bf16" and not NATIVE_BF16:
         sets.append("mixed_precision=no")  # the word, as users type it (YAML would read a boolean)
     sets = [s for s in sets if s.split("=", 1)[0] not in {e.split("=", 1)[0] for e in extra}]  # a key is set once
@@ -81,7 +82,7 @@ def shrunk(path: Path, data: Path, out: Path, *extra: str) -> list:
 
 # What the shrinking may change; everything else must stay as shipped (checked below, so the test cannot drift
 # into a look-alike).
-SHRUNK_KEYS = {"model_kwargs", "img_size", "batch_size", "global_batch", "epochs", "workers", "data_dir",
+SHRUNK_KEYS = {"model_kwargs", "img_size", "batch_size", "global_batch", "epochs", "workers", "data_dir", "num_classes",
                "output_dir", "init_checkpoint"} | (set() if NATIVE_BF16 else {"mixed_precision"})
 
 

@@ -114,11 +114,13 @@ def check_data(cfg: TrainConfig) -> None:
 
 
 def check_classes(cfg: TrainConfig, classes: Optional[List[str]]) -> None:
-    """A ConfigError when the training data have more classes than the model's ``num_classes`` (their labels
-    would index past the classifier); ``classes``: the training data's names (None when the reader has none)."""
-    if classes is not None and len(classes) > cfg.num_classes:
+    """A ConfigError unless the training data have ``num_classes`` classes: more would index past the classifier,
+    fewer leave outputs no class trains, which the run's ``classes.json`` (one name per output) cannot name;
+    ``classes``: the training data's names (None when the reader has none)."""
+    if classes is not None and len(classes) != cfg.num_classes:
         raise ConfigError(f"num_classes is {cfg.num_classes} but the training data have {len(classes)} classes "
-                          f"({', '.join(map(str, classes[:3]))}, ...): set num_classes: {len(classes)}")
+                          f"({', '.join(map(str, classes[:3]))}{', ...' if len(classes) > 3 else ''}): set "
+                          f"num_classes: {len(classes)}")
 
 
 def build_criterion(cfg: TrainConfig):
