@@ -5,16 +5,22 @@
         --dataset imagenet_real --real-labels real.json --predictions preds.csv --output results.json
     python eval.py --checkpoint output/run --data-dir digits/val --dataset imagenet_v2 \\
         --certify-eps 0.1 0.25 0.5 --attack-eps 0.1 0.25 0.5 --predictions preds.csv
+    python eval.py --checkpoint output/sweep --data-dir /data/imagenet --output table.csv   # each run, sorted by top-1
+    python eval.py --model lipsformer_swin_t swin_tiny_patch4_window7_224 --pretrained --data-dir /data/imagenet
     accelerate launch eval.py ... (every image is counted once across processes)
 """
 import os
 import sys
+from pathlib import Path
 
 from lipsformer.cli import ArgumentParser, command, json_value, path
 from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
+from lipsformer.engine.evaluate_many import evaluate_many, format_table, row, several
 from lipsformer.lipschitz.certify import parse_eps
-from lipsformer.writer import output_file, write_json
+from lipsformer.writer import output_file, write_csv, write_json
+
+TABLES = (".json", ".csv")  # what --output writes, by its extension
 
 
 def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
@@ -40,18 +46,25 @@ def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="eval.py", description=__doc__)
-    parser.add_argument("--model", help="registered model name (optional when the checkpoint's config names it)")
+    parser.add_argument("--model", nargs="+", metavar="NAME",
+                        help="registered model name (optional when the checkpoint's config names it; one name builds "
+                             "every --checkpoint); with --pretrained, one or more names or timm patterns, each "
+                             "evaluated")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=path, help="weight file, train.py output folder, or exported folder")
+    source.add_argument("--checkpoint", type=path, nargs="+", metavar="PATH",
+                        help="weight file, train.py output folder, exported folder, or a folder of runs (one whose "
+                             "sub-folders are runs or exports: each is evaluated); several are scored into one table "
+                             "sorted by top-1")
     source.add_argument("--pretrained", action="store_true", help="the model's published weights (timm)")
     parser.add_argument("--data-dir", type=path, required=True,
                         help="imagenet / imagenet_real: the val folder (or its parent); imagenet_v2: folders 0..999")
     parser.add_argument("--dataset", default="imagenet", choices=EVAL_DATASETS)
     parser.add_argument("--real-labels", type=path, help="ReaL labels (real.json), for --dataset imagenet_real")
     parser.add_argument("--predictions", type=output_file,
-                        help="write one CSV row per image: path, targets, top-5 and probabilities")
+                        help="write one CSV row per image: path, targets, top-5 and probabilities (one evaluation)")
     parser.add_argument("--output", type=output_file,
-                        help="write the results as JSON (strict: a non-finite number is null, with a KEY_reason)")
+                        help="write the results as JSON (.json; strict: a non-finite number is null, with a "
+                             "KEY_reason) or as a table of one row per evaluation (.csv)")
     parser.add_argument("--use-ema", action="store_true", help="evaluate the checkpoint's EMA weights")
     parser.add_argument("--batch-size", type=int, default=100, help="per process")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="loader workers per process")
@@ -84,6 +97,8 @@ def build_parser() -> ArgumentParser:
                           lambda args: args.dataset == "imagenet_real")
     parser.ignored_unless("--use-ema", "takes a --checkpoint's EMA weights; --pretrained weights hold one set",
                           lambda args: args.checkpoint is not None)
+    parser.ignored_unless("--predictions", "writes the images of one evaluation, and several are given (--output "
+                          "writes their table)", lambda args: not several(args.checkpoint, args.model))
     for flag in ("--attack-steps", "--attack-restarts"):
         parser.ignored_unless(flag, "sets the PGD attack of --attack-eps, which is not given",
                               lambda args: bool(args.attack_eps))
@@ -94,19 +109,28 @@ def build_parser() -> ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.model and args.pretrained:
+    models = args.model or []
+    if not models and args.pretrained:
         parser.error("--pretrained needs --model")
+    if args.checkpoint and len(models) > 1:
+        parser.error("--model takes one name with --checkpoint (each checkpoint is built as it); several names are "
+                     "evaluated with --pretrained")
+    if args.output and Path(args.output).suffix.lower() not in TABLES:
+        parser.error(f"--output {args.output}: name a .json or .csv file (its extension says which is written)")
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         parser.error(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
     certify_eps = parse_eps(args.certify_eps, "--certify-eps")
     attack_eps = parse_eps(args.attack_eps, "--attack-eps")
-    result, samples = evaluate_model(
-        args.model, args.data_dir, args.dataset, checkpoint=args.checkpoint, pretrained=args.pretrained,
-        real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
-        workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
-        img_size=args.img_size, crop_pct=args.crop_pct, interpolation=args.interpolation,
-        certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
-        attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
+    settings = dict(real_labels=args.real_labels, use_ema=args.use_ema, batch_size=args.batch_size, amp=args.amp,
+                    workers=args.workers, model_args=args.model_args, max_bad_fraction=args.max_bad_fraction,
+                    img_size=args.img_size, crop_pct=args.crop_pct, interpolation=args.interpolation,
+                    certify_eps=certify_eps, attack_eps=attack_eps, attack_steps=args.attack_steps,
+                    attack_restarts=args.attack_restarts, compile=args.compile, channels_last=args.channels_last)
+    if several(args.checkpoint, models):
+        return table(args, evaluate_many(args.checkpoint, models, args.data_dir, args.dataset, **settings))
+    result, samples = evaluate_model(models[0] if models else None, args.data_dir, args.dataset,
+                                     checkpoint=args.checkpoint[0] if args.checkpoint else None,
+                                     pretrained=args.pretrained, **settings)
     classes, probs, names = result.pop("classes"), result.pop("probs"), result.pop("label_names")
     radius, radius_global = result.pop("radius", None), result.pop("radius_global", None)
     if not result.pop("is_main_process"):
@@ -121,8 +145,26 @@ def main(argv=None) -> int:
         print(robustness_line(result["robustness"], result["top1"], args.attack_steps, args.attack_restarts))
     if args.predictions:
         write_predictions(args.predictions, samples, classes, probs, radius, radius_global, names)
-    if args.output:
+    if args.output and Path(args.output).suffix.lower() == ".csv":
+        write_csv(args.output, [row(result)])
+    elif args.output:
         write_json(args.output, dict(result, data_dir=args.data_dir), reason=result.get("robustness", {}).get("reason"))
+    return 0
+
+
+def table(args, results: dict) -> int:
+    """Print the table of several evaluations and write it to --output (the main process)."""
+    if not results.pop("is_main_process"):
+        return 0
+    rows, skipped = results["results"], results["skipped"]
+    also = f", {len(skipped)} run(s) without weights yet skipped" if skipped else ""
+    print(f"{len(rows)} evaluations on {args.data_dir} ({results['data']}), sorted by top-1{also}; "
+          f"{results['processes']} process(es)")
+    print(format_table(rows))
+    if args.output and Path(args.output).suffix.lower() == ".csv":
+        write_csv(args.output, rows)
+    elif args.output:
+        write_json(args.output, results)
     return 0
 
 

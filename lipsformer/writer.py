@@ -4,6 +4,7 @@
         fig.savefig(tmp, format="png")    # renamed over ``path`` when the block ends
     write_text(path, text)
     write_json(path, value)               # strict JSON: a non-finite number is null, with a ``KEY_reason``
+    write_csv(path, rows)                 # a table of dicts, one line each
     append_text(path, row)                # metrics rows: appended, cut back on a failure
 
 A write either completes or leaves the target as it was: a failure (disk full, a read-only file system, no
@@ -16,7 +17,9 @@ Standard library only: every module may write through it.
 """
 import argparse
 import contextlib
+import csv
 import errno
+import io
 import json
 import math
 import os
@@ -173,6 +176,19 @@ def write_text(path, text: str) -> None:
 def write_json(path, value, reason: str = "", indent: int = 2) -> None:
     """``value`` as strict JSON (:func:`to_json`)."""
     write_text(path, to_json(value, reason, indent) + "\n")
+
+
+def write_csv(path, rows) -> None:
+    """``rows`` (dicts) as CSV: a header of their keys in the order first seen, then one line each; a missing key,
+    None or a non-finite number is an empty cell."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    text = io.StringIO()
+    out = csv.writer(text)
+    out.writerow(columns)
+    for r in rows:
+        out.writerow(["" if v is None or isinstance(v, float) and not math.isfinite(v) else v
+                      for v in (r.get(k) for k in columns)])
+    write_text(path, text.getvalue())
 
 
 def save_figure(fig, path) -> None:

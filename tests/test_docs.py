@@ -478,7 +478,7 @@ def effects(command: str) -> tuple:
         return [p for p in (cfg.data_dir, cfg.init_checkpoint, *resume) if p], [cfg.output_dir]
     if rest[0] == "eval.py":
         args = load_script("eval.py").build_parser().parse_args(rest[1:])
-        return [p for p in (args.checkpoint, args.data_dir, args.real_labels) if p], []
+        return [p for p in (*(args.checkpoint or []), args.data_dir, args.real_labels) if p], []
     if rest[0] == "-m" and rest[1] in ("lipsformer.data.digits", "lipsformer.data.mnist"):
         return [], [command_module(rest[1]).build_parser().parse_args(rest[2:]).root]
     if rest[0] == "-m" and rest[1] == "lipsformer.lipschitz":

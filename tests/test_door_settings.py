@@ -196,7 +196,8 @@ def _value(action, base: Path) -> list:
 BASES = {  # argv each row's case starts from: the first under which the row's flag would not act is used
     "train.py": [["--list-keys"]],
     "eval.py": [["--checkpoint", "run", "--data-dir", "data"],
-                ["--model", "lipsformer_swin_t", "--pretrained", "--data-dir", "data"]],
+                ["--model", "lipsformer_swin_t", "--pretrained", "--data-dir", "data"],
+                ["--checkpoint", "run", "run_2", "--data-dir", "data"]],
 }
 
 

@@ -4,21 +4,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+from timm.data import infer_imagenet_subset
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
-from ..data.imagenet_eval import describe_samples, label_names
+from ..data.imagenet_eval import Sample, Samples, describe_samples, label_names
 from ..errors import Stopped
 from ..lipschitz.certify import certify_dataset
 from ..weights import (build_model, check_model_args, check_model_name, create_from_checkpoint, has_published_weights,
-                       recorded_input_size, weights_fit)
+                       recorded_input_size, resolve_checkpoint, weights_fit)
 from ..writer import replacing
 from .config import ConfigError, TrainConfig
 from .finetune import WeightsUnavailable
@@ -55,6 +56,7 @@ class Predictions:
     unreadable: int = 0  # samples that failed to load, over all processes
     failed: List[str] = field(default_factory=list)  # unreadable paths, of every process
     loss: Optional[torch.Tensor] = None  # (n,) cross-entropy of each readable sample (``losses=True``: keys are targets)
+    seconds: float = 0.0  # time in the model's own work: forward passes, top-k, gathers (not reading the data)
 
 
 @torch.no_grad()
@@ -68,8 +70,20 @@ def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation",
     scored as its neighbour. Accelerate's ``gather_for_metrics`` drops the samples repeated to even out the
     last batch. ``losses``: the keys are class targets, and each sample's cross-entropy is kept too.
     """
-    model.eval()
-    keys, classes, probs, valid, failed, nll = [], [], [], [], [], []
+    return predict_each([model], loader, accelerator, k, desc, losses)[0]
+
+
+@torch.no_grad()
+def predict_each(models: Sequence[torch.nn.Module], loader, accelerator, k: int = TOPK, desc: str = "evaluation",
+                 losses: bool = False) -> List[Predictions]:
+    """:func:`predict` of each of ``models`` over one pass of ``loader``: every batch is read once and given to each
+    model in turn, so each model sees the very tensors the others see. Each one's ``seconds`` is the time its own
+    work took (forward passes, top-k, gathers, the copy to the host), which reading the data does not enter."""
+    for model in models:
+        model.eval()
+    keys, valid, failed = [], [], []
+    classes, probs, nll = ([[] for _ in models] for _ in range(3))
+    seconds = [0.0] * len(models)
     for batch in tqdm(loader, desc=desc, disable=None if accelerator.is_main_process else True, leave=False,
                       dynamic_ncols=True):
         images, key = batch[0], batch[1]
@@ -77,28 +91,34 @@ def predict(model, loader, accelerator, k: int = TOPK, desc: str = "evaluation",
         failed += bad
         if images is None:
             raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
-        with accelerator.autocast():
-            logits = model(images)
-        p, c = logits.float().softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
-        read = torch.arange(len(images), device=c.device) < len(images) - len(bad)  # stand-ins come last
-        if losses:
-            loss = F.cross_entropy(logits.float(), key, reduction="none")
-            key, c, p, read, loss = accelerator.gather_for_metrics((key, c, p, read, loss))
-            nll.append(loss.cpu())
-        else:
-            key, c, p, read = accelerator.gather_for_metrics((key, c, p, read))
+        read = torch.arange(len(images), device=key.device) < len(images) - len(bad)  # stand-ins come last
+        for i, model in enumerate(models):
+            start = time.perf_counter()
+            with accelerator.autocast():
+                logits = model(images)
+            p, c = logits.float().softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+            if losses:
+                loss = F.cross_entropy(logits.float(), key, reduction="none")
+                c, p, loss = accelerator.gather_for_metrics((c, p, loss))
+                nll[i].append(loss.cpu())
+            else:
+                c, p = accelerator.gather_for_metrics((c, p))
+            classes[i].append(c.cpu())
+            probs[i].append(p.cpu())
+            seconds[i] += time.perf_counter() - start
+        key, read = accelerator.gather_for_metrics((key, read))
         keys.append(key.cpu())
-        classes.append(c.cpu())
-        probs.append(p.cpu())
         valid.append(read.cpu())
     if accelerator.num_processes > 1:  # every process's unreadable paths, for the one message about them
         failed = gather_object(failed)
     if not keys:
-        return Predictions(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k),
-                           failed=failed)
+        return [Predictions(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k),
+                            failed=failed) for _ in models]
     read = torch.cat(valid)
-    return Predictions(torch.cat(keys)[read], torch.cat(classes)[read], torch.cat(probs)[read],
-                       unreadable=int((~read).sum()), failed=failed, loss=torch.cat(nll)[read] if losses else None)
+    return [Predictions(torch.cat(keys)[read], torch.cat(classes[i])[read], torch.cat(probs[i])[read],
+                        unreadable=int((~read).sum()), failed=failed,
+                        loss=torch.cat(nll[i])[read] if losses else None, seconds=seconds[i])
+            for i in range(len(models))]
 
 
 def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
@@ -135,16 +155,30 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
                      max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> dict:
     """Score an :class:`~lipsformer.data.EvalDataset`; the result also holds each image's ranked predictions
     (class -1 and probability 0 for an unreadable image) and the paths of the images that could not be read.
+    ``seconds`` / ``img_per_s``: the whole pass, reading the data included.
 
     Unreadable images are skipped and counted as training counts them; more than ``max_bad_fraction`` of
     them stops the evaluation (TooManyBadSamples, naming them). Raises when the gathered predictions do
     not cover every readable image exactly once.
     """
+    (result,), seconds = evaluate_each([model], dataset, accelerator, batch_size, workers, max_bad_fraction)
+    return dict(result, seconds=seconds, img_per_s=len(dataset) / max(seconds, 1e-9))
+
+
+def evaluate_each(models: Sequence[torch.nn.Module], dataset, accelerator, batch_size: int, workers: int = 4,
+                  max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+                  labels: Optional[Sequence[Sequence[Sample]]] = None) -> Tuple[List[dict], float]:
+    """:func:`evaluate_dataset` of each of ``models`` over one pass of ``dataset`` (:func:`predict_each`: each image
+    read and decoded once); ``labels``: each model's samples, the dataset's paths labelled for its classes (default:
+    the dataset's own). Returns the results, whose ``seconds`` / ``img_per_s`` count each model's own work, and the
+    seconds of the whole pass."""
+    labels = [dataset.samples] * len(models) if labels is None else labels
     loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False,
                                                         num_workers=workers, collate_fn=collate_skip_failed))
     start = time.perf_counter()
-    pred = predict(model, loader, accelerator)
+    preds = predict_each(models, loader, accelerator)
     seconds = time.perf_counter() - start
+    pred = preds[0]
     missing = sorted(set(range(len(dataset))) - set(pred.keys.tolist()))
     unreadable = [dataset.samples[i][0] for i in missing]
     if len(missing) != pred.unreadable or pred.keys.numel() + len(missing) != len(dataset):
@@ -152,18 +186,19 @@ def evaluate_dataset(model, dataset, accelerator, batch_size: int, workers: int 
                            f"rows with {pred.unreadable} unreadable, expected each of the {len(dataset)} images once")
     check_unreadable("evaluation", len(unreadable), len(dataset), max_bad_fraction, unreadable,
                      say=accelerator.is_main_process)
-    classes = torch.full((len(dataset), pred.classes.shape[1]), -1, dtype=torch.long)  # -1: not read
-    probs = torch.zeros(len(dataset), pred.probs.shape[1])
-    classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
     read = torch.ones(len(dataset), dtype=torch.bool)
     read[missing] = False
-    labels = [s[1] if ok else [] for s, ok in zip(dataset.samples, read.tolist())]
-    result = score(classes, labels)
-    result.update(images=len(dataset), excluded=sum(1 for s, ok in zip(dataset.samples, read.tolist())
-                                                    if ok and not s[1]),
-                  unreadable=len(unreadable), unreadable_files=unreadable, seconds=seconds,
-                  img_per_s=len(dataset) / max(seconds, 1e-9))
-    return dict(result, classes=classes, probs=probs)
+    results = []
+    for pred, samples in zip(preds, labels):
+        classes = torch.full((len(dataset), pred.classes.shape[1]), -1, dtype=torch.long)  # -1: not read
+        probs = torch.zeros(len(dataset), pred.probs.shape[1])
+        classes[pred.keys], probs[pred.keys] = pred.classes, pred.probs
+        result = score(classes, [s[1] if ok else [] for s, ok in zip(samples, read.tolist())])
+        result.update(images=len(dataset), excluded=sum(1 for s, ok in zip(samples, read.tolist()) if ok and not s[1]),
+                      unreadable=len(unreadable), unreadable_files=unreadable, seconds=pred.seconds,
+                      img_per_s=len(dataset) / max(pred.seconds, 1e-9))
+        results.append(dict(result, classes=classes, probs=probs))
+    return results, seconds
 
 
 def write_predictions(path, samples, classes: torch.Tensor, probs: torch.Tensor, radius=None,
@@ -247,6 +282,131 @@ def _create_model(model_name, checkpoint, use_ema: bool, model_args: dict):
                                  f"network, or download them elsewhere and pass --checkpoint FILE") from None
 
 
+def check_request(data_dir, model_args=None, img_size=None, crop_pct=None, attack_eps=(), attack_steps: int = 20,
+                  attack_restarts: int = 3, batch_size: int = 1, workers: int = 0, amp: str = "no",
+                  pretrained: bool = False, use_ema: bool = False) -> dict:
+    """The checks every evaluation of one call shares, before any model is built (a ConfigError naming the setting,
+    a FileNotFoundError for the data folder); returns the model arguments, ``img_size`` among them when given."""
+    check_eval_settings(img_size, crop_pct, attack_eps, attack_steps, attack_restarts, batch_size, workers, model_args)
+    model_args = dict(model_args or {})
+    if img_size is not None:
+        if model_args.get("img_size", img_size) != img_size:
+            raise ConfigError(f"--img-size {img_size} disagrees with --model-args img_size {model_args['img_size']}; "
+                              f"pass one of them")
+        model_args["img_size"] = img_size
+    if pretrained and use_ema:
+        raise ConfigError("--use-ema applies to --checkpoint; published weights hold one set")
+    if not torch.cuda.is_available() and amp == "fp16":  # as training refuses it
+        raise ConfigError("--amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")
+    if not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"no data folder {data_dir}")
+    return model_args
+
+
+SamplesFor = Callable[[torch.nn.Module], Samples]
+
+
+def samples_for(dataset: str, data_dir, real_labels=None, shared: Optional[dict] = None) -> SamplesFor:
+    """``model -> the data's samples labelled for its classes`` (:func:`~lipsformer.data.eval_samples`; data that do
+    not fit the layout or the classes are a ConfigError). With ``shared`` (a dict kept across calls), models of the
+    same classes (count, recorded names, ImageNet subset) share one scan of the folder."""
+    def label(model) -> Samples:
+        names = (getattr(model, "pretrained_cfg", None) or {}).get("label_names")
+        key = (model.num_classes, tuple(names) if names else None, infer_imagenet_subset(model))
+        if shared is not None and key in shared:
+            return shared[key]
+        try:  # labels for the model's classes: a folder's classes by name (data/classes.py)
+            samples = eval_samples(dataset, data_dir, real_labels, model=model)
+        except ValueError as e:  # the data do not fit the dataset's layout or the model's classes
+            raise ConfigError(str(e)) from None
+        if shared is not None:
+            shared[key] = samples
+        return samples
+    return label
+
+
+@dataclass
+class Prepared:
+    """One evaluation, checked and built before any is scored: the model with its weights (the fit check passed),
+    the data's samples labelled for its classes, and its preprocessing."""
+
+    model: torch.nn.Module
+    source: str  # the checkpoint as given, or ``pretrained:TAG``
+    checkpoint: Optional[str]
+    trained: Optional[Tuple[int, ...]]  # the input size the weights record (recorded_input_size), or None
+    samples: Samples
+    transform: Callable
+    data_cfg: dict
+
+    @property
+    def preprocessing(self) -> tuple:
+        """What the transform is made of (input size and channels, crop, interpolation, mean, std): evaluations with
+        the same one read the same tensors."""
+        return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in self.data_cfg.items()))
+
+    @property
+    def size_warning(self) -> str:
+        """Why the accuracy is not the trained model's when it is evaluated at another size than its weights record
+        ("" otherwise)."""
+        size = self.data_cfg["input_size"]
+        if self.trained is None or tuple(self.trained[1:]) == tuple(size[1:]):
+            return ""
+        return (f"evaluating at {size[1]} px a model whose weights were made at {self.trained[1]} px (as they record): "
+                f"its windows / stripes and position biases are resized (set_input_size), so this is not the "
+                f"accuracy at the size it was trained for and is often much lower")
+
+
+def check_source(model_name: Optional[str], checkpoint=None, use_ema: bool = False) -> None:
+    """What can be told of an evaluation's source without building its model (nor downloading its weights): the
+    model name, published weights where they are asked for, the checkpoint's files (:func:`resolve_checkpoint`)."""
+    if model_name:
+        check_model_name(model_name)
+    if checkpoint is None and not has_published_weights(model_name):
+        raise ConfigError(f"{model_name} has no published weights; evaluate a --checkpoint instead")
+    if checkpoint is not None:
+        resolve_checkpoint(checkpoint, use_ema)
+
+
+def prepare(model_name: Optional[str], checkpoint, use_ema: bool, model_args: dict, label: SamplesFor,
+            crop_pct=None, interpolation=None) -> Prepared:
+    """Build the model of one evaluation (``checkpoint``, or timm's published weights of ``model_name`` when None)
+    and label the data for it, raising what is wrong with it before any evaluation starts."""
+    check_source(model_name, checkpoint, use_ema)
+    model, trained = _create_model(model_name, checkpoint, use_ema, model_args)
+    samples = label(model)
+    tag = model.pretrained_cfg.get("tag")
+    source = str(checkpoint) if checkpoint is not None else f"pretrained:{tag}" if tag else "pretrained"
+    return Prepared(model, source, None if checkpoint is None else str(checkpoint), trained, samples,
+                    create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation),
+                    eval_data_config(model, crop_pct, interpolation))
+
+
+def describe(prepared: Prepared, dataset: str, accelerator, use_ema: bool, amp: str, compile: bool,
+             channels_last: bool) -> dict:
+    """What a result says of its evaluation beside the scores (eval.py's --output keys)."""
+    model, cfg = prepared.model, prepared.data_cfg
+    return dict(model=model.pretrained_cfg.get("architecture", type(model).__name__), dataset=dataset,
+                checkpoint=prepared.checkpoint or "pretrained", source=prepared.source,
+                params=sum(p.numel() for p in model.parameters()), use_ema=use_ema,
+                amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
+                input_size=list(cfg["input_size"]),
+                trained_input_size=None if prepared.trained is None else list(prepared.trained),  # null: not recorded
+                adapted=weights_fit(model).adapted,
+                data=describe_samples(dataset, prepared.samples), crop_pct=cfg["crop_pct"],
+                interpolation=cfg["interpolation"], compile=compile, channels_last=channels_last)
+
+
+def robustness(prepared: Prepared, model, accelerator, batch_size: int, workers: int, certify_eps=(), attack_eps=(),
+               attack_steps: int = 20, attack_restarts: int = 3) -> dict:
+    """Certified and PGD-attacked accuracy of ``model`` (:func:`lipsformer.lipschitz.certify.certify_dataset`): a
+    pass of its own over the data, in float32, with gradients for the attack."""
+    loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(prepared.samples, prepared.transform),
+                                                        batch_size=batch_size, shuffle=False, num_workers=workers,
+                                                        collate_fn=collate_skip_failed))
+    return certify_dataset(model, loader, accelerator, [s[1] for s in prepared.samples], certify_eps, attack_eps,
+                           attack_steps, attack_restarts)
+
+
 def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpoint=None, pretrained: bool = False,
                    real_labels=None, use_ema: bool = False, batch_size: int = 100, amp: str = "no",
                    workers: int = 4, model_args=None, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
@@ -262,63 +422,28 @@ def evaluate_model(model_name: str, data_dir, dataset: str = "imagenet", checkpo
     each image's certified radius."""
     if (checkpoint is None) == (not pretrained):
         raise ConfigError("pass exactly one of --checkpoint PATH and --pretrained")
-    check_eval_settings(img_size, crop_pct, attack_eps, attack_steps, attack_restarts, batch_size, workers, model_args)
-    if model_name:
-        check_model_name(model_name)
-    model_args = dict(model_args or {})
-    if img_size is not None:
-        if model_args.get("img_size", img_size) != img_size:
-            raise ConfigError(f"--img-size {img_size} disagrees with --model-args img_size {model_args['img_size']}; "
-                              f"pass one of them")
-        model_args["img_size"] = img_size
-    if pretrained and use_ema:
-        raise ConfigError("--use-ema applies to --checkpoint; published weights hold one set")
-    if pretrained:
-        if not has_published_weights(model_name):
-            raise ConfigError(f"{model_name} has no published weights; evaluate a --checkpoint instead")
-    cpu = not torch.cuda.is_available()
-    if cpu and amp == "fp16":  # as training refuses it
-        raise ConfigError("--amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")
-    if not Path(data_dir).is_dir():
-        raise FileNotFoundError(f"no data folder {data_dir}")
-    accelerator = Accelerator(cpu=cpu, mixed_precision=amp)
-    model, trained = _create_model(model_name, checkpoint, use_ema, model_args)
+    model_args = check_request(data_dir, model_args, img_size, crop_pct, attack_eps, attack_steps, attack_restarts,
+                               batch_size, workers, amp, pretrained, use_ema)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=amp)
+    prepared = prepare(model_name, checkpoint, use_ema, model_args, samples_for(dataset, data_dir, real_labels),
+                       crop_pct, interpolation)
+    model, samples = prepared.model, prepared.samples
     for line in weights_fit(model).lines():  # what the weights did not bring as they are (adapted: ...)
         accelerator.print(line)
-    try:  # labels for the model's classes: a folder's classes by name (data/classes.py)
-        samples = eval_samples(dataset, data_dir, real_labels, model=model)
-    except ValueError as e:  # the data do not fit the dataset's layout or the model's classes
-        raise ConfigError(str(e)) from None
-    transform = create_loader_transform(model, is_training=False, crop_pct=crop_pct, interpolation=interpolation)
-    data_cfg = eval_data_config(model, crop_pct, interpolation)
-    if trained is not None and tuple(trained[1:]) != tuple(data_cfg["input_size"][1:]):
-        _logger.warning(f"evaluating at {data_cfg['input_size'][1]} px a model whose weights were made at "
-                        f"{trained[1]} px (as they record): its windows / stripes and position biases are resized "
-                        f"(set_input_size), so this is not the accuracy at the size it was trained for and is "
-                        f"often much lower")
+    if prepared.size_warning:
+        _logger.warning(prepared.size_warning)
     if accelerator.is_main_process:  # after every check: a refused evaluation is one line
         for note in samples.notes:  # files that are not images, folders skipped, labels mapped by name
             _logger.warning(note)
     model = prepare_model(model.to(accelerator.device), channels_last=channels_last)
     if compile:
         compile_model(model)
-    result = evaluate_dataset(model, EvalDataset(samples, transform), accelerator,
-                              batch_size, workers, max_bad_fraction)
+    result = evaluate_dataset(model, EvalDataset(samples, prepared.transform), accelerator, batch_size, workers,
+                              max_bad_fraction)
     result.update(label_names=label_names(dataset, samples, model))  # for --predictions; eval.py pops them
-    result.update(model=model.pretrained_cfg.get("architecture", model_name), dataset=dataset,
-                  checkpoint=str(checkpoint) if checkpoint is not None else "pretrained", use_ema=use_ema,
-                  amp=amp, processes=accelerator.num_processes, is_main_process=accelerator.is_main_process,
-                  input_size=list(data_cfg["input_size"]),
-                  trained_input_size=None if trained is None else list(trained),  # null: nothing records it
-                  adapted=weights_fit(model).adapted,
-                  data=describe_samples(dataset, samples), crop_pct=data_cfg["crop_pct"],
-                  interpolation=data_cfg["interpolation"], compile=compile, channels_last=channels_last)
+    result.update(describe(prepared, dataset, accelerator, use_ema, amp, compile, channels_last))
     if certify_eps or attack_eps:  # a second pass in float32, with gradients for the attack
-        loader = accelerator.prepare_data_loader(DataLoader(EvalDataset(samples, transform), batch_size=batch_size,
-                                                            shuffle=False, num_workers=workers,
-                                                            collate_fn=collate_skip_failed))
-        robustness = certify_dataset(model, loader, accelerator, [s[1] for s in samples], certify_eps, attack_eps,
-                                     attack_steps, attack_restarts)
-        result.update(radius=robustness.pop("radius"), radius_global=robustness.pop("radius_global"),
-                      robustness=robustness)
+        r = robustness(prepared, model, accelerator, batch_size, workers, certify_eps, attack_eps, attack_steps,
+                       attack_restarts)
+        result.update(radius=r.pop("radius"), radius_global=r.pop("radius_global"), robustness=r)
     return result, samples
