@@ -97,8 +97,9 @@ def run(row: Row, seed: int, args) -> dict:
     train_keys = dict(row.train)
     if row.warmup:
         train_keys["warmup_epochs"] = max(1, round(row.warmup * args.epochs))
-    overrides = base_overrides(args) + [f"seed={seed}", f"output_dir={out}"]
-    overrides += [f"{k}={v}" for k, v in train_keys.items()]
+    row_keys = [f"{k}={v}" for k, v in train_keys.items()]  # a row's key replaces the base's: each is given once
+    overrides = [o for o in base_overrides(args) if o.split("=", 1)[0] not in train_keys]
+    overrides += [f"seed={seed}", f"output_dir={out}"] + row_keys
     cfg = load_config(ROOT / "configs" / "demo_digits.yaml", overrides)
     cfg.model_kwargs.update(row.model)
     result = dict(row=row.name, group=row.group, seed=seed, paper=row.paper, status=None, top1=None,

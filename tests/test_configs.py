@@ -141,7 +141,7 @@ def test_swin_t_recipe_trains_two_epochs_on_awkward_images_and_resumes_exactly(t
     data = awkward_folder(tmp_path / "data")
     path = ROOT / "configs" / "lipsformer_swin_t.yaml"
     cfg = load_config(path, tiny_model(path) + [f"data_dir={data}", "batch_size=2", "global_batch=2", "epochs=2",
-                                                "workers=2", "checkpoint_every_steps=1"])
+                                                "workers=2", "checkpoint_every_steps=1", "num_classes=2"])
     config = tmp_path / "swin_t.yaml"
     cfg.save(config)
     assert_killed_run_resumes_exactly(config, tmp_path, total_steps=16)
