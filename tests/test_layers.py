@@ -142,6 +142,27 @@ def test_dot_attention_fused_equals_explicit(with_bias):
     torch.testing.assert_close(dot_attention(q, k, v, bias, fused=False), expected)
 
 
+def test_swin_position_bias_reaches_sdpa_with_unit_last_stride(monkeypatch):
+    """CUDA's fused SDPA kernels refuse an attn_mask whose last stride is not 1 and fall back to the math kernel
+    (seen on an H100: Swin's bias, a permuted view, has stride = heads). Every mask SDPA receives has stride 1."""
+    import timm
+
+    import lipsformer  # noqa: F401
+    import lipsformer.layers.attention as attention
+    strides, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, **kw):
+        strides.append(None if attn_mask is None else attn_mask.stride(-1))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    model = timm.create_model("lipsformer_swin_t", img_size=32, embed_dim=16, depths=(1, 1, 1, 1),
+                              num_heads=(1, 2, 4, 8), window_size=2, num_classes=3).eval()
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))
+    assert len(strides) == 4 and strides == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_l2_attention_equals_kim_eq8(fused):
     q, k, v = _qkv()

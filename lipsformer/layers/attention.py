@@ -62,6 +62,8 @@ def _softmax_attention(q, k, v, scale, bias: Optional[torch.Tensor], fused: bool
         if fused and bias.requires_grad and torch.is_grad_enabled() and q.device.type == "cpu":
             fused = False
     if fused:
+        if bias is not None and bias.stride(-1) != 1:  # CUDA's fused kernels refuse any other stride: math would run
+            bias = bias.clone(memory_format=torch.contiguous_format)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     logits = (q * scale if scale != 1.0 else q) @ k.transpose(-2, -1)
     if bias is not None:
