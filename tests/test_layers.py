@@ -142,6 +142,19 @@ def test_dot_attention_fused_equals_explicit(with_bias):
     torch.testing.assert_close(dot_attention(q, k, v, bias, fused=False), expected)
 
 
+@pytest.mark.parametrize("shape, permute", [((10, 10, 3), (2, 0, 1)), ((16, 16, 2), (2, 0, 1)), ((1, 1, 8), (2, 0, 1)),
+                                            ((3, 1, 10), (0, 1, 2))])
+def test_fused_mask_has_the_values_and_the_layout_cuda_kernels_take(shape, permute):
+    from lipsformer.layers.attention import fused_mask
+    bias = torch.randn(shape).permute(permute).unsqueeze(0)
+    for align in (1, 16):
+        mask = fused_mask(bias, align)
+        assert torch.equal(mask, bias) and mask.stride(-1) == 1
+        assert all(s % align == 0 for s, d in zip(mask.stride()[:-1], mask.shape[:-1]) if d > 1)
+    aligned = torch.zeros(2, 16, 32)[..., :16]
+    assert fused_mask(aligned, 16) is aligned  # already in the layout: no copy
+
+
 def test_swin_position_bias_reaches_sdpa_with_unit_last_stride(monkeypatch):
     """CUDA's fused SDPA kernels refuse an attn_mask whose last stride is not 1 and fall back to the math kernel
     (seen on an H100: Swin's bias, a permuted view, has stride = heads). Every mask SDPA receives has stride 1."""

@@ -53,6 +53,18 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
     return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
 
 
+def fused_mask(bias: torch.Tensor, align: int) -> torch.Tensor:
+    """``bias`` laid out as CUDA's fused SDPA kernels take a mask: last stride 1 (any other sends SDPA to its math
+    kernel) and every other stride a multiple of ``align`` elements (the memory-efficient kernel's alignment, which
+    eager SDPA pads to but a compiled graph calls the kernel without). A copy with its rows padded to ``align`` and
+    narrowed back, where the layout differs; the values are ``bias``'s."""
+    n = bias.shape[-1]
+    if bias.stride(-1) == 1 and all(s % align == 0 for s, d in zip(bias.stride()[:-1], bias.shape[:-1]) if d > 1):
+        return bias
+    bias = bias.clone(memory_format=torch.contiguous_format)
+    return F.pad(bias, (0, -n % align)).narrow(-1, 0, n) if n % align else bias
+
+
 def _softmax_attention(q, k, v, scale, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
     """softmax(scale * q k^T + bias) v, fused or explicit. On the CPU a bias that needs a gradient sends SDPA to its
     unfused math path, which adds work to the explicit one (q and k scaled apart, masked-row checks in the softmax):
@@ -62,8 +74,8 @@ def _softmax_attention(q, k, v, scale, bias: Optional[torch.Tensor], fused: bool
         if fused and bias.requires_grad and torch.is_grad_enabled() and q.device.type == "cpu":
             fused = False
     if fused:
-        if bias is not None and bias.stride(-1) != 1:  # CUDA's fused kernels refuse any other stride: math would run
-            bias = bias.clone(memory_format=torch.contiguous_format)
+        if bias is not None:
+            bias = fused_mask(bias, align=1 if q.device.type == "cpu" else 16)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     logits = (q * scale if scale != 1.0 else q) @ k.transpose(-2, -1)
     if bias is not None:
