@@ -1,6 +1,7 @@
 """benchmarks/throughput.py: its output, and the memory targets of issue 7, which are deterministic (bytes saved
 for backward do not depend on the machine's speed)."""
 import json
+import os
 import subprocess
 import sys
 import types
@@ -185,3 +186,26 @@ def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path,
         with pytest.raises(SystemExit) as stop:
             script.main(["--parts", *wrong])
         assert stop.value.code == 2 and "error: --parts times the eager fp32 blocks" in capsys.readouterr().err
+
+
+TIMM_CHECKOUT = os.environ.get("LIPSFORMER_TIMM_CHECKOUT")
+
+
+@pytest.mark.skipif(not TIMM_CHECKOUT, reason="LIPSFORMER_TIMM_CHECKOUT names no pytorch-image-models checkout")
+def test_loop_benchmark_runs_train_py_and_timms_train_py_on_one_recipe(tmp_path):
+    """benchmarks/loop.py's swin_t setting shrunk to a tiny model and one round of one epoch on 16 images: both
+    programs train, and the printed figures are theirs (docs/speed.md names the timm commit)."""
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loop.py"), "--timm", TIMM_CHECKOUT,
+                           "--settings", "swin_t", "--rounds", "1", "--epochs", "1", "--images", "16",
+                           "--workers", "0", "--json", str(out), "--set", "img_size=32", "model_kwargs.embed_dim=16",
+                           "model_kwargs.depths=1,1,1,1", "model_kwargs.num_heads=1,2,4,8",
+                           "model_kwargs.window_size=2"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())["swin_t"]
+    (ours,), (timm_rate,) = result["ours"], result["timm"]
+    assert ours > 0 and timm_rate > 0 and result["ratio"] == pytest.approx(ours / timm_rate)
+    assert [e["samples"] for p in ("ours", "timm") for e in result["epochs"][p]] == [16, 16]
+    assert result["ms_per_batch"]["ours"]["step"] > 0 and result["ms_per_batch"]["timm"]["data"] > 0
+    assert "swin_t" in proc.stdout and "img/s" in proc.stdout

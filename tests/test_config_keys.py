@@ -42,7 +42,7 @@ class Probe:
     initial: Dict[str, Any]  # what the run held right after _start, before any update
     keep_calls: int  # keep_bound calls during the hand-run epoch (after the one at start)
     clip_max_norms: List[float]  # max_norm of every gradient clip during that epoch
-    nan_step: Any  # what _train_step did with a batch of NaN images
+    nan_step: Any  # the updates skipped, as the next read step counts them, after an update of NaN images
     summary: Dict[str, Any]  # train(cfg) in full
     rows: List[dict] = field(default_factory=list)  # its metrics.jsonl
 
@@ -251,7 +251,7 @@ KEYS: Dict[str, Case] = {
     "checkpoint_every_steps": Case(1, lambda p: [c.name for c in RunFolder(p.cfg.output_dir).finished_checkpoints()]
                                    == [f"step_{s:09d}" for s in (3, 4, 5, 6)]),  # every 1000: epoch ends only
     "keep_last": Case(4, lambda p: len(RunFolder(p.cfg.output_dir).finished_checkpoints()) == 4),
-    "on_nonfinite": Case("skip", lambda p: p.nan_step is None),  # "stop" raises TrainingDiverged
+    "on_nonfinite": Case("skip", lambda p: p.nan_step == 1),  # skipped and counted; "stop" raises TrainingDiverged
     "log_every_steps": Case(1, lambda p: [r["step"] for r in p.train_rows()] == list(range(1, 7))),
     "eval_every_epochs": Case(2, lambda p: "top1" not in p.epochs()[0] and "top1" in p.epochs()[1]),
     # bound keeping
@@ -306,7 +306,8 @@ def _position_table(model) -> torch.Tensor:
 def probe(tmp_path_factory):
     from accelerate.utils import set_seed
     from lipsformer.engine.metrics import EpochMeter
-    from lipsformer.engine.train import _start, _train_step, build_model, train, train_one_epoch
+    from lipsformer.engine.step import StepTally
+    from lipsformer.engine.train import _read, _start, _train_step, build_model, train, train_one_epoch
     from lipsformer.layers import AttentionKernel, CenterNorm
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
@@ -342,13 +343,19 @@ def probe(tmp_path_factory):
     run.accelerator.clip_grad_norm_ = lambda params, max_norm, *a, **k: norms.append(max_norm) or clip(
         params, max_norm, *a, **k)
     train_one_epoch(run, 0)
+    keep_calls, clip_norms = len(calls), list(norms)
     images, targets, _ = next(iter(run.train_loader))
-    nan_step = _train_step(run, EpochMeter(), torch.full_like(images, math.nan), targets, 0)
+    meter, skipped = EpochMeter(tally=StepTally(run.accelerator.device, 1)), run.state.skipped_steps
+    while not meter.tally.updates:  # the batches of one update, all NaN; then the read step's verdict
+        _train_step(run, meter, torch.full_like(images, math.nan), targets, 0)
+    _read(run, meter, 0)
+    nan_step = run.state.skipped_steps - skipped
     reset_accelerate()
 
     summary = train(cfg)
     reset_accelerate()
-    return Probe(cfg, tmp, run, initial, len(calls), norms, nan_step, summary, read_metrics(Path(cfg.output_dir)))
+    return Probe(cfg, tmp, run, initial, keep_calls, clip_norms, nan_step, summary,
+                 read_metrics(Path(cfg.output_dir)))
 
 
 def test_the_table_covers_every_key_with_a_non_default_value():

@@ -203,6 +203,46 @@ def test_a_training_step_makes_no_host_synchronisation(name):
         torch.cuda.synchronize()
 
 
+def test_the_training_loop_waits_for_the_device_only_at_read_steps(tmp_path, monkeypatch, fresh_accelerate):
+    """train.py's loop (in this process) on the GPU, bf16, the EMA, mixup and cutmix, 2 batches accumulated per
+    optimizer step, and a NaN loss at step 3 (``on_nonfinite: skip``): every step that is not a read step (log steps,
+    every 4th) runs under CUDA's sync debug mode "error", from fetching its batches to the end of its bookkeeping, so a
+    host read of a device tensor, a blocking copy or a synchronize there raises (an epoch's first batch is fetched
+    with the epoch's set-up, before). The CPU counterpart counts reads and collectives (tests/test_host_sync.py)."""
+    import math
+
+    from lipsformer.engine import train as loop
+    from lipsformer.engine.config import load_config
+    data = make_folder(tmp_path / "data48", train_per_class=(12,) * 4)  # 6 steps of 8 an epoch
+    cfg = load_config(_gpu_config(tmp_path, mixed_precision="bf16", ema_decay=0.9, global_batch=8, batch_size=4,
+                                  log_every_steps=4, checkpoint_every_steps=100, on_nonfinite="skip",
+                                  data_dir=str(data), output_dir=str(tmp_path / "run")))
+    read_steps = {4, 8, 12}
+    step, after = loop._train_step, loop._after_update
+
+    def train_step(run, meter, images, targets, epoch):
+        if run.state.step + 1 not in read_steps:
+            torch.cuda.set_sync_debug_mode("error")
+        if run.state.step + 1 == 3:
+            images = images * math.nan
+        return step(run, meter, images, targets, epoch)
+
+    def after_update(run, meter, epoch, bar):
+        if run.state.step + 1 in read_steps:
+            torch.cuda.set_sync_debug_mode("default")
+        after(run, meter, epoch, bar)
+        quiet = run.state.batch_in_epoch < len(run.train_loader) and run.state.step + 1 not in read_steps
+        torch.cuda.set_sync_debug_mode("error" if quiet else "default")  # from the next step's batches on
+
+    monkeypatch.setattr(loop, "_train_step", train_step)
+    monkeypatch.setattr(loop, "_after_update", after_update)
+    try:
+        summary = loop.train(cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert summary["step"] == 12 and summary["skipped_steps"] == 1
+
+
 def _launch(*args, cwd=ROOT):
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
                            "--num_processes", "1", "--dynamo_backend", "no", *args],

@@ -32,20 +32,28 @@ class MetricsLog:
 @dataclass
 class EpochMeter:
     """The running sums of one epoch's training batches; ``carried`` holds the sums of the batches before a
-    mid-epoch resume (checkpointed as ``TrainState.epoch_sums``), so a resumed epoch's row counts the whole epoch."""
+    mid-epoch resume (checkpointed as ``TrainState.epoch_sums``), so a resumed epoch's row counts the whole epoch.
+    Counts the host knows (samples, unreadable images) are kept here; the losses are summed on the device by
+    ``tally`` (step.py's StepTally) and copied here at each read step."""
 
     failed: List[str] = field(default_factory=list)  # paths of images that could not be read
     seen: int = 0  # samples in this process's batches
-    loss_sum: float = 0.0
+    loss_sum: float = 0.0  # this process's finite batch losses, as of the last read
     loss_n: int = 0
     images: int = 0  # over all processes, for the speed shown
-    window_bad: bool = False  # a non-finite loss or gradient in the current accumulation window
     t0: float = field(default_factory=time.time)
     carried: Dict[str, Any] = field(default_factory=dict)  # :meth:`totals` at the checkpoint resumed from
+    tally: Any = None  # the steps' device-side record (step.py)
 
     @property
     def loss(self) -> float:  # this process's mean batch loss over the epoch so far
         return (self.carried.get("loss_sum", 0.0) + self.loss_sum) / max(self.carried.get("loss_n", 0) + self.loss_n, 1)
+
+    def read(self, accelerator, cause: bool = False):
+        """At a read step: ``tally``'s record (step.py's ``StepTally.read``), its loss sums copied here."""
+        got = self.tally.read(accelerator, cause)
+        self.loss_sum, self.loss_n = got.loss_sum, got.loss_n
+        return got
 
     def totals(self, accelerator) -> Dict[str, Any]:
         """The epoch so far, carried part included: samples and unreadable ones over all processes (a collective

@@ -45,11 +45,13 @@ class Preemption:
 
 
 def stop_if_preempted(run, meter: Optional[EpochMeter] = None) -> None:
-    """Between optimizer steps (``run``: the loop's run): when any process was sent a preemption signal (the flag
-    is reduced, so every process stops at the same step), write this step's checkpoint and raise Preempted."""
+    """Between optimizer steps (``run``: the loop's run): when any process was sent a preemption signal (on several
+    processes the flag is reduced, so every process must call this at the same step, and all stop there), write this
+    step's checkpoint and raise Preempted."""
     accelerator, state = run.accelerator, run.state
-    received = int(accelerator.reduce(torch.tensor([float(run.preemption.signal)], device=accelerator.device),
-                                      "max").item())
+    received = run.preemption.signal
+    if accelerator.num_processes > 1:
+        received = int(accelerator.reduce(torch.tensor([float(received)], device=accelerator.device), "max").item())
     if not received:
         return
     if meter is not None:  # mid-epoch: the resumed run completes the epoch's sums

@@ -13,7 +13,7 @@ from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from timm.data import Mixup, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, get_optimizer_info
 from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
@@ -37,6 +37,7 @@ from .preemption import Preemption, stop_if_preempted
 from .resume import begin, check_resumable, restore, resume_point, verified
 from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
+from .step import StepTally, fused, quiet_buffers
 
 
 class TrainingDiverged(Stopped, RuntimeError):
@@ -52,7 +53,8 @@ def create_accelerator(cfg: TrainConfig) -> Accelerator:
     return Accelerator(
         cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, log_with="tensorboard",
         project_dir=cfg.output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+        # non_blocking: a batch goes to the GPU without the host waiting for the device's queued work
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True))
 
 
 def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
@@ -156,8 +158,10 @@ class _Run:
     start: ModelStart = field(default_factory=ModelStart)  # starting weights and frozen modules (finetune.py)
     preemption: Preemption = field(default_factory=Preemption)
 
-    def diverged(self, what: str, epoch: int) -> TrainingDiverged:
-        return TrainingDiverged(f"non-finite {what} at step {self.state.step} (epoch {epoch + 1}); "
+    def diverged(self, what: str, step: int, epoch: int) -> TrainingDiverged:
+        """The stop for a non-finite ``what`` first found at optimizer step ``step``, noticed at the current one."""
+        noticed = f"; stopped at step {self.state.step}" if step != self.state.step else ""
+        return TrainingDiverged(f"non-finite {what} at step {step} (epoch {epoch + 1}{noticed}); "
                                 f"last good checkpoint: {self.last_good or 'none written yet'}")
 
     def keep_bound(self) -> None:
@@ -165,11 +169,13 @@ class _Run:
         self.state.kept = kept_record(self.state.step, self.keep()["bound"], self.criterion, self.cfg)
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, sharded: bool = False) -> torch.optim.Optimizer:
     """timm's optimizer over the trainable parameters; ``layer_decay``: timm's layer-wise lr scales over the
-    model's ``group_matcher`` (patch embedding smallest, classifier 1)."""
+    model's ``group_matcher`` (patch embedding smallest, classifier 1). torch's Adam, AdamW and SGD are built fused
+    where they can be (``sharded``: FSDP2), the form that skips an update on the device (step.py)."""
+    opt_class = get_optimizer_info(cfg.opt.lower().split("_")[-1]).opt_class  # timm: NAME or lookahead_NAME
     return create_optimizer_v2(model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                               eps=cfg.eps, layer_decay=cfg.layer_decay)
+                               eps=cfg.eps, layer_decay=cfg.layer_decay, **fused(opt_class, sharded))
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
@@ -216,8 +222,9 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader, classes = _build_loaders(cfg, model, accelerator)
     check_classes(cfg, classes)
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, sharded=accelerator.distributed_type == DistributedType.FSDP)
     model, optimizer = accelerator.prepare(model, optimizer)
+    quiet_buffers(model)  # no buffer broadcast per step where the buffers are constants (step.py)
     if cfg.compile:  # in place, after DDP / FSDP2 wrapping: names, unwrap_model and checkpoints are unchanged
         compile_model(model, cfg.compile_mode, cfg.compile_memory_budget)
     updates_per_epoch = math.ceil(len(train_loader) / accelerator.gradient_accumulation_steps)
@@ -321,7 +328,8 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     loader = run.train_loader
     if state.batch_in_epoch:
         loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
-    meter = EpochMeter(carried=dict(state.epoch_sums) if state.batch_in_epoch else {})
+    meter = EpochMeter(carried=dict(state.epoch_sums) if state.batch_in_epoch else {},
+                       tally=StepTally(accelerator.device, cfg.log_every_steps, accelerator.scaler is not None))
     # closed however the loop ends, so an error line printed after it starts on a line of its own; a bar only when
     # stderr is a terminal (tqdm's disable=None), else a plain line every log_every_steps (_after_update)
     with tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
@@ -331,15 +339,14 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
             if images is None:
                 raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
             meter.seen += targets.shape[0]
-            loss = _train_step(run, meter, images, targets, epoch)
+            _train_step(run, meter, images, targets, epoch)
             state.batch_in_epoch += 1
             bar.update(1)
-            if loss is not None:
-                meter.loss_sum, meter.loss_n = meter.loss_sum + loss, meter.loss_n + 1
             meter.images += targets.shape[0] * accelerator.num_processes
             if accelerator.sync_gradients:
                 _after_update(run, meter, epoch, bar)
 
+    _read(run, meter, epoch)
     totals = meter.totals(accelerator)  # every process's counts and examples, said once by the main process
     check_unreadable(f"epoch {epoch + 1}", totals["failed"], totals["seen"], cfg.max_bad_fraction,
                      totals["failed_paths"], say=accelerator.is_main_process)
@@ -365,61 +372,61 @@ def set_attlip_steps(model: torch.nn.Module, cfg: TrainConfig, epoch: int) -> Op
     return steps
 
 
-def _train_step(run: _Run, meter: EpochMeter, images, targets, epoch: int) -> Optional[float]:
-    """Forward and backward of one batch, and the optimizer step at the end of an accumulation window;
-    returns the loss, or None when it was not finite."""
-    accelerator, model, cfg = run.accelerator, run.model, run.cfg
+def _train_step(run: _Run, meter: EpochMeter, images, targets, epoch: int) -> None:
+    """Forward and backward of one batch, and the optimizer update at the end of an accumulation window, skipped on
+    the device when a loss or gradient is not finite (:class:`~.step.StepTally`): nothing here waits for the device."""
+    accelerator, model = run.accelerator, run.model
     with accelerator.accumulate(model):
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
         with accelerator.autocast():
             loss = run.criterion(model(images), targets)
-        nonfinite = accelerator.reduce(torch.tensor([float(not torch.isfinite(loss))], device=loss.device),
-                                       "sum").item()
-        if nonfinite:
-            meter.window_bad = True
-            if cfg.on_nonfinite == "stop":
-                raise run.diverged("loss", epoch)
-        else:
-            accelerator.backward(loss)
-        if accelerator.sync_gradients and not meter.window_bad:
-            norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad or float("inf"))
-            if accelerator.scaler is None and not torch.isfinite(norm):
-                meter.window_bad = True
-                if cfg.on_nonfinite == "stop":
-                    raise run.diverged("gradient", epoch)
-        if not meter.window_bad:
-            run.optimizer.step()
+        accelerator.backward(meter.tally.checked(loss))
+        if accelerator.sync_gradients:
+            meter.tally.update(accelerator, run.optimizer, model.parameters(), run.cfg.clip_grad)
         run.optimizer.zero_grad()
-    return None if nonfinite else loss.item()
+
+
+def _read(run: _Run, meter: EpochMeter, epoch: int) -> None:
+    """Read the steps' device-side record into the meter and the state (every process at the same step); with
+    ``on_nonfinite: stop``, stop the run when an update since the previous read was skipped."""
+    got = meter.read(run.accelerator, cause=run.cfg.on_nonfinite == "stop")
+    run.state.skipped_steps += len(got.skipped)
+    if got.what:  # asked for, and an update was skipped
+        raise run.diverged(got.what, run.state.step - got.updates + got.skipped[0] + 1, epoch)
 
 
 def _after_update(run: _Run, meter: EpochMeter, epoch: int, bar) -> None:
     """Bookkeeping after an optimizer update: step count, bound keeping, schedule, EMA, logging, checkpoint, and
-    the stop when a preemption signal came."""
-    cfg, state = run.cfg, run.state
-    if meter.window_bad:
-        state.skipped_steps += 1
-        meter.window_bad = False
+    the stop when a preemption signal came. The device is read only at read steps: log steps, checkpoints and
+    bound keeping (and the epoch's end, in :func:`train_one_epoch`); a preemption signal is acted on at the next
+    read step on several processes (the flag is reduced there), at once on one."""
+    cfg, state, accelerator = run.cfg, run.state, run.accelerator
     state.step += 1
-    if run.keep is not None and state.step % cfg.lipschitz_every_steps == 0:
+    log, checkpoint = state.step % cfg.log_every_steps == 0, state.step % cfg.checkpoint_every_steps == 0
+    keep = run.keep is not None and state.step % cfg.lipschitz_every_steps == 0
+    read = log or checkpoint or keep or (accelerator.num_processes == 1 and run.preemption.signal)
+    if read:
+        _read(run, meter, epoch)
+    if keep:
         run.keep_bound()
     run.scheduler.step_update(state.step)
     if run.ema is not None:
         run.ema.update(run.model, state.step)
-    lr = run.optimizer.param_groups[0]["lr"]
-    speed = meter.images / max(time.time() - meter.t0, 1e-9)
-    bar.set_postfix(loss=f"{meter.loss:.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
-    if state.step % cfg.log_every_steps == 0:
+    if log:
+        lr = run.optimizer.param_groups[0]["lr"]
+        speed = meter.images / max(time.time() - meter.t0, 1e-9)
+        bar.set_postfix(loss=f"{meter.loss:.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
         run.log("train", state.step, epoch=epoch + 1, loss=meter.loss, lr=lr, img_per_s=speed)
-        if bar.disable and run.accelerator.is_main_process:  # a log file, not a terminal: one plain line
-            run.accelerator.print(f"epoch {epoch + 1}/{cfg.epochs} step {state.step} ({state.batch_in_epoch}/"
-                                  f"{len(run.train_loader)} batches): loss {meter.loss:.4f}, lr {lr:.2e}, "
-                                  f"{speed:.0f} img/s", flush=True)
-    if state.step % cfg.checkpoint_every_steps == 0:
-        state.epoch_sums = meter.totals(run.accelerator)  # a resume from this checkpoint completes these sums
-        run.last_good = save_checkpoint(run.accelerator, run.model, run.folder.root, state, cfg.keep_last)
-    stop_if_preempted(run, meter)
+        if bar.disable and accelerator.is_main_process:  # a log file, not a terminal: one plain line
+            accelerator.print(f"epoch {epoch + 1}/{cfg.epochs} step {state.step} ({state.batch_in_epoch}/"
+                              f"{len(run.train_loader)} batches): loss {meter.loss:.4f}, lr {lr:.2e}, "
+                              f"{speed:.0f} img/s", flush=True)
+    if checkpoint:
+        state.epoch_sums = meter.totals(accelerator)  # a resume from this checkpoint completes these sums
+        run.last_good = save_checkpoint(accelerator, run.model, run.folder.root, state, cfg.keep_last)
+    if read:
+        stop_if_preempted(run, meter)
 
 
 def evaluate_and_keep_best(run: _Run) -> dict:
