@@ -53,7 +53,7 @@ def _yaml(v):
 
 
 def model_of(cfg):
-    from lipsformer.engine.train import build_model
+    from lipsformer.engine.finetune import build_model
     return build_model(cfg)
 
 

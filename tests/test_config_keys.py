@@ -160,6 +160,12 @@ def _attlip_steps(p: Probe, schedule) -> list:
     return out
 
 
+def _mlflow(p: Probe, override: str) -> dict:
+    """The MLflow run (a local file store) of a run folder whose trackers start with ``override`` set."""
+    from test_run_outputs import start_mlflow
+    return start_mlflow(p.tmp, p.tmp / override.split("=")[0], [override])
+
+
 _SPEED: Dict[str, Any] = {}
 
 
@@ -254,6 +260,15 @@ KEYS: Dict[str, Case] = {
     "on_nonfinite": Case("skip", lambda p: p.nan_step == 1),  # skipped and counted; "stop" raises TrainingDiverged
     "log_every_steps": Case(1, lambda p: [r["step"] for r in p.train_rows()] == list(range(1, 7))),
     "eval_every_epochs": Case(2, lambda p: "top1" not in p.epochs()[0] and "top1" in p.epochs()[1]),
+    # best.safetensors still, but no best/ (the default keeps the 10 best epochs' weights there)
+    "keep_best": Case(0, lambda p: RunFolder(p.cfg.output_dir).best.is_file()
+                      and not (Path(p.cfg.output_dir) / "best").exists()),
+    # trackers (tests/test_run_outputs.py reads wandb's and MLflow's runs back): none, so no TensorBoard events
+    "log_with": Case([], lambda p: RunFolder(p.cfg.output_dir).weights().is_file()
+                     and not list(Path(p.cfg.output_dir).rglob("events.out.tfevents*"))),
+    "tracker_project": Case("proj", lambda p: _mlflow(p, "tracker_project=proj")["experiment"] == "proj", alone=True),
+    "tracker_run_name": Case("named", lambda p: _mlflow(p, "tracker_run_name=named")["run"].info.run_name == "named",
+                             alone=True),
     # bound keeping
     "lipschitz_target": Case(1e20, lambda p: all(0 < r["lipschitz_bound"] <= 1e20 for r in p.epochs())),
     "lipschitz_gamma_max": Case(0.5, lambda p: p.initial["max_gamma"] == 0.5),  # initialised at 1

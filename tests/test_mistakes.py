@@ -118,6 +118,8 @@ BAD_STRINGS = {
     "pretrained": ("lipsformer_swin_t.nosuchtag", ["pretrained 'lipsformer_swin_t.nosuchtag': no published weights"]),
     "init_checkpoint": ("{root}/nope.pth", ["init_checkpoint: no checkpoint", "nope.pth"]),
     "freeze": ("nosuchmodule", ["freeze"]),
+    "tracker_project": ('""', ["tracker_project must not be empty"]),
+    "tracker_run_name": ('""', ["tracker_run_name must not be empty"]),
 }
 MODEL_KWARGS = [  # model arguments the constructor refuses
     ("model_kwargs.nosuch=1", ["unexpected keyword argument 'nosuch'"]),

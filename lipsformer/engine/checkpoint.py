@@ -1,5 +1,5 @@
 """Atomic, rotating, verified training checkpoints on top of Accelerate's save_state / load_state, and the
-weight files a run writes beside them (``last`` / ``best`` safetensors).
+weight files a run writes beside them (``last`` / ``best`` safetensors, the ``keep_best`` best in ``best/``).
 
 Each checkpoint folder carries ``manifest.json``: the size and sha256 of every file, written before the
 folder is renamed into place. Resuming verifies it, and reads every file Accelerate would unpickle without
@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
 from accelerate.utils import load as accelerate_load
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..layers.attlip import form_mismatch
 from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
-from ..writer import WriteFailed, replacing
+from ..writer import WriteFailed, remove, replacing
 from .run_folder import MANIFEST, RunFolder
 
 _logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class TrainState:
         self.step = 0
         self.batch_in_epoch = 0
         self.best_top1 = -1.0
+        self.best_k = []  # [epoch, top1] of the weights kept in best/ (keep_best), highest first (keep_best below)
         self.skipped_steps = 0
         self.processes = processes
         self.batch_size = batch_size
@@ -190,3 +191,32 @@ def save_weights(accelerator, state_dict: dict, path: Path, img_size: int) -> No
         assert_finite(tensors.items(), path)
         with replacing(path) as tmp:
             save_file(tensors, str(tmp), metadata=input_size_metadata((3, img_size, img_size)))
+
+
+def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder: RunFolder, state: TrainState,
+              top1: float, cfg) -> bool:
+    """Keep the epoch's weights that scored ``top1`` (the model holds them inside ``weights()``: the EMA applied,
+    or its own) as ``best.safetensors`` when they beat every earlier epoch, and as
+    ``best/epoch_E_top1_S.safetensors`` while they rank among the ``cfg.keep_best`` highest scores (an earlier epoch
+    first among equal ones, as best.safetensors keeps the first; 0 keeps none). The ranking is part of the
+    checkpointed state (``state.best_k``), and every file in ``best/`` it does not name is removed (one that dropped
+    out, or one written after the checkpoint a run resumed from), so a resumed run keeps the files the uninterrupted
+    one keeps. Every process calls it (the weights are gathered under FSDP); the main one writes. Returns whether
+    ``best.safetensors`` was written."""
+    epoch, better = state.epoch, top1 > state.best_top1
+    ranked = sorted([*state.best_k, [epoch, top1]], key=lambda e: (-e[1], e[0]))[:cfg.keep_best]
+    kept = [epoch, top1] in ranked
+    if better or kept:
+        with weights():
+            tensors = accelerator.get_state_dict(model)
+            if better:
+                save_weights(accelerator, tensors, folder.best, cfg.img_size)
+            if kept:
+                save_weights(accelerator, tensors, folder.best_kept(epoch, top1), cfg.img_size)
+    state.best_top1, state.best_k = max(state.best_top1, top1), ranked
+    if accelerator.is_main_process:
+        named = {folder.best_kept(e, s) for e, s in ranked}
+        for path in folder.kept_files():
+            if path not in named:
+                remove(path)
+    return better

@@ -14,6 +14,7 @@ from ..errors import Mistake, did_you_mean
 from ..settings import SettingError, expand_path, load_yaml, read_yaml
 from ..writer import write_text
 from .speed import COMPILE_MODES
+from .trackers import TRACKERS
 
 
 class ConfigError(Mistake, ValueError):
@@ -32,13 +33,14 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", 
 
 # timm.data.create_dataset's sources besides an image folder (dataset: '').
 DATASET_PREFIXES = ("hfds", "hfids", "wds", "tfds", "torch")
-# Keys with a fixed set of values.
+# Keys with a fixed set of values (each value of a list key).
 CHOICES = {
     "mixed_precision": ("bf16", "fp16", "no"),
     "on_nonfinite": ("stop", "skip"),
     "sched": SCHEDULERS,
     "compile_mode": COMPILE_MODES,
     "interpolation": ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"),  # timm's str_to_interp_mode
+    "log_with": tuple(TRACKERS),
 }
 
 
@@ -80,7 +82,7 @@ RANGES = {
     "margin_eps": Range(0, says="a number >= 0"), "margin_bound": _POSITIVE, "lipschitz_tau_max": _POSITIVE,
     "attlip_train_steps": Range(1, says="a non-empty list of step counts >= 1 (null: the model's own)"),
     "compile_memory_budget": Range(0, 1, False, True), "layer_decay": Range(0, 1, False, True),
-    "freeze_stages": _ZERO_OR_MORE,
+    "freeze_stages": _ZERO_OR_MORE, "keep_best": _ZERO_OR_MORE,
 }
 # A key whose value is a file or folder: field(metadata=PATH). Its ~ and $VARIABLES are expanded (settings.expand_path).
 PATH = {"path": True}
@@ -140,9 +142,13 @@ class TrainConfig:
     output_dir: str = field(default="output/run", metadata=PATH)
     checkpoint_every_steps: int = 1000  # optimizer steps; a checkpoint is also written at every epoch end
     keep_last: int = 3
+    keep_best: int = 10  # weight files of the best epochs by val top-1, in best/ (timm's checkpoint-hist; 0: none)
     on_nonfinite: str = "stop"
     log_every_steps: int = 50
     eval_every_epochs: int = 1
+    log_with: List[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's trackers ([]: none)
+    tracker_project: str = "lipsformer"  # the trackers' project: wandb's project, MLflow's experiment
+    tracker_run_name: Optional[str] = None  # the run's name in wandb / MLflow (null: output_dir's folder name)
     # bound keeping (lipsformer.lipschitz.constraints): keep the certified network bound under a target
     lipschitz_target: Optional[float] = None  # None: off
     lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
@@ -183,15 +189,17 @@ class TrainConfig:
                 except SettingError as e:
                     raise ConfigError(str(e)) from None
         for key, allowed in CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}"
-                                  f"{did_you_mean(getattr(self, key), allowed)}")
+            value = getattr(self, key)
+            for v in value if isinstance(value, list) else [value]:
+                if v not in allowed:
+                    raise ConfigError(f"{key} must be one of {allowed}, got {v!r}{did_you_mean(v, allowed)}")
         for key, allowed in RANGES.items():
             value = getattr(self, key)
             values = value if isinstance(value, (list, tuple)) else () if value is None else (value,)
             if any(v not in allowed for v in values):
                 raise ConfigError(f"{key} must be {allowed.describe()}, got {value}")
         self._check_names()
+        self._check_trackers()
         duplicated = sorted(set(self.model_kwargs) & set(MODEL_ARGS))
         if duplicated:
             raise ConfigError(", ".join(f"model_kwargs.{k} duplicates the top-level key {MODEL_ARGS[k]}"
@@ -248,6 +256,20 @@ class TrainConfig:
                               f"{did_you_mean(prefix.lower(), DATASET_PREFIXES)}")
         if self.scale[0] > self.scale[1]:
             raise ConfigError(f"scale must be (low, high) with low <= high, got {list(self.scale)}")
+
+    def _check_trackers(self) -> None:
+        """``log_with`` names each tracker once; the project and run names are names (wandb's project takes none of
+        ``/ \\ # ? % :``)."""
+        twice = sorted({t for t in self.log_with if self.log_with.count(t) > 1})
+        if twice:
+            raise ConfigError(f"log_with names {', '.join(twice)} more than once; give each tracker once")
+        for key in ("tracker_project", "tracker_run_name"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise ConfigError(f"{key} must not be empty" + (" (null: output_dir's folder name)"
+                                                               if key == "tracker_run_name" else ""))
+        if "wandb" in self.log_with and set(self.tracker_project) & set("/\\#?%:"):
+            raise ConfigError(f"tracker_project {self.tracker_project!r}: a wandb project name cannot hold any of "
+                              f"/ \\ # ? % :")
 
     def _check_schedule(self) -> None:
         """The decay keys: required where the schedule needs them, refused where it would ignore them."""
@@ -329,6 +351,8 @@ def _check_type(key: str, value: Any, hint) -> Any:
             raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
         return tuple(_check_type(key, v, a) for v, a in zip(value, args))
     if origin in (list, List):
+        if isinstance(value, str) and args[0] is str:  # a list of names takes one name: log_with: wandb
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_check_type(key, v, args[0]) for v in value]

@@ -1,5 +1,8 @@
-"""What a run reports about itself: ``metrics.jsonl`` rows (and Accelerate's trackers), the running sums of an
-epoch's training batches, the per-stage |alpha| statistics, and ``curves.png`` drawn from the rows."""
+"""What a run reports about itself: ``metrics.jsonl`` rows (and Accelerate's trackers), ``summary.csv`` derived from
+them, the running sums of an epoch's training batches, the per-stage |alpha| statistics, and ``curves.png`` drawn
+from the rows."""
+import csv
+import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,23 +13,48 @@ from accelerate.utils import gather_object
 
 from ..layers.residual import WeightedResidual
 from ..models._base import LipsFormerBase
-from ..writer import append_text, save_figure, to_json
+from ..writer import append_text, save_figure, to_json, write_text
 from .ema import _whole
-from .run_folder import read_metrics
+from .run_folder import RunFolder, read_metrics
 
 
 class MetricsLog:
-    """Metrics to a JSONL file (main process) and to Accelerate's trackers. Each row is strict JSON (a non-finite
-    value is null with a ``KEY_reason``) appended whole: a failed append is cut back, leaving no partial row
-    (:func:`lipsformer.writer.append_text`)."""
+    """Metrics to the run folder's ``metrics.jsonl`` (main process) and to Accelerate's trackers (``log_with``: every
+    number of every row, as ``KIND/KEY`` at the row's step). Each row is strict JSON (a non-finite value is null with
+    a ``KEY_reason``) appended whole: a failed append is cut back, leaving no partial row
+    (:func:`lipsformer.writer.append_text`). After each epoch row ``summary.csv`` is rewritten from the file's rows
+    (:func:`summary_csv`), so a resumed run's summary is the uninterrupted one's."""
 
-    def __init__(self, accelerator, path: Path):
-        self.accelerator, self.path = accelerator, path
+    def __init__(self, accelerator, folder: RunFolder):
+        self.accelerator, self.folder = accelerator, folder
 
     def __call__(self, kind: str, step: int, **values):
         if self.accelerator.is_main_process:
-            append_text(self.path, to_json(dict(kind=kind, step=step, **values)) + "\n")
+            append_text(self.folder.metrics, to_json(dict(kind=kind, step=step, **values)) + "\n")
+            if kind == "epoch":
+                write_text(self.folder.summary, summary_csv(read_metrics(self.folder.metrics)))
         self.accelerator.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+
+# summary.csv's columns and the epoch row's key of each: timm's (timm.utils.summary.update_summary: epoch, train_*,
+# eval_*, lr), always there, then ours, where an epoch row has them (the EMA's figures, the kept Lipschitz bound,
+# and which of model / EMA became best.safetensors that epoch).
+SUMMARY_COLUMNS = (("epoch", "epoch"), ("train_loss", "train_loss"), ("eval_loss", "val_loss"),
+                   ("eval_top1", "top1"), ("eval_top5", "top5"), ("lr", "lr"))
+SUMMARY_OURS = (("ema_eval_loss", "ema_val_loss"), ("ema_eval_top1", "ema_top1"), ("ema_eval_top5", "ema_top5"),
+                ("lipschitz_bound", "lipschitz_bound"), ("best", "best"))
+
+
+def summary_csv(rows: List[dict]) -> str:
+    """``summary.csv`` of ``metrics.jsonl`` rows: a header, then one row per epoch row, in order; a figure the epoch
+    did not have (not evaluated that epoch) or that was not finite (null) is empty."""
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    columns = [*SUMMARY_COLUMNS, *(c for c in SUMMARY_OURS if any(c[1] in r for r in epochs))]
+    text = io.StringIO()
+    out = csv.writer(text, lineterminator="\n")
+    out.writerow([name for name, _ in columns])
+    out.writerows([["" if r.get(key) is None else r[key] for _, key in columns] for r in epochs])
+    return text.getvalue()
 
 
 @dataclass

@@ -6,14 +6,17 @@ reads finished runs from it::
     OUTPUT_DIR/
       config.yaml            the TrainConfig the run used
       classes.json           the train folder's class names in label order (lipsformer.data.classes)
-      metrics.jsonl          one JSON row per log event (kind: train | epoch)
+      metrics.jsonl          one JSON row per log event (kind: init | train | epoch)
+      summary.csv            one row per epoch, timm's columns then ours, rewritten from metrics.jsonl each epoch
       curves.png             loss, accuracy and |alpha| curves, drawn at the end
       last.safetensors       weights after the last epoch
       last_ema.safetensors   their EMA (when ema_decay is set)
       best.safetensors       the best of model / EMA by val top-1
+      best/epoch_EEE_top1_SS.SS.safetensors   the keep_best highest-scoring epochs' weights (model or EMA, as best)
       checkpoints/step_NNNNNNNNN/   Accelerate save_state folders, each with manifest.json
       checkpoints/.damaged-step_N/  checkpoints --resume auto skipped, set aside so the run can write them again
-      lipsformer/            TensorBoard events
+      lipsformer/            TensorBoard events (log_with: tensorboard)
+      trackers.json          what continues the runs of wandb / MLflow on resume (their run ids), when they log
       attempt-N/             the outputs of an earlier start that left no checkpoint, moved aside by the next start
       .lock                  held by the run writing the folder (:class:`RunLock`): its pid, host and start time
 
@@ -28,7 +31,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..errors import Mistake, Stopped
 from ..writer import TMP_PREFIX, WriteFailed, check_target, remove, replacing, to_json, write_held
@@ -41,15 +44,20 @@ CURVES = "curves.png"
 LAST = "last.safetensors"
 LAST_EMA = "last_ema.safetensors"
 BEST = "best.safetensors"
+BEST_KEPT = "best"  # the folder of the keep_best best epochs' weights
+SUMMARY = "summary.csv"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # inside each checkpoint folder
-TRACKER = "lipsformer"  # Accelerate's TensorBoard folder (init_trackers' project name)
+TRACKER = "lipsformer"  # the TensorBoard folder
+TRACKER_RUNS = "trackers.json"
 LOCK = ".lock"
 ATTEMPT = "attempt-{}"
-OUTPUTS = (CONFIG, CLASSES, METRICS, CURVES, LAST, LAST_EMA, BEST, TRACKER)  # what a start writes beside checkpoints
+OUTPUTS = (CONFIG, CLASSES, METRICS, SUMMARY, CURVES, LAST, LAST_EMA, BEST, BEST_KEPT, TRACKER,
+           TRACKER_RUNS)  # what a start writes beside checkpoints
 DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside (kept for inspection)
 
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
+_KEPT = re.compile(r"^epoch_\d{3,}_top1_[\d.]+\.safetensors$")
 
 
 def read_metrics(path: Path) -> List[dict]:
@@ -101,6 +109,23 @@ class RunFolder:
     def best(self) -> Path:
         return self.root / BEST
 
+    def best_kept(self, epoch: int, top1: float) -> Path:
+        """The weights of ``epoch`` (from 1), which scored ``top1`` (%), among the keep_best best."""
+        return self.root / BEST_KEPT / f"epoch_{epoch:03d}_top1_{top1:.2f}.safetensors"
+
+    def kept_files(self) -> List[Path]:
+        """The weight files in ``best/`` (:meth:`best_kept`'s names), by name."""
+        folder = self.root / BEST_KEPT
+        return sorted(p for p in folder.iterdir() if _KEPT.match(p.name)) if folder.is_dir() else []
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY
+
+    @property
+    def tracker_runs(self) -> Path:
+        return self.root / TRACKER_RUNS
+
     def read_metrics(self) -> List[dict]:
         """The rows of ``metrics.jsonl`` in order (none when the run wrote none, e.g. it stopped at once)."""
         return read_metrics(self.metrics)
@@ -148,7 +173,7 @@ class RunFolder:
     def clear_temporaries(self) -> None:
         """Remove what a killed writer left half-written (``.tmp-*`` files and checkpoint folders): called by the
         holder of the folder's lock, so no one is writing them."""
-        for place in (self.root, self.checkpoints):
+        for place in (self.root, self.checkpoints, self.root / BEST_KEPT):
             if place.is_dir():
                 for tmp in place.glob(TMP_PREFIX + "*"):
                     remove(tmp)
@@ -178,6 +203,25 @@ def checkpoint_step(path) -> Optional[int]:
     """The optimizer step a checkpoint folder was written at, or None when the name is not a checkpoint's."""
     match = _CHECKPOINT.match(Path(path).name)
     return int(match.group(1)) if match else None
+
+
+def on_main(accelerator, action: Callable[[], None]) -> None:
+    """Run ``action`` on the main process; a Mistake or a failed write (a Stopped) that it raises is raised on every
+    process, so the others stop as the main one does."""
+    refused = None
+    if accelerator.is_main_process:
+        try:
+            action()
+        except (Mistake, WriteFailed) as e:
+            refused = e
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+        said = broadcast_object_list([refused and (Stopped if isinstance(refused, Stopped) else type(refused),
+                                                   str(refused))])[0]
+        if said and refused is None:
+            refused = said[0](said[1])
+    if refused is not None:
+        raise refused
 
 
 class FolderInUse(Mistake):
@@ -215,12 +259,12 @@ class RunLock:
     def check(self, accelerator) -> None:
         """A FolderInUse naming the holder when another process holds the lock (read only: nothing is written),
         said by every process."""
-        self._on_main(accelerator, self._check)
+        on_main(accelerator, self._check)
 
     def take(self, accelerator) -> None:
         """Take the lock on the main process (the folder is created); a FolderInUse naming the holder, or a
         WriteFailed, on every process when it could not. Then nothing half-written by an earlier holder is left."""
-        self._on_main(accelerator, self._take)
+        on_main(accelerator, self._take)
 
     def release(self) -> None:
         if self.fd is None:
@@ -232,22 +276,6 @@ class RunLock:
             pass
         os.close(self.fd)
         self.fd = None
-
-    @staticmethod
-    def _on_main(accelerator, action) -> None:
-        refused = None
-        if accelerator.is_main_process:
-            try:
-                action()
-            except (FolderInUse, WriteFailed) as e:
-                refused = e
-        if accelerator.num_processes > 1:  # the other processes stop as the main one does
-            from accelerate.utils import broadcast_object_list
-            said = broadcast_object_list([refused and (isinstance(refused, Stopped), str(refused))])[0]
-            if said and refused is None:
-                refused = (Stopped if said[0] else FolderInUse)(said[1])
-        if refused is not None:
-            raise refused
 
     def _check(self) -> None:
         if self.fd is not None:

@@ -26,10 +26,10 @@ from ..errors import Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
 from ..lipschitz.constraints import check_keepable, keep_bound
-from .checkpoint import TrainState, save_checkpoint, save_weights
+from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
-from .finetune import ModelStart, build_model, eval_frozen, start_model  # noqa: F401 (build_model: API)
+from .finetune import ModelStart, eval_frozen, start_model
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
@@ -38,6 +38,7 @@ from .resume import begin, check_resumable, restore, resume_point, verified
 from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
 from .step import StepTally, fused, quiet_buffers
+from .trackers import Trackers
 
 
 class TrainingDiverged(Stopped, RuntimeError):
@@ -51,27 +52,21 @@ def create_accelerator(cfg: TrainConfig) -> Accelerator:
                           "use bf16 or no")
     accum = cfg.accumulation_steps(PartialState(cpu=cpu).num_processes)
     return Accelerator(
-        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, log_with="tensorboard",
-        project_dir=cfg.output_dir,
+        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=accum, project_dir=cfg.output_dir,
         # non_blocking: a batch goes to the GPU without the host waiting for the device's queued work
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True))
 
 
 def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
-    """Train and val loaders, each process holding its own part of the data.
+    """Train and val loaders, each process holding its own part of the data, and the training data's class names
+    in label order (None when the reader has none), by which the val data are labelled.
 
     Map-style data (folders, ``hfds/``) go through Accelerate's seedable sampler, sharded per process.
     Streamed data (``wds/``, ``hfids/``, ``tfds/``) shard themselves by process and loader worker (timm's
     readers), so Accelerate only moves their batches to the device. A missing folder is named by :func:`check_data`,
-    which :func:`train` runs before it builds the model.
+    which :func:`train` runs before it builds the model; the data are refused before anything is written when an
+    optimizer update cannot run each epoch (:func:`~lipsformer.data.datasets.check_batches`).
     """
-    return _build_loaders(cfg, model, accelerator)[:2]
-
-
-def _build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
-    """:func:`build_loaders`, and the training data's class names in label order (None when the reader has none),
-    by which the val data are labelled. The data are refused before anything is written when an optimizer update
-    cannot run each epoch (:func:`~lipsformer.data.datasets.check_batches`)."""
     loaders, classes, notes = [], None, []
     for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
@@ -189,12 +184,13 @@ def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
     return scheduler
 
 
-def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = None):
-    """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion; resume if asked. Every check
-    comes before the first write, which takes the folder's ``lock`` (one writer per run folder). Returns the
-    :class:`_Run`, or the summary of a run that the checkpoint resumed from had finished (nothing to do, nothing
-    written)."""
-    folder = RunFolder(cfg.output_dir)
+def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = None,
+           trackers: Optional[Trackers] = None):
+    """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion, ``trackers`` (``log_with``);
+    resume if asked. Every check comes before the first write, which takes the folder's ``lock`` (one writer per run
+    folder). Returns the :class:`_Run`, or the summary of a run that the checkpoint resumed from had finished
+    (nothing to do, nothing written)."""
+    trackers, folder = trackers or Trackers(cfg.log_with), RunFolder(cfg.output_dir)
     check_output(folder)
     accelerator = create_accelerator(cfg)
     lock = lock or RunLock(folder.root)
@@ -220,7 +216,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
     resume_from, damaged = verified(folder, resume, resume_from, model)
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
-    train_loader, val_loader, classes = _build_loaders(cfg, model, accelerator)
+    train_loader, val_loader, classes = build_loaders(cfg, model, accelerator)
     check_classes(cfg, classes)
     optimizer = build_optimizer(cfg, model, sharded=accelerator.distributed_type == DistributedType.FSDP)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -240,15 +236,16 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
         if finished is not None:  # the checkpoint resumed from ends the run: nothing to do, nothing written
             return finished
     lock.take(accelerator)  # every check above came first: a refused run writes nothing
-    if accelerator.is_main_process:  # what the folder keeps from earlier starts (resume.py), then this run's files
+    if accelerator.is_main_process:  # what the folder keeps from earlier starts (resume.py)
         begin(folder, resume_from, damaged, state, accelerator.print)
+    trackers.start(accelerator, cfg, folder, resumed=resume_from is not None)  # one that fails: no file of ours
+    if accelerator.is_main_process:  # this run's files
         cfg.save(folder.config)
         if classes is not None:  # the weights' class names, for eval.py and exports (data/classes.py)
             write_class_names(folder.classes, classes)
     accelerator.wait_for_everyone()  # damaged checkpoints are set aside before any process writes one again
     if resume_from is None:
         scheduler.step_update(0)
-    accelerator.init_trackers("lipsformer")
     keep = None
     if cfg.lipschitz_target is not None:
         keep = functools.partial(keep_bound, accelerator.unwrap_model(model), **keep_bound_args(cfg))
@@ -256,7 +253,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
             std = resolve_data_config({}, model=accelerator.unwrap_model(model))["std"]
             keep = follow_bound(keep, criterion, 1.0 / min(std))
     run = _Run(cfg, accelerator, folder, model, optimizer, scheduler, ema, mixup, criterion, train_loader,
-               val_loader, state, MetricsLog(accelerator, folder.metrics), keep, last_good=resume_from, start=start)
+               val_loader, state, MetricsLog(accelerator, folder), keep, last_good=resume_from, start=start)
     if resume_from is None:
         run.log("init", 0, **start.row())
         accelerator.print(start.line())
@@ -273,9 +270,9 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     naming the newest checkpoint. Returns the run's summary; resumed from the checkpoint that ended a finished run,
     nothing is done and the summary says ``finished_before``.
     """
-    preemption = Preemption()
-    with preemption.watching(), RunLock(cfg.output_dir) as lock:  # let go of (and removed) however the run ends
-        run = _start(cfg, resume, lock)
+    preemption = Preemption()  # the lock is let go of (and removed) however the run ends; the trackers finished
+    with preemption.watching(), RunLock(cfg.output_dir) as lock, Trackers(cfg.log_with) as trackers:
+        run = _start(cfg, resume, lock, trackers)
         if isinstance(run, dict):  # the checkpoint resumed from is the end of the run: nothing to do
             return run
         run.preemption = preemption
@@ -292,7 +289,7 @@ def _train(run: _Run) -> dict:
     cfg, state, accelerator = run.cfg, run.state, run.accelerator
     for epoch in range(state.epoch, cfg.epochs):  # epochs count from 1 wherever a user reads them (epoch + 1)
         row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
-        row.update(alpha_statistics(accelerator.unwrap_model(run.model)))
+        row.update(alpha_statistics(accelerator.unwrap_model(run.model)), lr=run.optimizer.param_groups[0]["lr"])
         state.epoch, state.batch_in_epoch, state.epoch_sums = epoch + 1, 0, {}
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             row.update(evaluate_and_keep_best(run))
@@ -431,7 +428,8 @@ def _after_update(run: _Run, meter: EpochMeter, epoch: int, bar) -> None:
 
 def evaluate_and_keep_best(run: _Run) -> dict:
     """Validation top-1 / top-5 of the model (and of its EMA); the better of the two is saved as
-    ``best.safetensors`` when it beats every earlier epoch. Returns the epoch row's validation figures."""
+    ``best.safetensors`` when it beats every earlier epoch, and in ``best/`` among the ``keep_best`` best
+    (:func:`~.checkpoint.keep_best`). Returns the epoch row's validation figures."""
     accelerator, model, state, ema = run.accelerator, run.model, run.state, run.ema
     metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
     row = dict(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"], val_count=metrics["count"],
@@ -443,11 +441,9 @@ def evaluate_and_keep_best(run: _Run) -> dict:
         row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"], ema_val_loss=ema_metrics["loss"])
         candidates["ema"] = ema_metrics["top1"]
     which = max(candidates, key=candidates.get)
-    if candidates[which] > state.best_top1:
-        state.best_top1 = candidates[which]
+    weights = functools.partial(ema.applied, model) if which == "ema" else contextlib.nullcontext
+    if keep_best(accelerator, model, weights, run.folder, state, candidates[which], run.cfg):
         row["best"] = which
-        with ema.applied(model) if which == "ema" else contextlib.nullcontext():
-            save_weights(accelerator, accelerator.get_state_dict(model), run.folder.best, run.cfg.img_size)
     accelerator.print(f"epoch {state.epoch}: top-1 {metrics['top1']:.2f}"
                       + (f", EMA {row['ema_top1']:.2f}" if ema is not None else ""))
     return row
