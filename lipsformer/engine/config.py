@@ -92,28 +92,32 @@ class TrainConfig:
     model: str = key("lipsformer_cswin_t", "a timm model name (lipsformer_swin_t, lipsformer_cswin_s, ...)",
                      section="model")
     model_kwargs: Dict[str, Any] = key({}, "extra timm.create_model arguments")
-    num_classes: int = key(1000, "", model_arg="num_classes",
+    num_classes: int = key(1000, "classes of the classifier", model_arg="num_classes",
                            range=Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"))
-    drop_path: float = key(0.2, "", range=Range(0, 1), model_arg="drop_path_rate")
-    img_size: int = key(224, "", range=_AT_LEAST_1, model_arg="img_size")
-    crop_pct: float = key(0.9, "", range=Range(0, 2, False, True))
-    interpolation: str = key("bicubic", "", choices=INTERPOLATIONS)
-    data_dir: Optional[str] = key(None, "", path=True, section="data: a folder with train/ and val/ (one folder per "
+    drop_path: float = key(0.2, "stochastic depth rate (timm's drop_path_rate)", range=Range(0, 1),
+                           model_arg="drop_path_rate")
+    img_size: int = key(224, "input height and width", range=_AT_LEAST_1, model_arg="img_size")
+    crop_pct: float = key(0.9, "evaluation resizes to img_size / crop_pct, then center-crops img_size (timm's "
+                          "crop_pct)", range=Range(0, 2, False, True))
+    interpolation: str = key("bicubic", "resize interpolation", choices=INTERPOLATIONS)
+    data_dir: Optional[str] = key(None, "the image folder (train/, val/), or the root a timm dataset reads", path=True,
+                                  section="data: a folder with train/ and val/ (one folder per "
                                   "class), or any timm dataset name (hfds/..., wds/...)")
-    dataset: str = key("", "")
-    train_split: str = key("train", "")
-    val_split: str = key("val", "")
-    workers: int = key(8, "", range=_ZERO_OR_MORE)
+    dataset: str = key("", "a timm dataset, PREFIX/NAME ('': the image folder data_dir)")
+    train_split: str = key("train", "the training split: a subfolder of data_dir, or the dataset's split")
+    val_split: str = key("val", "the evaluation split: a subfolder of data_dir, or the dataset's split")
+    workers: int = key(8, "data loader workers per process", range=_ZERO_OR_MORE)
     max_bad_fraction: float = key(0.01, "stop when more of an epoch's samples than this fail to load",
                                   range=_PROBABILITY)
-    epochs: int = key(300, "", range=_AT_LEAST_1, restored=True, section="optimisation (Table 6)")
+    epochs: int = key(300, "epochs of the run and its lr schedule", range=_AT_LEAST_1, restored=True,
+                      section="optimisation (Table 6)")
     global_batch: int = key(2048, "= batch_size x processes x accumulation steps", range=_AT_LEAST_1)
     batch_size: int = key(128, "per process", range=_AT_LEAST_1)
-    opt: str = key("adamw", "", restored=True)
-    lr: float = key(2e-3, "", range=Range(0, low_in=False), restored=True)
-    betas: Tuple[float, float] = key((0.9, 0.999), "", range=Range(0, 1), restored=True)
-    eps: float = key(1e-8, "", range=Range(0), restored=True)
-    weight_decay: float = key(0.05, "", range=Range(0), restored=True)
+    opt: str = key("adamw", "a timm optimizer (timm.optim.list_optimizers())", restored=True)
+    lr: float = key(2e-3, "the peak learning rate", range=Range(0, low_in=False), restored=True)
+    betas: Tuple[float, float] = key((0.9, 0.999), "the optimizer's betas", range=Range(0, 1), restored=True)
+    eps: float = key(1e-8, "the optimizer's eps", range=Range(0), restored=True)
+    weight_decay: float = key(0.05, "weight decay (timm's create_optimizer_v2)", range=Range(0), restored=True)
     sched: str = key("cosine", "a timm scheduler (create_scheduler_v2), stepped per optimizer update",
                      choices=SCHEDULERS, restored=True)
     decay_epochs: Optional[float] = key(None, "step: epochs between decays (required); wsd / rsqrt: decay phase "
@@ -124,31 +128,35 @@ class TrainConfig:
                                       "0.1)", range=_POSITIVE, restored=True)
     warmup_epochs: int = key(0, "the paper's point: no warmup (linear from min_lr to lr when set)",
                              range=Range(0, says="at least 0"), restored=True)
-    min_lr: float = key(1e-5, "", range=Range(0), restored=True)
-    clip_grad: Optional[float] = key(None, "", range=_POSITIVE)
-    label_smoothing: float = key(0.1, "", range=Range(0, 1))
-    aa: Optional[str] = key("rand-m9-mstd0.5-inc1", "")
-    reprob: float = key(0.25, "", range=_PROBABILITY)
-    hflip: float = key(0.5, "", range=_PROBABILITY)
+    min_lr: float = key(1e-5, "the lr the schedule ends at, and warmup starts from", range=Range(0), restored=True)
+    clip_grad: Optional[float] = key(None, "clip the gradient norm to this (null: no clipping)", range=_POSITIVE)
+    label_smoothing: float = key(0.1, "label smoothing", range=Range(0, 1))
+    aa: Optional[str] = key("rand-m9-mstd0.5-inc1", "timm's augmentation policy (null: none)")
+    reprob: float = key(0.25, "random erasing probability", range=_PROBABILITY)
+    hflip: float = key(0.5, "horizontal flip probability", range=_PROBABILITY)
     scale: Tuple[float, float] = key((0.08, 1.0), "RandomResizedCrop area range", range=_FRACTION)
-    mixup: float = key(0.8, "", range=Range(0))
-    cutmix: float = key(1.0, "", range=Range(0))
-    ema_decay: Optional[float] = key(0.99984, "", range=Range(0, 1, says="in [0, 1) (0 or null: no EMA)"))
-    mixed_precision: str = key("bf16", "", choices=("bf16", "fp16", "no"))
-    seed: int = key(0, "", range=Range(0, 2 ** 32 - 1, True, True, "in [0, 2**32 - 1]"), section="run")
-    output_dir: str = key("output/run", "", path=True)
+    mixup: float = key(0.8, "mixup alpha (0: off)", range=Range(0))
+    cutmix: float = key(1.0, "cutmix alpha (0: off)", range=Range(0))
+    ema_decay: Optional[float] = key(0.99984, "decay of the weights' exponential moving average",
+                                     range=Range(0, 1, says="in [0, 1) (0 or null: no EMA)"))
+    mixed_precision: str = key("bf16", "Accelerate's mixed precision (fp16: GPUs only)", choices=("bf16", "fp16", "no"))
+    seed: int = key(0, "seed of the init, the data order and the augmentation",
+                    range=Range(0, 2 ** 32 - 1, True, True, "in [0, 2**32 - 1]"), section="run")
+    output_dir: str = key("output/run", "the run folder: config, checkpoints, metrics, weights", path=True)
     checkpoint_every_steps: int = key(1000, "optimizer steps; a checkpoint is also written at every epoch end",
                                       range=_AT_LEAST_1)
-    keep_last: int = key(3, "", range=_AT_LEAST_1)
+    keep_last: int = key(3, "the newest checkpoints kept", range=_AT_LEAST_1)
     keep_best: int = key(10, "weight files of the best epochs by val top-1, in best/ (timm's checkpoint-hist; 0: "
                          "none)", range=_ZERO_OR_MORE)
-    on_nonfinite: str = key("stop", "", choices=("stop", "skip"))
-    log_every_steps: int = key(50, "", range=_AT_LEAST_1)
-    eval_every_epochs: int = key(1, "", range=_AT_LEAST_1)
+    on_nonfinite: str = key("stop", "a non-finite loss or gradient: stop the run, or skip the update and count it",
+                            choices=("stop", "skip"))
+    log_every_steps: int = key(50, "optimizer steps between logged rows", range=_AT_LEAST_1)
+    eval_every_epochs: int = key(1, "epochs between evaluations", range=_AT_LEAST_1)
     log_with: List[str] = key(["tensorboard"], "Accelerate's trackers ([]: none)", choices=tuple(TRACKERS))
     tracker_project: str = key("lipsformer", "the trackers' project: wandb's project, MLflow's experiment")
     tracker_run_name: Optional[str] = key(None, "the run's name in wandb / MLflow (null: output_dir's folder name)")
-    lipschitz_target: Optional[float] = key(None, "None: off", range=_POSITIVE, keep_bound="target",
+    lipschitz_target: Optional[float] = key(None, "keep the certified bound under this (null: off)", range=_POSITIVE,
+                                            keep_bound="target",
                                             section="bound keeping (lipsformer.lipschitz.constraints): keep the "
                                             "certified network bound under a target")
     lipschitz_gamma_max: float = key(1.0, "CenterNorm gammas are clipped to [-this, this]", range=_POSITIVE,
@@ -167,14 +175,13 @@ class TrainConfig:
     margin_bound: Optional[float] = key(None, "L: a fixed value, or None for the bound kept by lipschitz_target",
                                         range=_POSITIVE, margin=True)
     attlip_train_steps: Optional[List[int]] = key(
-        None, "AttLip's proximal steps in training, by phase: the epochs split into len(list) equal consecutive "
-        "phases, every AttLip module trains with list[i] steps in phase i (the AttLip paper: 1-3, starting at one: "
-        "[1, 2, 3]); null: the model's own (model_kwargs.attlip_steps[0]). Evaluation keeps attlip_steps[1]",
+        None, "AttLip's proximal steps in training by phase: the epochs split into len(list) equal phases, phase i "
+        "trains with list[i] steps (the AttLip paper: [1, 2, 3]); evaluation keeps model_kwargs.attlip_steps[1]",
         range=Range(1, says="a non-empty list of step counts >= 1 (null: the model's own)"),
         section="AttLip (lipsformer.layers.attlip)")
     compile: bool = key(False, "torch.compile the prepared model, static shapes", section="speed "
                         "(lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding")
-    compile_mode: str = key("default", "", choices=COMPILE_MODES)
+    compile_mode: str = key("default", "torch.compile's mode", choices=COMPILE_MODES)
     compile_memory_budget: Optional[float] = key(None, "partitioner's activation memory budget in (0, 1]; None: 1.0",
                                                  range=_FRACTION)
     channels_last: bool = key(False, "NHWC weights and input batches")
@@ -183,7 +190,8 @@ class TrainConfig:
     pretrained: Optional[str] = key(None, "published weights, as a timm name: lipsformer_swin_t.official_in1k",
                                     section="fine-tuning (lipsformer.engine.finetune): start from weights; --resume "
                                     "takes precedence over both sources")
-    init_checkpoint: Optional[str] = key(None, ".pth, checkpoints/MODEL.TAG or a run", path=True)
+    init_checkpoint: Optional[str] = key(None, "weights to start from: .pth, checkpoints/MODEL.TAG or a run",
+                                         path=True)
     init_use_ema: bool = key(False, "take init_checkpoint's EMA weights")
     reset_head: bool = key(False, "re-create the classifier even at the source's class count (other classes)")
     layer_decay: Optional[float] = key(None, "timm's layer-wise lr decay in (0, 1] over the model's group_matcher",
@@ -419,6 +427,24 @@ def describe_keys() -> str:
             lines.append(f"# {spec.section}")
         lines.append(f"{f.name:<24} {_type_name(_HINTS[f.name]):<22} {_default(f):<22} {_says(f.name)}".rstrip())
     return "\n".join(lines)
+
+
+def key_table() -> str:
+    """docs/keys.md: every TrainConfig key as :func:`describe_keys` lists it, one Markdown table per group."""
+    lines = ["# Config keys", "",
+             "Every key of `TrainConfig` (`lipsformer/engine/config.py`), generated from its fields by `key_table()`",
+             "(`tests/test_config_keys.py` holds this page to it); `python train.py --list-keys` prints the same.",
+             "A key marked *resume keeps it* is restored by a checkpoint with the optimizer or the schedule: a resume",
+             "that changes it is refused ([training.md](training.md#resuming))."]
+    for f in dataclasses.fields(TrainConfig):
+        spec = KEYS[f.name]
+        if spec.section:
+            lines += ["", f"**{spec.section}**", "", "| key | type | default | what it does |",
+                      "| --- | --- | --- | --- |"]
+        says = _says(f.name) + ("; *resume keeps it*" if spec.restored else "")
+        cells = (f"`{f.name}`", _type_name(_HINTS[f.name]), f"`{_default(f)}`", says)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _default(f: dataclasses.Field) -> str:
