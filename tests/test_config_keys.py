@@ -86,7 +86,7 @@ def _dataset_is_streamed_and_seeded(p: Probe):
     cfg = dataclasses.replace(p.cfg, dataset="wds/tiny", data_dir=str(shards), train_split="train",
                               val_split="val")
     try:
-        train_loader, _ = build_loaders(cfg, p.run.model, create_accelerator(cfg))
+        train_loader, _, _ = build_loaders(cfg, p.run.model, create_accelerator(cfg))
     finally:
         reset_accelerate()
     assert isinstance(train_loader.dataset, torch.utils.data.IterableDataset)
@@ -154,7 +154,8 @@ def _decayed_lrs(p: Probe, **keys) -> List[float]:
 def _attlip_steps(p: Probe, schedule) -> list:
     """Every AttLip module's training steps in each of the probe's two epochs, as the loop sets them (the probe's
     model has no AttLip: a tiny one with it; tests/test_certified.py trains and resumes with the key)."""
-    from lipsformer.engine.train import build_model, set_attlip_steps
+    from lipsformer.engine.finetune import build_model
+    from lipsformer.engine.train import set_attlip_steps
     from lipsformer.layers.attlip import AttLip
     cfg = dataclasses.replace(p.cfg, attlip_train_steps=schedule, model_kwargs=dict(p.cfg.model_kwargs, attn="attlip"))
     model = build_model(cfg)
@@ -327,7 +328,8 @@ def probe(tmp_path_factory):
     from accelerate.utils import set_seed
     from lipsformer.engine.metrics import EpochMeter
     from lipsformer.engine.step import StepTally
-    from lipsformer.engine.train import _read, _start, _train_step, build_model, train, train_one_epoch
+    from lipsformer.engine.finetune import build_model
+    from lipsformer.engine.train import _read, _start, _train_step, train, train_one_epoch
     from lipsformer.layers import AttentionKernel, CenterNorm
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
