@@ -817,13 +817,13 @@ def test_conv_input_sizes_measures_a_compiled_model_eagerly():
 
 
 def test_bound_keeping_keys_are_keep_bounds_arguments_and_the_resume_record_compares_them():
-    """One list (``KEEP_BOUND_KEYS``) says which config keys train.py passes to keep_bound, under which argument
-    names, and which a checkpoint's record of the last projection is compared on at resume (a changed key projects
-    again instead of restoring)."""
+    """The fields declared with ``keep_bound=`` say which config keys train.py passes to keep_bound, under which
+    argument names; they and the margin's keys are what a checkpoint's record of the last projection is compared on
+    at resume (a changed key projects again instead of restoring), in the order checkpoints store them."""
     import dataclasses
     import inspect
-    from lipsformer.engine.config import TrainConfig
-    from lipsformer.engine.margin import KEEP_BOUND_KEYS, keep_bound_args, keep_settings
+    from lipsformer.engine.config import KEEP_BOUND_KEYS, TrainConfig
+    from lipsformer.engine.margin import keep_bound_args, keep_settings
     from lipsformer.lipschitz.constraints import keep_bound
     params = inspect.signature(keep_bound).parameters
     assert set(KEEP_BOUND_KEYS.values()) <= set(params) and set(KEEP_BOUND_KEYS) <= {f.name for f in
@@ -833,3 +833,7 @@ def test_bound_keeping_keys_are_keep_bounds_arguments_and_the_resume_record_comp
     for key in KEEP_BOUND_KEYS:
         changed = dataclasses.replace(cfg, **{key: 0.25})
         assert keep_settings(changed) != keep_settings(cfg)
+    stored = ("lipschitz_target", "lipschitz_gamma_max", "lipschitz_tau_max", "lipschitz_weight_max",
+              "lipschitz_conv_max", "margin_eps", "margin_bound")  # the order written checkpoints hold
+    distinct = TrainConfig(**{k: 0.5 + i for i, k in enumerate(stored)})
+    assert keep_settings(distinct) == [getattr(distinct, k) for k in stored]

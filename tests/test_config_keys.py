@@ -8,8 +8,13 @@ that configuration (``dataset``: streamed data) is ``alone``: its check builds w
 ``test_the_table_covers_every_key`` fails when a key is added to TrainConfig without a case here, so a dead
 or untested key fails the suite.
 
-To add a key: one ``Case`` in ``KEYS`` with a value other than the default and a check against the probe.
+A key is declared once, in its field (``key(default, help, ...)``):
+``test_a_key_is_declared_in_its_field_and_nowhere_else`` fails on a table of key names anywhere else,
+``test_every_key_has_its_key_metadata_and_help`` on a field without help; docs/keys.md is generated from
+the fields. To add a key (lipsformer/engine/config.py says how): here, one ``Case`` in ``KEYS`` with a
+value other than the default and a check against the probe.
 """
+import ast
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -24,7 +29,7 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 from timm.layers import DropPath
 from torchvision import transforms as T
 
-from lipsformer.engine.config import ConfigError, TrainConfig, load_config
+from lipsformer.engine.config import ConfigError, Key, TrainConfig, key_table, load_config
 from lipsformer.engine.run_folder import RunFolder
 
 from conftest import reset_accelerate
@@ -81,7 +86,7 @@ def _dataset_is_streamed_and_seeded(p: Probe):
     cfg = dataclasses.replace(p.cfg, dataset="wds/tiny", data_dir=str(shards), train_split="train",
                               val_split="val")
     try:
-        train_loader, _ = build_loaders(cfg, p.run.model, create_accelerator(cfg))
+        train_loader, _, _ = build_loaders(cfg, p.run.model, create_accelerator(cfg))
     finally:
         reset_accelerate()
     assert isinstance(train_loader.dataset, torch.utils.data.IterableDataset)
@@ -149,7 +154,8 @@ def _decayed_lrs(p: Probe, **keys) -> List[float]:
 def _attlip_steps(p: Probe, schedule) -> list:
     """Every AttLip module's training steps in each of the probe's two epochs, as the loop sets them (the probe's
     model has no AttLip: a tiny one with it; tests/test_certified.py trains and resumes with the key)."""
-    from lipsformer.engine.train import build_model, set_attlip_steps
+    from lipsformer.engine.finetune import build_model
+    from lipsformer.engine.train import set_attlip_steps
     from lipsformer.layers.attlip import AttLip
     cfg = dataclasses.replace(p.cfg, attlip_train_steps=schedule, model_kwargs=dict(p.cfg.model_kwargs, attn="attlip"))
     model = build_model(cfg)
@@ -322,7 +328,8 @@ def probe(tmp_path_factory):
     from accelerate.utils import set_seed
     from lipsformer.engine.metrics import EpochMeter
     from lipsformer.engine.step import StepTally
-    from lipsformer.engine.train import _read, _start, _train_step, build_model, train, train_one_epoch
+    from lipsformer.engine.finetune import build_model
+    from lipsformer.engine.train import _read, _start, _train_step, train, train_one_epoch
     from lipsformer.layers import AttentionKernel, CenterNorm
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
@@ -380,6 +387,64 @@ def test_the_table_covers_every_key_with_a_non_default_value():
     same = [k for k, c in KEYS.items() if c.value == getattr(default, k)]
     assert not same, f"these cases set the default value, so they cannot show the key is live: {same}"
 
+
+# -- one place for a key: its field ---------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+# Module-level tables outside the fields that name keys, each with the reason it is no property of the key.
+OTHER_TABLES = {("train.py", "FLAG_KEYS"): "train.py's own options that set a key: the command line's spelling"}
+
+
+def _strings(node: ast.AST) -> List[str]:
+    """The strings a literal table holds at its top level: a dict's keys and values, a list's, tuple's or set's
+    elements, ``dict(...)``'s argument names and values."""
+    if isinstance(node, ast.Dict):
+        items = [*node.keys, *node.values]
+    elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = node.elts
+    elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "dict":
+        return [k.arg for k in node.keywords if k.arg] + _strings(ast.Dict([], [k.value for k in node.keywords]))
+    else:
+        return []
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def key_tables() -> Dict[tuple, List[str]]:
+    """``(file, name) -> the keys it names`` for every module-level literal table of lipsformer/, train.py and
+    eval.py whose strings are mostly TrainConfig keys (two or more)."""
+    keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    found = {}
+    for file in [*sorted((ROOT / "lipsformer").rglob("*.py")), ROOT / "train.py", ROOT / "eval.py"]:
+        for node in ast.parse(file.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) and node.value is not None else []
+            strings = _strings(node.value) if targets else []
+            named = [s for s in strings if s in keys]
+            if len(named) >= 2 and 2 * len(named) >= len(strings):
+                found[(str(file.relative_to(ROOT)), getattr(targets[0], "id", "?"))] = named
+    return found
+
+
+def test_a_key_is_declared_in_its_field_and_nowhere_else():
+    """Ranges, choices, paths, what a resume keeps, what bound keeping and the margin read, the model arguments:
+    each is the field's ``key(...)`` metadata, never a table of key names beside it (config.py included)."""
+    tables = key_tables()
+    assert set(tables) == set(OTHER_TABLES), (f"declare these keys' properties in their fields "
+                                              f"(lipsformer/engine/config.py key(...)): {tables}")
+    from conftest import load_script
+    assert set(load_script("train.py").FLAG_KEYS.values()) <= {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_every_key_has_its_key_metadata_and_help():
+    """A field added without ``key(default, help, ...)`` fails here (and lists no help in --list-keys)."""
+    bare = [f.name for f in dataclasses.fields(TrainConfig)
+            if not isinstance(f.metadata.get("key"), Key) or not f.metadata["key"].help.strip()]
+    assert not bare, f"declare these fields with key(default, help, ...) (lipsformer/engine/config.py): {bare}"
+
+
+def test_docs_key_table_is_generated_from_the_fields():
+    assert (ROOT / "docs" / "keys.md").read_text() == key_table(), (
+        "docs/keys.md is generated: python -c 'from lipsformer.engine.config import key_table; "
+        "print(key_table(), end=\"\")' > docs/keys.md")
 
 @pytest.mark.parametrize("key", sorted(KEYS))
 def test_key_changes_something_observable(probe, key):

@@ -1,5 +1,5 @@
 """The settings door, generated from what it guards: every key of every shipped config given twice; ``~`` and
-``$VARIABLES`` in every path key (TrainConfig's PATH fields) and every path flag of every command (found from the
+``$VARIABLES`` in every path key (fields with path=True) and every path flag of every command (found from the
 parsers); each row of each command's table of flags a mode ignores; every constructor argument of both families
 with the values it refuses (from the models' ARGUMENTS table), through timm.create_model and through train.py; a
 bound no projection can keep; a mistake under torchrun with two processes. Each refused case asserts exit code 2,

@@ -585,7 +585,7 @@ def test_help_shows_defaults_lists_the_config_keys_and_names_the_command(capsys)
     listed = capsys.readouterr().out
     for f in dataclasses.fields(TrainConfig):
         assert f"\n{f.name} " in "\n" + listed, f.name
-    assert re.search(r"^lr +float +0\.002 +in \(0, inf\)$", listed, re.M), listed
+    assert re.search(r"^lr +float +0\.002 +the peak learning rate; in \(0, inf\)$", listed, re.M), listed
 
 
 def test_no_warning_on_a_plain_start_of_any_command(tmp_path):

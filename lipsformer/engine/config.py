@@ -1,8 +1,16 @@
-"""The training recipe: one typed dataclass, loaded from YAML, overridden by ``--set key=value``."""
+"""The training recipe: one typed dataclass, loaded from YAML, overridden by ``--set key=value``.
+
+How to add a config key: one field of :class:`TrainConfig`, declared with :func:`key`: its default, its help text
+and its properties (``range=`` for every number, ``choices=`` for a fixed set of names, ``path=True``,
+``restored=True`` where a checkpoint restores what it set up, ``keep_bound=`` / ``margin=True`` where bound keeping
+reads it, ``model_arg=`` where ``timm.create_model`` gets it). Validation, ``train.py --list-keys``, the resume
+check, bound keeping's arguments and docs/keys.md all read them from there; then give the key a ``Case`` in
+tests/test_config_keys.py that shows it acts, and regenerate docs/keys.md (``key_table()``).
+"""
+import copy
 import dataclasses
 import io
 import math
-import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,27 +29,13 @@ class ConfigError(Mistake, ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
 
 
-# timm.create_model argument -> the TrainConfig key that sets it (model_kwargs may not set these again).
-MODEL_ARGS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_size": "img_size"}
 # timm.scheduler.create_scheduler_v2 names that can step per optimizer update ('plateau' steps per epoch on a
 # metric; 'none' leaves nothing to checkpoint: use 'constant').
-# Keys whose values a checkpoint restores (optimizer param groups, scheduler state): a resume may not change them.
-RESTORED_ON_RESUME = ("epochs", "opt", "lr", "betas", "eps", "weight_decay", "layer_decay", "sched",
-                      "warmup_epochs", "min_lr", "decay_epochs", "decay_milestones", "decay_rate")
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
-
-
 # timm.data.create_dataset's sources besides an image folder (dataset: '').
 DATASET_PREFIXES = ("hfds", "hfids", "wds", "tfds", "torch")
-# Keys with a fixed set of values (each value of a list key).
-CHOICES = {
-    "mixed_precision": ("bf16", "fp16", "no"),
-    "on_nonfinite": ("stop", "skip"),
-    "sched": SCHEDULERS,
-    "compile_mode": COMPILE_MODES,
-    "interpolation": ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"),  # timm's str_to_interp_mode
-    "log_with": tuple(TRACKERS),
-}
+# timm's str_to_interp_mode
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")
 
 
 class Range(NamedTuple):
@@ -63,121 +57,148 @@ class Range(NamedTuple):
 
 _AT_LEAST_1, _ZERO_OR_MORE = Range(1, says="at least 1"), Range(0, says="0 or more")
 _POSITIVE = Range(0, low_in=False, says="positive (or null)")
-# Every number of TrainConfig (tests/test_mistakes.py holds that each has a row): values torch / timm would refuse
-# late, after the run wrote its folder, or would quietly misuse (a negative clip_grad flips the gradients).
-RANGES = {
-    "num_classes": Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"),
-    "drop_path": Range(0, 1), "img_size": _AT_LEAST_1, "crop_pct": Range(0, 2, False, True),
-    "workers": _ZERO_OR_MORE, "max_bad_fraction": Range(0, 1, True, True),
-    "epochs": _AT_LEAST_1, "global_batch": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "lr": Range(0, low_in=False),
-    "betas": Range(0, 1), "eps": Range(0), "weight_decay": Range(0), "decay_epochs": _POSITIVE,
-    "decay_milestones": _AT_LEAST_1, "decay_rate": _POSITIVE, "warmup_epochs": Range(0, says="at least 0"),
-    "min_lr": Range(0), "clip_grad": _POSITIVE, "label_smoothing": Range(0, 1), "reprob": Range(0, 1, True, True),
-    "hflip": Range(0, 1, True, True), "scale": Range(0, 1, False, True), "mixup": Range(0), "cutmix": Range(0),
-    "ema_decay": Range(0, 1, says="in [0, 1) (0 or null: no EMA)"),
-    "seed": Range(0, 2 ** 32 - 1, True, True, "in [0, 2**32 - 1]"),
-    "checkpoint_every_steps": _AT_LEAST_1, "keep_last": _AT_LEAST_1, "log_every_steps": _AT_LEAST_1,
-    "eval_every_epochs": _AT_LEAST_1, "lipschitz_target": _POSITIVE, "lipschitz_gamma_max": _POSITIVE,
-    "lipschitz_weight_max": _POSITIVE, "lipschitz_every_steps": _AT_LEAST_1, "lipschitz_conv_max": _POSITIVE,
-    "margin_eps": Range(0, says="a number >= 0"), "margin_bound": _POSITIVE, "lipschitz_tau_max": _POSITIVE,
-    "attlip_train_steps": Range(1, says="a non-empty list of step counts >= 1 (null: the model's own)"),
-    "compile_memory_budget": Range(0, 1, False, True), "layer_decay": Range(0, 1, False, True),
-    "freeze_stages": _ZERO_OR_MORE, "keep_best": _ZERO_OR_MORE,
-}
-# A key whose value is a file or folder: field(metadata=PATH). Its ~ and $VARIABLES are expanded (settings.expand_path).
-PATH = {"path": True}
+_PROBABILITY, _FRACTION = Range(0, 1, True, True), Range(0, 1, False, True)
 
 
-def path_keys() -> List[str]:
-    """The TrainConfig keys that hold a path (their field's metadata is :data:`PATH`)."""
-    return [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("path")]
+@dataclass(frozen=True)
+class Key:
+    """What a TrainConfig field is besides its type and default: the one place each of a key's properties lives.
+    Every number has a ``range`` (values torch / timm would refuse late, after the run wrote its folder, or would
+    quietly misuse: a negative clip_grad flips the gradients)."""
+
+    help: str  # what the key does: train.py --list-keys, docs/keys.md
+    range: Optional[Range] = None  # each number (of a list or tuple) lies in it
+    choices: Tuple[str, ...] = ()  # each value (of a list) is one of these
+    path: bool = False  # a file or folder: its ~ and $VARIABLES are expanded (settings.expand_path)
+    section: str = ""  # the heading of the group of keys this one opens
+    restored: bool = False  # a checkpoint restores what it set up (optimizer, schedule): a resume must keep it
+    keep_bound: str = ""  # the keep_bound argument it is (lipsformer.lipschitz.constraints)
+    margin: bool = False  # the margin loss reads it (a checkpoint's record of the kept bound compares it too)
+    model_arg: str = ""  # the timm.create_model argument it sets (model_kwargs may not set it again)
+
+
+def key(default: Any, help: str, **properties) -> Any:
+    """A TrainConfig field: ``default`` (a list or mapping is copied for each config) and its :class:`Key`."""
+    metadata = {"key": Key(help, **properties)}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class TrainConfig:
     """Every knob of a training run. Defaults are the paper's Table 6 recipe for the Tiny models."""
 
-    # model
-    model: str = "lipsformer_cswin_t"
-    model_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model arguments
-    num_classes: int = 1000
-    drop_path: float = 0.2
-    img_size: int = 224
-    crop_pct: float = 0.9
-    interpolation: str = "bicubic"
-    # data: a folder with train/ and val/ (one folder per class), or any timm dataset name (hfds/..., wds/...)
-    data_dir: Optional[str] = field(default=None, metadata=PATH)
-    dataset: str = ""
-    train_split: str = "train"
-    val_split: str = "val"
-    workers: int = 8
-    max_bad_fraction: float = 0.01  # stop when more of an epoch's samples than this fail to load
-    # optimisation (Table 6)
-    epochs: int = 300
-    global_batch: int = 2048  # = batch_size x processes x accumulation steps
-    batch_size: int = 128  # per process
-    opt: str = "adamw"
-    lr: float = 2e-3
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.05
-    sched: str = "cosine"  # a timm scheduler (create_scheduler_v2), stepped per optimizer update
-    decay_epochs: Optional[float] = None  # step: epochs between decays (required); wsd / rsqrt: decay phase length
-    decay_milestones: Optional[List[int]] = None  # multistep: the epochs to decay at (required)
-    decay_rate: Optional[float] = None  # step / multistep: lr factor per decay; poly: the power (null: timm's 0.1)
-    warmup_epochs: int = 0  # the paper's point: no warmup (linear from min_lr to lr when set)
-    min_lr: float = 1e-5
-    clip_grad: Optional[float] = None
-    label_smoothing: float = 0.1
-    aa: Optional[str] = "rand-m9-mstd0.5-inc1"
-    reprob: float = 0.25
-    hflip: float = 0.5
-    scale: Tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
-    mixup: float = 0.8
-    cutmix: float = 1.0
-    ema_decay: Optional[float] = 0.99984
-    mixed_precision: str = "bf16"
-    # run
-    seed: int = 0
-    output_dir: str = field(default="output/run", metadata=PATH)
-    checkpoint_every_steps: int = 1000  # optimizer steps; a checkpoint is also written at every epoch end
-    keep_last: int = 3
-    keep_best: int = 10  # weight files of the best epochs by val top-1, in best/ (timm's checkpoint-hist; 0: none)
-    on_nonfinite: str = "stop"
-    log_every_steps: int = 50
-    eval_every_epochs: int = 1
-    log_with: List[str] = field(default_factory=lambda: ["tensorboard"])  # Accelerate's trackers ([]: none)
-    tracker_project: str = "lipsformer"  # the trackers' project: wandb's project, MLflow's experiment
-    tracker_run_name: Optional[str] = None  # the run's name in wandb / MLflow (null: output_dir's folder name)
-    # bound keeping (lipsformer.lipschitz.constraints): keep the certified network bound under a target
-    lipschitz_target: Optional[float] = None  # None: off
-    lipschitz_gamma_max: float = 1.0  # CenterNorm gammas are clipped to [-this, this]
-    lipschitz_weight_max: Optional[float] = None  # Linear weights scaled back to this spectral norm (None: free)
-    lipschitz_every_steps: int = 1  # project after every N optimizer steps (the bound costs one SVD per matrix)
-    lipschitz_conv_max: Optional[float] = None  # Conv2d scaled back to this operator norm at its input size (None: free)
-    # Lipschitz-margin loss (Tsuzuku et al. 2018; lipsformer.engine.margin): the true logit lowered by sqrt(2) L eps
-    margin_eps: float = 0.0  # 0: off
-    margin_bound: Optional[float] = None  # L: a fixed value, or None for the bound kept by lipschitz_target
-    lipschitz_tau_max: Optional[float] = None  # a learnable SCSA tau is clipped to (0, this] (None: free)
-    # AttLip's proximal steps in training, by phase: the epochs split into len(list) equal consecutive phases, every
-    # AttLip module trains with list[i] steps in phase i (the AttLip paper: 1-3, starting at one: [1, 2, 3]);
-    # null: the model's own (model_kwargs.attlip_steps[0]). Evaluation keeps attlip_steps[1].
-    attlip_train_steps: Optional[List[int]] = None
-    # speed (lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding
-    compile: bool = False  # torch.compile the prepared model, static shapes
-    compile_mode: str = "default"
-    compile_memory_budget: Optional[float] = None  # partitioner's activation memory budget in (0, 1]; None: 1.0
-    channels_last: bool = False  # NHWC weights and input batches
-    grad_checkpointing: bool = False  # recompute each block's activations in backward
-    tf32: bool = False  # TF32 tensor cores for fp32 matmuls / convolutions on CUDA (bf16 / fp16 runs: no effect)
-    # fine-tuning (lipsformer.engine.finetune): start from weights; --resume takes precedence over both sources
-    pretrained: Optional[str] = None  # published weights, as a timm name: lipsformer_swin_t.official_in1k
-    init_checkpoint: Optional[str] = field(default=None, metadata=PATH)  # .pth, checkpoints/MODEL.TAG or a run
-    init_use_ema: bool = False  # take init_checkpoint's EMA weights
-    reset_head: bool = False  # re-create the classifier even at the source's class count (other classes)
-    layer_decay: Optional[float] = None  # timm's layer-wise lr decay in (0, 1] over the model's group_matcher
-    freeze: Optional[str] = None  # 'backbone' (linear probe) or comma-separated module names (patch_embed,stages.0)
-    freeze_stages: int = 0  # hold patch_embed and the first N stages fixed
+    model: str = key("lipsformer_cswin_t", "a timm model name (lipsformer_swin_t, lipsformer_cswin_s, ...)",
+                     section="model")
+    model_kwargs: Dict[str, Any] = key({}, "extra timm.create_model arguments")
+    num_classes: int = key(1000, "classes of the classifier", model_arg="num_classes",
+                           range=Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"))
+    drop_path: float = key(0.2, "stochastic depth rate (timm's drop_path_rate)", range=Range(0, 1),
+                           model_arg="drop_path_rate")
+    img_size: int = key(224, "input height and width", range=_AT_LEAST_1, model_arg="img_size")
+    crop_pct: float = key(0.9, "evaluation resizes to img_size / crop_pct, then center-crops img_size (timm's "
+                          "crop_pct)", range=Range(0, 2, False, True))
+    interpolation: str = key("bicubic", "resize interpolation", choices=INTERPOLATIONS)
+    data_dir: Optional[str] = key(None, "the image folder (train/, val/), or the root a timm dataset reads", path=True,
+                                  section="data: a folder with train/ and val/ (one folder per "
+                                  "class), or any timm dataset name (hfds/..., wds/...)")
+    dataset: str = key("", "a timm dataset, PREFIX/NAME ('': the image folder data_dir)")
+    train_split: str = key("train", "the training split: a subfolder of data_dir, or the dataset's split")
+    val_split: str = key("val", "the evaluation split: a subfolder of data_dir, or the dataset's split")
+    workers: int = key(8, "data loader workers per process", range=_ZERO_OR_MORE)
+    max_bad_fraction: float = key(0.01, "stop when more of an epoch's samples than this fail to load",
+                                  range=_PROBABILITY)
+    epochs: int = key(300, "epochs of the run and its lr schedule", range=_AT_LEAST_1, restored=True,
+                      section="optimisation (Table 6)")
+    global_batch: int = key(2048, "= batch_size x processes x accumulation steps", range=_AT_LEAST_1)
+    batch_size: int = key(128, "per process", range=_AT_LEAST_1)
+    opt: str = key("adamw", "a timm optimizer (timm.optim.list_optimizers())", restored=True)
+    lr: float = key(2e-3, "the peak learning rate", range=Range(0, low_in=False), restored=True)
+    betas: Tuple[float, float] = key((0.9, 0.999), "the optimizer's betas", range=Range(0, 1), restored=True)
+    eps: float = key(1e-8, "the optimizer's eps", range=Range(0), restored=True)
+    weight_decay: float = key(0.05, "weight decay (timm's create_optimizer_v2)", range=Range(0), restored=True)
+    sched: str = key("cosine", "a timm scheduler (create_scheduler_v2), stepped per optimizer update",
+                     choices=SCHEDULERS, restored=True)
+    decay_epochs: Optional[float] = key(None, "step: epochs between decays (required); wsd / rsqrt: decay phase "
+                                        "length", range=_POSITIVE, restored=True)
+    decay_milestones: Optional[List[int]] = key(None, "multistep: the epochs to decay at (required)",
+                                                range=_AT_LEAST_1, restored=True)
+    decay_rate: Optional[float] = key(None, "step / multistep: lr factor per decay; poly: the power (null: timm's "
+                                      "0.1)", range=_POSITIVE, restored=True)
+    warmup_epochs: int = key(0, "the paper's point: no warmup (linear from min_lr to lr when set)",
+                             range=Range(0, says="at least 0"), restored=True)
+    min_lr: float = key(1e-5, "the lr the schedule ends at, and warmup starts from", range=Range(0), restored=True)
+    clip_grad: Optional[float] = key(None, "clip the gradient norm to this (null: no clipping)", range=_POSITIVE)
+    label_smoothing: float = key(0.1, "label smoothing", range=Range(0, 1))
+    aa: Optional[str] = key("rand-m9-mstd0.5-inc1", "timm's augmentation policy (null: none)")
+    reprob: float = key(0.25, "random erasing probability", range=_PROBABILITY)
+    hflip: float = key(0.5, "horizontal flip probability", range=_PROBABILITY)
+    scale: Tuple[float, float] = key((0.08, 1.0), "RandomResizedCrop area range", range=_FRACTION)
+    mixup: float = key(0.8, "mixup alpha (0: off)", range=Range(0))
+    cutmix: float = key(1.0, "cutmix alpha (0: off)", range=Range(0))
+    ema_decay: Optional[float] = key(0.99984, "decay of the weights' exponential moving average",
+                                     range=Range(0, 1, says="in [0, 1) (0 or null: no EMA)"))
+    mixed_precision: str = key("bf16", "Accelerate's mixed precision (fp16: GPUs only)", choices=("bf16", "fp16", "no"))
+    seed: int = key(0, "seed of the init, the data order and the augmentation",
+                    range=Range(0, 2 ** 32 - 1, True, True, "in [0, 2**32 - 1]"), section="run")
+    output_dir: str = key("output/run", "the run folder: config, checkpoints, metrics, weights", path=True)
+    checkpoint_every_steps: int = key(1000, "optimizer steps; a checkpoint is also written at every epoch end",
+                                      range=_AT_LEAST_1)
+    keep_last: int = key(3, "the newest checkpoints kept", range=_AT_LEAST_1)
+    keep_best: int = key(10, "weight files of the best epochs by val top-1, in best/ (timm's checkpoint-hist; 0: "
+                         "none)", range=_ZERO_OR_MORE)
+    on_nonfinite: str = key("stop", "a non-finite loss or gradient: stop the run, or skip the update and count it",
+                            choices=("stop", "skip"))
+    log_every_steps: int = key(50, "optimizer steps between logged rows", range=_AT_LEAST_1)
+    eval_every_epochs: int = key(1, "epochs between evaluations", range=_AT_LEAST_1)
+    log_with: List[str] = key(["tensorboard"], "Accelerate's trackers ([]: none)", choices=tuple(TRACKERS))
+    tracker_project: str = key("lipsformer", "the trackers' project: wandb's project, MLflow's experiment")
+    tracker_run_name: Optional[str] = key(None, "the run's name in wandb / MLflow (null: output_dir's folder name)")
+    lipschitz_target: Optional[float] = key(None, "keep the certified bound under this (null: off)", range=_POSITIVE,
+                                            keep_bound="target",
+                                            section="bound keeping (lipsformer.lipschitz.constraints): keep the "
+                                            "certified network bound under a target")
+    lipschitz_gamma_max: float = key(1.0, "CenterNorm gammas are clipped to [-this, this]", range=_POSITIVE,
+                                     keep_bound="gamma_max")
+    lipschitz_tau_max: Optional[float] = key(None, "a learnable SCSA tau is clipped to (0, this] (None: free)",
+                                             range=_POSITIVE, keep_bound="tau_max")
+    lipschitz_weight_max: Optional[float] = key(None, "Linear weights scaled back to this spectral norm (None: free)",
+                                                range=_POSITIVE, keep_bound="weight_max")
+    lipschitz_every_steps: int = key(1, "project after every N optimizer steps (the bound costs one SVD per "
+                                     "matrix)", range=_AT_LEAST_1)
+    lipschitz_conv_max: Optional[float] = key(None, "Conv2d scaled back to this operator norm at its input size "
+                                              "(None: free)", range=_POSITIVE, keep_bound="conv_max")
+    margin_eps: float = key(0.0, "0: off", range=Range(0, says="a number >= 0"), margin=True,
+                            section="Lipschitz-margin loss (Tsuzuku et al. 2018; lipsformer.engine.margin): the true "
+                            "logit lowered by sqrt(2) L eps")
+    margin_bound: Optional[float] = key(None, "L: a fixed value, or None for the bound kept by lipschitz_target",
+                                        range=_POSITIVE, margin=True)
+    attlip_train_steps: Optional[List[int]] = key(
+        None, "AttLip's proximal steps in training by phase: the epochs split into len(list) equal phases, phase i "
+        "trains with list[i] steps (the AttLip paper: [1, 2, 3]); evaluation keeps model_kwargs.attlip_steps[1]",
+        range=Range(1, says="a non-empty list of step counts >= 1 (null: the model's own)"),
+        section="AttLip (lipsformer.layers.attlip)")
+    compile: bool = key(False, "torch.compile the prepared model, static shapes", section="speed "
+                        "(lipsformer.engine.speed; README GPU): none of these changes the outputs beyond rounding")
+    compile_mode: str = key("default", "torch.compile's mode", choices=COMPILE_MODES)
+    compile_memory_budget: Optional[float] = key(None, "partitioner's activation memory budget in (0, 1]; None: 1.0",
+                                                 range=_FRACTION)
+    channels_last: bool = key(False, "NHWC weights and input batches")
+    grad_checkpointing: bool = key(False, "recompute each block's activations in backward")
+    tf32: bool = key(False, "TF32 tensor cores for fp32 matmuls / convolutions on CUDA (bf16 / fp16 runs: no effect)")
+    pretrained: Optional[str] = key(None, "published weights, as a timm name: lipsformer_swin_t.official_in1k",
+                                    section="fine-tuning (lipsformer.engine.finetune): start from weights; --resume "
+                                    "takes precedence over both sources")
+    init_checkpoint: Optional[str] = key(None, "weights to start from: .pth, checkpoints/MODEL.TAG or a run",
+                                         path=True)
+    init_use_ema: bool = key(False, "take init_checkpoint's EMA weights")
+    reset_head: bool = key(False, "re-create the classifier even at the source's class count (other classes)")
+    layer_decay: Optional[float] = key(None, "timm's layer-wise lr decay in (0, 1] over the model's group_matcher",
+                                       range=_FRACTION, restored=True)
+    freeze: Optional[str] = key(None, "'backbone' (linear probe) or comma-separated module names "
+                                "(patch_embed,stages.0)")
+    freeze_stages: int = key(0, "hold patch_embed and the first N stages fixed", range=_ZERO_OR_MORE)
 
     def __post_init__(self):
         """Every check a config can fail without running anything lives here, each naming its key. Path keys get
@@ -337,6 +358,19 @@ class TrainConfig:
 
 
 _HINTS = typing.get_type_hints(TrainConfig)
+# Each key's Key, and the views of them that their readers take (each in the fields' order).
+KEYS: Dict[str, Key] = {f.name: f.metadata.get("key", Key("")) for f in dataclasses.fields(TrainConfig)}
+RANGES = {name: spec.range for name, spec in KEYS.items() if spec.range}
+CHOICES = {name: spec.choices for name, spec in KEYS.items() if spec.choices}
+RESTORED_ON_RESUME = tuple(name for name, spec in KEYS.items() if spec.restored)
+KEEP_BOUND_KEYS = {name: spec.keep_bound for name, spec in KEYS.items() if spec.keep_bound}  # key -> keep_bound arg
+MARGIN_KEYS = tuple(name for name, spec in KEYS.items() if spec.margin)
+MODEL_ARGS = {spec.model_arg: name for name, spec in KEYS.items() if spec.model_arg}  # timm argument -> key
+
+
+def path_keys() -> List[str]:
+    """The TrainConfig keys that hold a path (``key(..., path=True)``)."""
+    return [name for name, spec in KEYS.items() if spec.path]
 
 
 def _check_type(key: str, value: Any, hint) -> Any:
@@ -383,46 +417,48 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _comments() -> Dict[str, str]:
-    """The comment beside each field of TrainConfig's source, and each section heading before its first field
-    (as ``"# heading"`` under the key ``"^field"``)."""
-    import inspect
-    found, heading = {}, ""
-    tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(TrainConfig)).readline)
-    first = {}  # line -> the first name on it
-    for tok in tokens:
-        if tok.type == tokenize.NAME and tok.start[0] not in first:
-            first[tok.start[0]] = (tok.string, tok.start[1])
-            if tok.string in _HINTS and tok.start[1] == 4 and heading:
-                found["^" + tok.string], heading = heading, ""
-        elif tok.type == tokenize.COMMENT:
-            name, col = first.get(tok.start[0], ("", 0))
-            if name in _HINTS and col == 4:
-                found[name] = tok.string.lstrip("# ")
-            elif tok.start[1] == 4 and tok.start[0] not in first:
-                heading = tok.string.lstrip("# ")
-    return found
-
-
 def describe_keys() -> str:
-    """Every TrainConfig key with its type, its default and what it does (the comment beside it): the table of
-    ``train.py --list-keys``."""
-    notes, lines = _comments(), []
+    """Every TrainConfig key with its type, its default and what it does (its :class:`Key`): the table of
+    ``train.py --list-keys``, each group of keys under its heading."""
+    lines = []
     for f in dataclasses.fields(TrainConfig):
-        if "^" + f.name in notes:
-            lines.append(f"# {notes['^' + f.name]}")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True,
-                               width=1000).strip().removesuffix("...").strip()
-        if f.name in CHOICES:
-            note = f"one of {', '.join(CHOICES[f.name])}"
-        elif f.name in RANGES:
-            note = RANGES[f.name].describe().replace(" (or null)", "")
-        else:
-            note = ""
-        what = "; ".join(s for s in (notes.get(f.name, ""), note) if s)
-        lines.append(f"{f.name:<24} {_type_name(_HINTS[f.name]):<22} {shown:<22} {what}".rstrip())
+        spec = KEYS[f.name]
+        if spec.section:
+            lines.append(f"# {spec.section}")
+        lines.append(f"{f.name:<24} {_type_name(_HINTS[f.name]):<22} {_default(f):<22} {_says(f.name)}".rstrip())
     return "\n".join(lines)
+
+
+def key_table() -> str:
+    """docs/keys.md: every TrainConfig key as :func:`describe_keys` lists it, one Markdown table per group."""
+    lines = ["# Config keys", "",
+             "Every key of `TrainConfig` (`lipsformer/engine/config.py`), generated from its fields by `key_table()`",
+             "(`tests/test_config_keys.py` holds this page to it); `python train.py --list-keys` prints the same.",
+             "A key marked *resume keeps it* is restored by a checkpoint with the optimizer or the schedule: a resume",
+             "that changes it is refused ([training.md](training.md#resuming))."]
+    for f in dataclasses.fields(TrainConfig):
+        spec = KEYS[f.name]
+        if spec.section:
+            lines += ["", f"**{spec.section}**", "", "| key | type | default | what it does |",
+                      "| --- | --- | --- | --- |"]
+        says = _says(f.name) + ("; *resume keeps it*" if spec.restored else "")
+        cells = (f"`{f.name}`", _type_name(_HINTS[f.name]), f"`{_default(f)}`", says)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _default(f: dataclasses.Field) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True,
+                          width=1000).strip().removesuffix("...").strip()
+
+
+def _says(name: str) -> str:
+    """The key's help text and the values it takes."""
+    spec = KEYS[name]
+    takes = (f"one of {', '.join(spec.choices)}" if spec.choices else
+             spec.range.describe().replace(" (or null)", "") if spec.range else "")
+    return "; ".join(s for s in (spec.help, takes) if s)
 
 
 def _unknown(keys) -> ConfigError:

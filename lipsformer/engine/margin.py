@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import KEEP_BOUND_KEYS, MARGIN_KEYS
+
 
 class LipschitzMarginLoss(nn.Module):
     """``criterion(logits - sqrt(2) * bound * eps * onehot(target), target)``.
@@ -64,20 +66,16 @@ def margin_criterion(criterion: Callable, eps: float, bound: Optional[float]) ->
     return LipschitzMarginLoss(criterion, eps, 1.0 if bound is None else bound)
 
 
-# config key -> keep_bound's argument: the one list of what bound keeping is given (train.py) and of what a
-# checkpoint's record of it is compared on (:func:`keep_settings`, with the margin's keys after these, in this order)
-KEEP_BOUND_KEYS = dict(lipschitz_target="target", lipschitz_gamma_max="gamma_max", lipschitz_tau_max="tau_max",
-                       lipschitz_weight_max="weight_max", lipschitz_conv_max="conv_max")
-
-
 def keep_bound_args(cfg) -> dict:
-    """:func:`lipsformer.lipschitz.constraints.keep_bound`'s keyword arguments from the config."""
+    """:func:`lipsformer.lipschitz.constraints.keep_bound`'s keyword arguments from the config: the keys declared
+    with ``keep_bound=`` (:data:`lipsformer.engine.config.KEEP_BOUND_KEYS`)."""
     return {arg: getattr(cfg, key) for key, arg in KEEP_BOUND_KEYS.items()}
 
 
 def keep_settings(cfg) -> list:
-    """The config keys the bound keeping and the margin it sets depend on, by value."""
-    return [getattr(cfg, key) for key in (*KEEP_BOUND_KEYS, "margin_eps", "margin_bound")]
+    """The config keys the bound keeping and the margin it sets depend on, by value: bound keeping's, then the
+    margin's, each in the fields' order (checkpoints compare this list as written)."""
+    return [getattr(cfg, key) for key in (*KEEP_BOUND_KEYS, *MARGIN_KEYS)]
 
 
 def kept_record(step: int, bound: float, criterion: Callable, cfg) -> dict:
