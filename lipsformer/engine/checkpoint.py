@@ -33,7 +33,7 @@ class TrainState:
     """Where the run is: epoch, optimizer step, batches consumed in this epoch, and bookkeeping.
 
     ``batch_in_epoch`` counts each process's batches of ``batch_size`` on ``processes`` processes: the run that
-    wrote the state. A checkpoint from before these were recorded keeps the values the loading run gives.
+    wrote the state. A checkpoint that does not record them keeps the values the loading run gives.
     """
 
     def __init__(self, processes: int = 1, batch_size: int = 1, global_batch: int = 1, updates_per_epoch: int = 0):
