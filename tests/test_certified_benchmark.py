@@ -1,4 +1,4 @@
-"""benchmarks/certified.py (issue 36) in miniature: both datasets, the LipsFormers with branches on and forced off,
+"""benchmarks/certified.py in miniature: both datasets, the LipsFormers with branches on and forced off,
 our CNN and deel-torchlip's, trained by the same loop, certified under the pairwise and the global rule."""
 import json
 import sys

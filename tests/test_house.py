@@ -1,4 +1,4 @@
-"""The house stays readable (issue 38): the training loop reads top to bottom in one sitting, with the resume policy,
+"""The house stays readable: the training loop reads top to bottom in one sitting, with the resume policy,
 the preemption handling and the metrics in modules of their own, and no module of the package grows past what one
 reads in one go; a module that does is split along the concepts it already has."""
 from pathlib import Path

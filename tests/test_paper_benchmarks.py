@@ -1,4 +1,4 @@
-"""Issue 14's benchmarks (Table 3 in miniature, Kim et al. Fig. 2 / Fig. 3, AttLip Fig. 1) on tiny settings, and the
+"""The papers' experiments of benchmarks/paper/ (Table 3 in miniature, Kim et al. Fig. 2 / Fig. 3, AttLip Fig. 1) on tiny settings, and the
 warmup schedule the ablation's warmup row relies on."""
 import json
 from pathlib import Path
