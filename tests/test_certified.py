@@ -389,7 +389,7 @@ def test_bound_kept_every_k_steps_resumes_bit_identical_and_projects_the_weights
 def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "paper"))
     from certified import LipschitzCNN, pixel_bound, register_cnn
 
     from lipsformer.lipschitz import maximize_difference_quotient
@@ -706,7 +706,7 @@ def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_la
 def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "paper"))
     import certified
 
     def row(model, seed, value, in_use):

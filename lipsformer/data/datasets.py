@@ -121,7 +121,7 @@ def collate_skip_failed(batch: List[Tuple[Any, ...]]):
 def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
     """timm's data config from the model's pretrained config, at the size the model is built for (a model built
     at 32 px gets 32 px images, whatever size its published config names); ``crop_pct`` / ``interpolation``
-    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/certified.py's CNN) keeps the
+    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/paper/certified.py's CNN) keeps the
     input size its pretrained config names."""
     from ..models._base import LipsFormerBase
     size = None
