@@ -49,7 +49,7 @@ class TrainState:
         self.updates_per_epoch = updates_per_epoch  # optimizer steps an epoch takes in that geometry
         self.epoch_sums = {}  # the current epoch's sums so far (metrics.py's EpochMeter.totals), for a mid-epoch resume
         # the bound keeping's last projection (train.py's _Run.keep_bound: step, bound, the margin loss's L, the
-        # settings), restored on resume rather than projected again; None: none yet, or a checkpoint from before
+        # settings), restored on resume rather than projected again; None: none yet, or a checkpoint that records none
         self.kept = None
 
     @property

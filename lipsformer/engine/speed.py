@@ -51,9 +51,9 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     """Compile ``model`` in place (``nn.Module.compile``: no ``_orig_mod`` wrapper, so parameter names,
     ``accelerator.unwrap_model``, checkpoints and the EMA see the same module) and return it.
 
-    ``torch.compile`` with static shapes, as a fixed-batch training job has (automatic dynamic shapes made
-    the batch symbolic once training and evaluation batches both ran, and cost a quarter of the compiled
-    training speed, README Speed).
+    ``torch.compile`` with static shapes, as a fixed-batch training job has (automatic dynamic shapes make
+    the batch symbolic once training and evaluation batches have both run, which slows compiled training,
+    README Speed).
 
     ``memory_budget`` in (0, 1] is the partitioner's activation memory budget
     (``torch._functorch.config.activation_memory_budget``, process-wide): the share of the saved activations
