@@ -1,9 +1,11 @@
-"""Time to build each LipsFormer model against timm's nearest Swin, and to load weights, in one process.
+"""A tool users run (docs/speed.md, Building): Time to build each LipsFormer model against timm's nearest Swin, and
+to load weights, in one process.
 
+    python benchmarks/build_time.py --reps 3
     python benchmarks/build_time.py [--models lipsformer_swin_t ...] [--reps 5] [--no-load] [--json out.json]
 
 Each model and its baseline are created interleaved (model, baseline, model, ...) for ``--reps`` rounds; each
-figure is the median, on CPU with the default (spectral) init. The target (issue 15) is a ratio of at most 2.
+figure is the median, on CPU with the default (spectral) init. The target is a ratio of at most 2.
 Loading: ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=...))`` of a saved
 ``.safetensors`` against building the model plus reading that file (target: ratio at most 1).
 """

@@ -1,6 +1,8 @@
-"""What a certificate costs: certified inference, the plain evaluation forward and a training step of the
-certifiable models against the plain LipsFormer of the same size, interleaved in one process (issues 26, 37).
+"""A tool users run (README.md and docs/certified.md, what a certificate costs): What a certificate costs: certified
+inference, the plain evaluation forward and a training step of the certifiable models against the plain LipsFormer
+of the same size, interleaved in one process.
 
+    python benchmarks/certified_speed.py --batch 8 32 --threads 2 --rounds 5
     python benchmarks/certified_speed.py [--pairs lipsformer_swin_t:lipsformer_swin_t_cert ...] [--batch 8 32]
         [--img-size 224] [--rounds 3] [--threads 2] [--attlip-form orthogonal|general] [--json out.json]
 

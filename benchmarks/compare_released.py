@@ -1,4 +1,5 @@
-"""Logits of our models against the released implementation's, on the same weights.
+"""A tool users run (docs/models.md): Logits of our models against the released implementation's, on the same
+weights.
 
     git clone https://github.com/IDEA-Research/LipsFormer /tmp/LipsFormer
     git -C /tmp/LipsFormer show 00acb80:models/cswin.py > /tmp/LipsFormer/models/cswin_00acb80.py

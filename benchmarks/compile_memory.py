@@ -1,6 +1,7 @@
-"""Compiled training memory against the partitioner's activation memory budget (train.py's ``compile_memory_budget``),
-against timm's Swin eager and compiled.
+"""A tool users run (docs/speed.md, compiled training memory): Compiled training memory against the partitioner's
+activation memory budget (train.py's ``compile_memory_budget``), against timm's Swin eager and compiled.
 
+    python benchmarks/compile_memory.py --budgets 1.0 0.8 --solver greedy
     python benchmarks/compile_memory.py [--model lipsformer_swin_t] [--budgets 1.0 0.8 0.5] [--batch 4] [--steps 3]
         [--solver greedy|dp|ilp] [--json out.json]
 
@@ -9,8 +10,8 @@ a second model compiled in the same process with another budget would silently r
 builds the model, compiles it through ``lipsformer.engine.speed.compile_model`` (train.py's path), measures the
 bytes autograd saves for backward in one training step (``throughput.train_memory``, the CPU measure of
 ``throughput.py``; the first step also compiles) and then times ``--steps`` training steps (SGD), median. The saved
-activations grow with the batch, their ratios hardly (1.59x at batch 4 and at 16 for the default budget); compiling
-one training graph of Swin-T takes about 3 minutes on 2 CPU cores.
+activations grow with the batch, their ratios hardly (docs/speed.md); compiling one training graph of Swin-T takes
+minutes on a CPU, so a run of this script is slow.
 """
 import argparse
 import json

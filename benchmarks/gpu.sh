@@ -12,7 +12,7 @@
 #   1. installs the project and each dependency missing or too old from .whl/ into a target folder
 #      (pip --no-index --no-deps), then checks and records every version (versions.json);
 #   2. pytest -m gpu (gpu_tests.log, gpu_tests.xml);
-#   3. benchmarks/throughput.py --matrix --device cuda --amp bf16 (issue 35's training benchmark; 7 min at
+#   3. benchmarks/throughput.py --matrix --device cuda --amp bf16 (docs/speed.md's training benchmark; 7 min at
 #      most): eager at batch 64 and 256, then compiled at batch 256 with the compiler's default and
 #      compile_memory_budget 0.8, one process each: lipsformer_swin_t and lipsformer_cswin_t against swin_tiny
 #      (and the released implementation with --released), inference and training img/s, ratios, per-FLOP ratios,

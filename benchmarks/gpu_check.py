@@ -1,5 +1,5 @@
-"""benchmarks/gpu.sh's two Python steps (standard library and ``packaging`` only, so they run before anything is
-installed):
+"""A tool users run, through benchmarks/gpu.sh (docs/gpu.md): benchmarks/gpu.sh's two Python steps (standard library
+and ``packaging`` only, so they run before anything is installed):
 
     python benchmarks/gpu_check.py requirements WHEEL_DIR   # wheels to install: one path a line; exit 2 on a gap
     python benchmarks/gpu_check.py report RESULTS_DIR       # RESULTS_DIR/gpu.json and gpu.md from the parts

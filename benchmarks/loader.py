@@ -1,4 +1,5 @@
-"""Decoded-and-augmented images per second per loader worker: train.py's loader against timm's create_loader.
+"""A tool users run (docs/speed.md, the loader): Decoded-and-augmented images per second per loader worker:
+train.py's loader against timm's create_loader.
 
     python benchmarks/loader.py                       # swin_t recipe, 384 generated 500x375 JPEGs, workers 1 and 0
     python benchmarks/loader.py --data /tmp/jpegs --images 1024 --rounds 7 --workers 1 --json loader.json

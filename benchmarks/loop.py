@@ -1,4 +1,5 @@
-"""train.py's loop against timm's own train.py: the same model, data folder and recipe, run in turns.
+"""A tool users run (README.md and docs/speed.md): train.py's loop against timm's own train.py: the same model, data
+folder and recipe, run in turns.
 
     python benchmarks/loop.py --timm /work/timm-src                       # demo and swin_t, 3 rounds of 3 epochs
     python benchmarks/loop.py --timm /work/timm-src --settings demo --rounds 5 --threads 2 --json loop.json

@@ -1,5 +1,8 @@
-"""Inference and training-step throughput and memory of LipsFormer models against a timm baseline, same process.
+"""A tool users run (README.md, docs/speed.md, docs/gpu.md): Inference and training-step throughput and memory of
+LipsFormer models against a timm baseline, same process.
 
+    python benchmarks/throughput.py --matrix --threads 1 2 --train-batches 8 32 --reps 3 --iters 1 --compiled none 0.8 \
+        --compiled-batches 8
     python benchmarks/throughput.py [--models lipsformer_swin_t lipsformer_cswin_t] [--baseline swin_tiny_patch4_window7_224]
         [--device cpu|cuda] [--batch 16] [--train-batch 8] [--amp no|bf16|fp16] [--channels-last] [--compile]
         [--eager-baseline] [--reps 5] [--grad-checkpointing] [--json out.json] [--profile 15]
@@ -7,7 +10,7 @@
     python benchmarks/throughput.py --matrix [--threads 1 2] [--train-batches 8 32] [--compiled none 0.8]
         [--compiled-batches 8] [--reps 3] [--iters 1] [--json out.json]
 
-``--matrix`` is issue 35's training benchmark: for every thread count and batch, eager training and inference of
+``--matrix`` is the training benchmark of docs/speed.md: for every thread count and batch, eager training and inference of
 the models and the baseline interleaved, then, with ``--compiled``, the same compiled (``compile_model``, train.py's
 path), one process per compiler setting (``none``: the compiler's default; a number: ``compile_memory_budget``).
 Each row: img/s, the ratio to the baseline's and the per-FLOP ratio (ratio x GFLOPs / baseline GFLOPs), and the
@@ -244,7 +247,7 @@ def saved_bytes(model, x, device, amp) -> int:
     return total
 
 
-TARGETS = dict(train_ratio=0.9, train_per_flop=1.0, saved_ratio=1.1, infer_per_flop=1.0)  # issue 35
+TARGETS = dict(train_ratio=0.9, train_per_flop=1.0, saved_ratio=1.1, infer_per_flop=1.0)  # docs/speed.md's targets
 
 
 def build(names, args) -> tuple:
@@ -367,7 +370,7 @@ def main(argv=None) -> None:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--eager-baseline", action="store_true",
-                        help="with --compile, leave the baseline eager (issue 13's CPU target: a compiled LipsFormer "
+                        help="with --compile, leave the baseline eager (the CPU target: a compiled LipsFormer "
                              "training step against swin_tiny eager)")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     parser.add_argument("--memory-budget", type=float, metavar="F",
@@ -376,7 +379,7 @@ def main(argv=None) -> None:
     parser.add_argument("--grad-checkpointing", action="store_true", help="for the LipsFormer models' training step")
     parser.add_argument("--reps", type=int, help="interleaved rounds (default 5; --matrix: 3)")
     parser.add_argument("--iters", type=int, help="timed iterations per round (default 2; --matrix: 1)")
-    parser.add_argument("--matrix", action="store_true", help="issue 35's training benchmark (see the top)")
+    parser.add_argument("--matrix", action="store_true", help="the training benchmark of docs/speed.md (see the top)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="--matrix: CPU thread counts")
     parser.add_argument("--train-batches", type=int, nargs="+", default=[8, 32], help="--matrix: batches")
     parser.add_argument("--compiled-batches", type=int, nargs="+",

@@ -1,4 +1,5 @@
-"""Transfer demo: pretrain on digits 0-4, fine-tune on digits 5-9 from a few labels per class.
+"""A demo users run (make finetune-demo; README.md, docs/training.md): Transfer demo: pretrain on digits 0-4,
+fine-tune on digits 5-9 from a few labels per class.
 
     python benchmarks/transfer.py [--shots 10] [--pretrain-epochs 15] [--epochs 40] [--out output/transfer]
 

@@ -76,7 +76,7 @@ def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, 
 def _conv_backward(grad_out, x, w, bias, stride, padding, dilation, transposed, output_padding, groups,
                    output_mask, out_shape=None) -> int:
     """The input and weight gradients of a convolution, each as many multiply-adds as its forward (torch's own
-    formula ignores ``groups``: a depth-wise 7x7 conv's backward came out 9x its forward)."""
+    formula ignores ``groups``: a depth-wise 7x7 conv's backward would count 9x its forward)."""
     from torch.utils.flop_counter import conv_flop_count
     return conv_flop_count(x, w, grad_out, transposed) * (int(output_mask[0]) + int(output_mask[1]))
 

@@ -502,8 +502,8 @@ def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = Fa
     args = dict(meta.get("model_args") or {})
     args.update(kwargs)
     form = state_dict_form(state_dict)
-    if form is not None and "attlip_form" not in args:  # the form the file's AttLip weights are (a run of a
-        args["attlip_form"] = form  # *_cert model from before 'orthogonal' became its default holds 'general')
+    if form is not None and "attlip_form" not in args:  # the form the file's AttLip weights are (a *_cert
+        args["attlip_form"] = form  # run's model_args need not name it, and its weights may be 'general')
     head = next((state_dict[k] for k in ("head.fc.weight", "head.weight") if k in state_dict), None)  # ours, released
     head = head if head is not None and head.dim() == 2 else None
     if "num_classes" not in args and head is not None:

@@ -174,7 +174,7 @@ def test_groups_are_solved_independently_in_chunks_and_stop_at_their_own_toleran
     assert torch.allclose(grad, ref, atol=1e-10)
 
 
-# -- the orthogonal form (issue 37): W = diag(s_h) Q, solved per head in rotated coordinates -------------------
+# -- the orthogonal form: W = diag(s_h) Q, solved per head in rotated coordinates -------------------
 def orthogonal(scales=(-1.0, 1.5), dtype=torch.double, **kw):
     from lipsformer.layers.attlip import OrthogonalAttLip
     torch.manual_seed(3)

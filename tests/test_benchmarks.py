@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py: its output, and the memory targets of issue 7, which are deterministic (bytes saved
+"""benchmarks/throughput.py: its output, and its memory targets, which are deterministic (bytes saved
 for backward do not depend on the machine's speed)."""
 import json
 import os
@@ -35,7 +35,7 @@ def test_throughput_prints_a_table_and_writes_json_against_the_baseline(tmp_path
 
 
 def test_training_memory_targets_at_batch_16():
-    """Bytes autograd saves in a training step (224 px, fp32, CPU): <= 1.1x swin_tiny's for both families (issue 35),
+    """Bytes autograd saves in a training step (224 px, fp32, CPU): <= 1.1x swin_tiny's for both families,
     <= 0.6x with gradient checkpointing."""
     train_memory = load_script("benchmarks/throughput.py").train_memory
     x = torch.randn(16, 3, 224, 224)
@@ -54,7 +54,7 @@ def test_training_memory_targets_at_batch_16():
 
 
 def test_training_benchmark_prints_eager_rows_with_ratios_and_saved_bytes(tmp_path, capsys):
-    """--matrix (issue 35): a row per model, thread count and batch, ratios and per-FLOP ratios against the
+    """--matrix: a row per model, thread count and batch, ratios and per-FLOP ratios against the
     baseline's row of the same group, the bytes autograd saves, and the targets a row misses."""
     out = tmp_path / "matrix.json"
     load_script("benchmarks/throughput.py").main(["--matrix", "--models", "lipsformer_swin_t", "--threads", "1",
@@ -157,7 +157,7 @@ def test_certified_speed_refuses_settings_it_cannot_time_in_one_line(args, capsy
 
 
 def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path, capsys, monkeypatch):
-    """--parts (issue 35's profile of the gap): every block split into LipsFormer's conv blocks, attention and MLP
+    """--parts (the profile of the gap to the baseline): every block split into LipsFormer's conv blocks, attention and MLP
     residuals and timm Swin's attention and MLP residuals, which chained give the block's output; each part timed
     forward + backward and summed over the blocks (a clock that ticks once per reading: each timed part costs 1, so
     a part's sum is its number of blocks); a model it has no parts for, or a setting it ignores, is refused in one

@@ -1,4 +1,4 @@
-"""A certifiable LipsFormer: 1-Lipschitz layers, bound keeping, the Lipschitz-margin loss (issue 17)."""
+"""A certifiable LipsFormer: 1-Lipschitz layers, bound keeping, the Lipschitz-margin loss."""
 import copy
 import math
 
@@ -389,7 +389,7 @@ def test_bound_kept_every_k_steps_resumes_bit_identical_and_projects_the_weights
 def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "paper"))
     from certified import LipschitzCNN, pixel_bound, register_cnn
 
     from lipsformer.lipschitz import maximize_difference_quotient
@@ -474,7 +474,7 @@ def _fresh(layer, x):
 
 
 def test_eval_divisor_is_computed_once(monkeypatch):
-    """Eval mode computes each normalised weight's exact divisor once, not in every forward (issue 26 item 2)."""
+    """Eval mode computes each normalised weight's exact divisor once, not in every forward."""
     from lipsformer.layers import normalized
 
     calls = []
@@ -559,7 +559,7 @@ def test_eval_divisor_is_never_stale(how):
 
 
 def test_power_iteration_divisor_in_training_exact_at_evaluation():
-    """linear=normalized_power trains with one power iteration per weight change (issue 26 item 3): the divisor
+    """linear=normalized_power trains with one power iteration per weight change: the divisor
     ||W^T u|| is at most the exact norm and tracks it, the first iterate is the exact vector (no random start: the
     global RNG stream is that of the exact divisor), forwards between two steps share it, and eval mode divides by
     the exact norm (the same output as the exact layer)."""
@@ -706,7 +706,7 @@ def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_la
 def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "paper"))
     import certified
 
     def row(model, seed, value, in_use):
@@ -735,7 +735,7 @@ def test_benchmark_table_averages_over_seeds_and_rejects_no_jobs():
             certified.main(bad)
 
 
-# -- issue 36: residual weights kept in a range (branches forced off, a floor), the reflected AttLip mixer, CPL MLP --
+# -- residual weights kept in a range (branches forced off, a floor), the reflected AttLip mixer, CPL MLP --
 def test_alpha_range_holds_the_branches_off_or_on_through_training_steps():
     from lipsformer.lipschitz.constraints import keep_bound
 

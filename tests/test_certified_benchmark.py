@@ -1,4 +1,4 @@
-"""benchmarks/certified.py (issue 36) in miniature: both datasets, the LipsFormers with branches on and forced off,
+"""benchmarks/paper/certified.py in miniature: both datasets, the LipsFormers with branches on and forced off,
 our CNN and deel-torchlip's, trained by the same loop, certified under the pairwise and the global rule."""
 import json
 import sys
@@ -28,7 +28,7 @@ def data(tmp_path):
 
 def test_every_model_on_both_datasets_under_both_rules(data, tmp_path, capsys):
     pytest.importorskip("deel.torchlip")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "paper"))
     import certified as bench  # a module of its own (timm registers the CNN under the module's name)
     try:
         rows = bench.main(["--datasets", "mnist", "digits", "--epochs", "1", "--data", str(data), "--out",

@@ -1,4 +1,4 @@
-"""The certifiable configuration as registered timm models (issue 26 item 4): ``timm.create_model`` builds them at
+"""The certifiable configuration as registered timm models: ``timm.create_model`` builds them at
 224 with the zoo's sizes, their bound is finite, and one call gives predictions and certified radii."""
 import pytest
 import timm

@@ -193,8 +193,8 @@ def test_eval_cli_rejects_bad_eps_with_one_line_and_an_infinite_bound_says_why(t
 
 
 def test_certifying_gives_the_model_back_in_its_mode_and_says_why_nothing_certifies():
-    """issue 34.4: predict_certified left a model in train mode in eval mode, and on a model with an infinite bound
-    returned all-zero radii without a word; pgd_l2 and certify_dataset left train mode behind too."""
+    """predict_certified gives a model in train mode back in train mode, and on a model with an infinite bound
+    says why its radii are all zero; pgd_l2 and certify_dataset give train mode back too."""
     import warnings
     from accelerate import Accelerator
     from lipsformer.lipschitz import predict_certified

@@ -321,8 +321,8 @@ class _Terminal(io.StringIO):
 @pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
 def test_outputs_are_readable_as_any_other_file_and_a_log_gets_plain_progress_lines(tmp_path, capsys, monkeypatch,
                                                                                     terminal):
-    """issue 34.5: weight files were written 0600 (safetensors writes through a temporary file) where every other
-    output is 0666 less the umask; the progress bar wrote its updates into log files. Now every file of the run
+    """Weight files are not 0600 (safetensors writes through a temporary file) where every other
+    output is 0666 less the umask, and the progress bar writes no updates into log files: every file of the run
     and of its export has the umask's mode, and stderr that is not a terminal gets no bar but a plain line every
     log_every_steps on stdout."""
     from lipsformer.convert import main as convert

@@ -24,7 +24,7 @@ from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.finetune import build_model
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-SOAK = load_script("benchmarks/augment_soak.py")
+SOAK = load_script("benchmarks/investigations/augment_soak.py")
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 

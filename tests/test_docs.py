@@ -1,4 +1,4 @@
-"""The documentation cannot drift (issue 38): every relative link in README.md and docs/*.md resolves (the file
+"""The documentation cannot drift: every relative link in README.md and docs/*.md resolves (the file
 exists; an ``#anchor`` is the GitHub slug of a heading of its target), and every command shown in their code
 blocks is parsed by the tool it names: train.py's argv by ``train.build_parser()`` with its config loaded through
 ``load_config`` and the overrides (nothing trains), eval.py's by its own parser, ``python -m lipsformer.X`` and
@@ -577,8 +577,8 @@ def test_the_checker_passes_good_commands_and_catches_dead_links(tmp_path):
     assert check_command("python -m lipsformer.flops --models lipsformer_swin_t --no-flops") is None
     assert check_command("make test") is None
     page = tmp_path / "page.md"
-    (tmp_path / "other.md").write_text("# A title\n\n## Some `code`: here (issue 36)\n")
-    page.write_text("[a](other.md#some-code-here-issue-36) [b](other.md#gone) [c](missing.md) [d](#local)\n\n"
+    (tmp_path / "other.md").write_text("# A title\n\n## Some `code`: here (in brief)\n")
+    page.write_text("[a](other.md#some-code-here-in-brief) [b](other.md#gone) [c](missing.md) [d](#local)\n\n"
                     "## Local\n\n```bash\n[not a link](nowhere.md)\n```\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path

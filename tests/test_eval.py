@@ -253,7 +253,7 @@ def test_eval_cli_reports_unreadable_images_and_refuses_fp16_on_cpu(tmp_path, ca
             "error: --amp fp16 needs a GPU: on CPU Accelerate would quietly run in fp32; use --amp bf16")
 
 
-# -- issue 25: no number silently wrong, one line per mistake -------------------------------------------
+# -- no number silently wrong, one line per mistake -------------------------------------------
 def folder_of(root: Path, classes, per_class: int = 2) -> Path:
     """An image folder with ``per_class`` random images under each named class folder (same images per name)."""
     for name in classes:
@@ -273,7 +273,7 @@ def named_weights(path: Path, names=None) -> Path:
 
 
 def test_eval_labels_a_val_folder_by_class_name_not_by_sorted_place(tmp_path, caplog):
-    # issue 25.1: a folder lacking a class, or holding a subset in another order, used to be labelled by its
+    # a folder lacking a class, or holding a subset in another order, used to be labelled by its
     # sorted place: a digits model scoring 87% on nine classes printed 1.26%. Now each folder gets its name's label.
     from lipsformer.engine.evaluate import evaluate_model
     names = ["zebra", "ant", "cat", "bee"]  # label order of the model: not sorted
@@ -324,7 +324,7 @@ def test_eval_refuses_class_folders_it_cannot_match_in_one_line(tmp_path, capsys
      f"argument --predictions: {__file__}/p.csv: {__file__} is a file, not a folder"),
 ])
 def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys, args, message):
-    # issue 25.2 / 25.5 / 25.11: attacks of 0 steps or restarts reported clean accuracy as "PGD-attacked";
+    # attacks of 0 steps or restarts reported clean accuracy as "PGD-attacked";
     # --crop-pct 0 became 1.0, 7 was taken; bad sizes ended in tracebacks.
     data = folder_of(tmp_path / "val", ["a", "b", "c", "d"], per_class=1)
     weights = named_weights(tmp_path / "w")
@@ -337,7 +337,7 @@ def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys
 
 
 def test_eval_at_another_size_than_trained_says_so(tmp_path, capsys, caplog):
-    # issue 25.5: a model built at a larger --img-size than its weights were made at scored far below its own
+    # a model built at a larger --img-size than its weights were made at scored far below its own
     # accuracy without a word; the result now says at which size the weights were made, and a warning names it.
     data = folder_of(tmp_path / "val", ["a", "b", "c", "d"], per_class=1)
     weights = named_weights(tmp_path / "w")
@@ -348,11 +348,11 @@ def test_eval_at_another_size_than_trained_says_so(tmp_path, capsys, caplog):
     assert "evaluating at 64 px a model whose weights were made at 32 px" in caplog.text
     saved = json.loads((tmp_path / "r.json").read_text())
     assert (saved["input_size"], saved["trained_input_size"]) == ([3, 64, 64], [3, 32, 32])
-    assert f"on {data} (image folder, 4 classes): top-1" in out.out  # not "(imagenet)" (issue 25.8)
+    assert f"on {data} (image folder, 4 classes): top-1" in out.out  # not "(imagenet)"
 
 
 def test_eval_pretrained_offline_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
-    # issue 25.11: without network, eval.py --pretrained ended in a URLError traceback
+    # without network, eval.py --pretrained ended in a URLError traceback
     import urllib.error
 
     def offline(*args, **kwargs):  # what urllib raises without network (never downloads, online or not)
@@ -373,8 +373,8 @@ class _Terminal(io.StringIO):
 
 
 def test_evaluation_and_validation_show_progress_on_a_terminal_only(tmp_path, monkeypatch):
-    # issue 25.12: eval.py and train.py's validation ran without a word for minutes; now a tqdm bar, quiet when
-    # stderr is not a terminal (logs, CI)
+    # eval.py and train.py's validation show a tqdm bar on a terminal, and are quiet when stderr is not one
+    # (logs, CI)
     from accelerate import Accelerator
     from lipsformer.engine.evaluate import evaluate as validate
     for c in range(4):

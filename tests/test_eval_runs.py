@@ -1,4 +1,4 @@
-"""eval.py and convert on train.py's own outputs (issue 25): class names travel with the weights and label every val
+"""eval.py and convert on train.py's own outputs: class names travel with the weights and label every val
 folder by name, in training's validation as in eval.py; periodic checkpoints evaluate; --use-ema says what is
 missing; checkpoints/README.md's convert commands run as written."""
 import json
@@ -58,7 +58,7 @@ def run(tmp_path_factory):
 
 
 def test_training_validation_labels_val_classes_by_name(tmp_path, capsys):
-    # issue 25.1: a val/ lacking one of train/'s classes used to be numbered by its own sorted order, so every
+    # a val/ lacking one of train/'s classes used to be numbered by its own sorted order, so every
     # class after the gap was scored against the wrong label
     from accelerate import Accelerator
     from lipsformer.engine.finetune import build_model
@@ -109,7 +109,7 @@ def test_a_run_records_its_classes_and_eval_labels_any_val_folder_by_them(run, t
 
 
 def test_a_periodic_checkpoint_evaluates_and_equals_the_final_weights(run, tmp_path, capsys):
-    # issue 25.11: checkpoints/step_N (train.py's own checkpoint) could not be evaluated at all
+    # checkpoints/step_N (train.py's own checkpoint) could not be evaluated at all
     data = images(tmp_path / "val", CLASSES, 2)
     results = {}
     for name, checkpoint in (("last", run), ("step", run / "checkpoints" / "step_000000004")):
@@ -126,7 +126,7 @@ def test_a_periodic_checkpoint_evaluates_and_equals_the_final_weights(run, tmp_p
     ("checkpoints/step_000000002", "is a periodic training checkpoint: --use-ema takes the EMA of a finished run"),
 ])
 def test_use_ema_where_there_is_none_says_why_in_one_line(run, tmp_path, capsys, where, message):
-    # issue 25.11: a run trained without EMA said "without last_ema.safetensors (has it finished?)"; a weight file
+    # a run trained without EMA said "without last_ema.safetensors (has it finished?)"; a weight file
     # took --use-ema silently and evaluated its one set of weights as if they were the EMA
     data = images(tmp_path / "val", CLASSES, 1)
     before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
@@ -136,7 +136,7 @@ def test_use_ema_where_there_is_none_says_why_in_one_line(run, tmp_path, capsys,
 
 
 def test_every_convert_command_of_checkpoints_readme_runs_as_written(run, tmp_path, monkeypatch, capsys):
-    # issue 25.12: the README's demo command asked for an EMA the demo run does not have (it failed as written)
+    # the README's demo command asked for an EMA the demo run does not have (it failed as written)
     import ast
     import shlex
 
@@ -170,7 +170,7 @@ def test_every_convert_command_of_checkpoints_readme_runs_as_written(run, tmp_pa
 
 def test_the_trained_input_size_is_what_the_weights_record_and_nothing_where_nothing_does(run, tmp_path, capsys,
                                                                                           caplog):
-    # issue 34.4: a bare 32 px weight file evaluated at 32 px was said to be "made at 224 px" (the registered
+    # a bare 32 px weight file evaluated at 32 px was said to be "made at 224 px" (the registered
     # config's size) with windows and biases "resized", and trained_input_size [3, 224, 224]; nothing was resized.
     import shutil
     from safetensors.torch import load_file, save_file
@@ -197,7 +197,7 @@ def test_the_trained_input_size_is_what_the_weights_record_and_nothing_where_not
 
 
 def test_predictions_name_their_classes_where_the_names_are_known(run, tmp_path, capsys):
-    # issue 34.5: the predictions CSV named classes by index only, although the run folder records their names
+    # the predictions CSV named classes by index only, although the run folder records their names
     import csv
     from safetensors.torch import load_file, save_file
     names = json.loads((run / "classes.json").read_text())  # ["ant", "bee", "cat", "dog"]: train/'s sorted folders

@@ -1,4 +1,4 @@
-"""Fine-tuning (issue 15): start from released / published / trained weights, a new head, freezing, layer decay,
+"""Fine-tuning: start from released / published / trained weights, a new head, freezing, layer decay,
 exact resume, eval.py at the built size, and bad input that stops before anything is written."""
 import json
 import shutil

@@ -377,7 +377,7 @@ def test_command_names_a_module_without_a_bound_in_one_line(monkeypatch, capsys)
 
 
 def test_command_json_is_strict_and_plot_marks_layers_without_a_finite_bound(tmp_path, capsys):
-    # issue 25.7: the released defaults (no finite SCSA bound) wrote Infinity tokens that strict JSON parsers
+    # the released defaults (no finite SCSA bound) wrote Infinity tokens that strict JSON parsers
     # reject, and the plot dropped those layers without a word
     from lipsformer.lipschitz.__main__ import main
 

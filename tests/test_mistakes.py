@@ -1,4 +1,4 @@
-"""The catalogue of mistakes (issue 34), generated rather than listed: every TrainConfig key with wrong types and
+"""The catalogue of mistakes, generated rather than listed: every TrainConfig key with wrong types and
 out-of-range values (keys, types and ranges read from the dataclass and its tables), every kind of broken data tree,
 checkpoints that are random bytes, truncated at random offsets or another model's, and every flag of train.py and
 eval.py with wrong values. Each case runs the command's ``main(argv)`` in this process and asserts its exit code, one

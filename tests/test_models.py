@@ -348,9 +348,9 @@ def test_every_option_field_has_a_case():
 @pytest.mark.parametrize("field", sorted(OPTION_VALUES))
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 def test_an_option_given_as_an_object_or_as_a_keyword_builds_the_same_model(name, field):
-    """Issue 34.3: ``lipschitz=LipschitzOptions(field=v)`` and ``field=v`` build the same choices, state dict and
-    outputs, with the family's defaults for every field not given (CSwin: tau 12, alpha 0.2; the object used to
-    bring the released Swin's tau 10 and alpha 1/sum(depths) to CSwin)."""
+    """``lipschitz=LipschitzOptions(field=v)`` and ``field=v`` build the same choices, state dict and
+    outputs, with the family's defaults for every field not given (CSwin: tau 12, alpha 0.2, not the released
+    Swin's tau 10 and alpha 1/sum(depths))."""
     options = dict(init="xavier", **WITH.get(field, {}))  # xavier: no SVDs where the init is not the point
     options[field] = OPTION_VALUES[field]
     by_object, by_keywords = both_routes(name, options)

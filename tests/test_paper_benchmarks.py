@@ -1,5 +1,5 @@
-"""Issue 14's benchmarks (Table 3 in miniature, Kim et al. Fig. 2 / Fig. 3, AttLip Fig. 1) on tiny settings, and the
-warmup schedule the ablation's warmup row relies on."""
+"""The papers' experiments of benchmarks/paper/ (Table 3 in miniature, Kim et al. Fig. 2 / Fig. 3, AttLip Fig. 1)
+on tiny settings, and the warmup schedule the ablation's warmup row relies on."""
 import json
 from pathlib import Path
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(name):
-    return load_script(f"benchmarks/{name}.py")
+    return load_script(f"benchmarks/paper/{name}.py")
 
 
 @pytest.fixture

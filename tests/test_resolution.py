@@ -1,4 +1,4 @@
-"""Resolution and window transfer (issue 15.3): bias tables resized as timm resizes them, set_input_size,
+"""Resolution and window transfer: bias tables resized as timm resizes them, set_input_size,
 strict_img_size=False for inputs of any size."""
 import copy
 

@@ -1,4 +1,4 @@
-"""What timm's own model tests check, on our tiny models, so conformance cannot regress (issue 16.6):
+"""What timm's own model tests check, on our tiny models, so conformance cannot regress:
 the declared output_fmt matches forward_features, and torch.fx symbolic tracing (timm's FX feature extraction
 and quantisation tools use it) runs forward and backward like the module."""
 import pytest
@@ -12,8 +12,8 @@ from torchvision.models.feature_extraction import get_graph_node_names
 from conftest import TINY, family
 
 NAMES = ["lipsformer_swin_t", "lipsformer_cswin_t"]
-# The certifiable models add GroupSort, AttLip, convex residuals and normalised linear maps (issue 34.6: GroupSort's
-# shape check stopped timm's FX tests on them): traced with one block a stage and few AttLip steps (tracing, not the
+# The certifiable models add GroupSort, AttLip, convex residuals and normalised linear maps (GroupSort's shape check
+# must not stop timm's FX tests on them): traced with one block a stage and few AttLip steps (tracing, not the
 # solve, is the point).
 CERT = ["lipsformer_swin_t_cert", "lipsformer_cswin_t_cert"]
 CHEAP = dict(depths=(1, 1, 1, 1), attlip_steps=(1, 3), init="xavier")

@@ -381,7 +381,7 @@ def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     broken.write_bytes(b"not an image")
     run = tmp_path / "run"
     said = torchrun(ROOT / "train.py", "--config", config)
-    # issue 34.5: one line per event across processes, per-process facts gathered (the other process printed its own
+    # one line per event across processes, per-process facts gathered (the other process printed its own
     # "done:" and "1 of 24 images could not be read, e.g. []")
     assert said.count("done: ") == 1
     bad = [line for line in said.splitlines() if "images could not be read" in line]

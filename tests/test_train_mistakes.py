@@ -1,4 +1,4 @@
-"""train.py when the user slips (issue 25): one clear line and nothing written, or the right numbers after a resume."""
+"""train.py when the user slips: one clear line and nothing written, or the right numbers after a resume."""
 import hashlib
 import shutil
 from pathlib import Path
@@ -45,18 +45,18 @@ def config(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    # item 11: a missing data folder (was an AssertionError after config.yaml was written)
+    # a missing data folder (was an AssertionError after config.yaml was written)
     (lambda t: ["--data-dir", t / "nope"], ["error: data_dir", "nope: no such folder"]),
     (lambda t: ["--data-dir", t / "data_no_val"], ["error: data_dir", "has no val/ folder"]),
-    # item 11: fewer classes than the data have (was an index error mid-epoch, files left behind)
+    # fewer classes than the data have (was an index error mid-epoch, files left behind)
     (lambda t: ["--set", "num_classes=3"], ["num_classes is 3 but the training data have 4 classes",
                                             "set num_classes: 4"]),
-    # item 11: --resume at a folder that is neither a checkpoint nor a run (was a misleading load_state message)
+    # --resume at a folder that is neither a checkpoint nor a run (was a misleading load_state message)
     (lambda t: ["--resume", t / "data"], ["error: --resume", "not a checkpoint folder (RUN/checkpoints/step_N)"]),
     (lambda t: ["--resume", t / "empty_run"], ["error: --resume", "that run folder holds no checkpoint"]),
-    # item 11: pretrained=local-dir:... (was 'names weights of local-dir:...')
+    # pretrained=local-dir:... (was 'names weights of local-dir:...')
     (lambda t: ["--set", "pretrained=local-dir:checkpoints/x"], ["set init_checkpoint: checkpoints/x"]),
-    # item 7: options that would do nothing
+    # options that would do nothing
     (lambda t: ["--set", "num_classes=-5"], ["num_classes must be at least 2"]),
     (lambda t: ["--set", "sched=step"], ["sched step needs decay_epochs"]),
     (lambda t: ["--set", "freeze=backbone", "mixup=0", "cutmix=0"], ["neither pretrained nor init_checkpoint"]),
@@ -97,10 +97,10 @@ def _rows(run: Path) -> list:
 
 
 def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monkeypatch, config):
-    """Item 3: a mid-epoch resume and the fallback from a damaged checkpoint leave metrics.jsonl as the
-    uninterrupted run wrote it (so does a preemption): one row per step and per epoch, the resumed epoch's figures whole. Item 8: epochs
+    """A mid-epoch resume and the fallback from a damaged checkpoint leave metrics.jsonl as the
+    uninterrupted run wrote it (so does a preemption): one row per step and per epoch, the resumed epoch's figures whole. Epochs
     count from 1 everywhere, and the last line names the best and the last weights for what they are.
-    Item 7: --resume auto into a folder that does not exist says so."""
+    --resume auto into a folder that does not exist says so."""
     run = tmp_path / "run"
     code, out, err = train_cli(capsys, "--config", config, "--resume", "auto")
     assert code == 0, err
@@ -144,8 +144,8 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monk
 
 
 def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, capsys, config):
-    """Item 4: --resume with another epochs (or lr, ...) would keep the checkpoint's schedule: refused, naming the
-    key and the way to train further. Item 11: --resume RUN resumes from that run's newest checkpoint."""
+    """--resume with another epochs (or lr, ...) would keep the checkpoint's schedule: refused, naming the
+    key and the way to train further. --resume RUN resumes from that run's newest checkpoint."""
     run = tmp_path / "run"
     assert train_cli(capsys, "--config", config, "--set", "epochs=1")[0] == 0
     before = snapshot(run)
@@ -157,14 +157,14 @@ def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, caps
                         f"init_checkpoint: {run}")
         assert snapshot(run) == before
     code, out, err = train_cli(capsys, "--config", config, "--set", "epochs=1", "--resume", run)
-    assert code == 0, err  # its newest checkpoint, which ends the run (issue 34): nothing to do, nothing written
+    assert code == 0, err  # its newest checkpoint, which ends the run: nothing to do, nothing written
     assert f"done already: {run} finished its 1 epochs at step 6 (checkpoint {run / 'checkpoints' / 'step_000000006'}" \
         in out and "init_checkpoint=" in out
     assert snapshot(run) == before
 
 
 def test_validation_reports_the_mean_cross_entropy_of_the_readable_images():
-    """Item 12: the validation loss behind curves.png's val-loss curve (an unreadable image's stand-in is left out)."""
+    """The validation loss behind curves.png's val-loss curve (an unreadable image's stand-in is left out)."""
     import torch
     import torch.nn.functional as F
     from accelerate import Accelerator
@@ -180,7 +180,7 @@ def test_validation_reports_the_mean_cross_entropy_of_the_readable_images():
 
 
 def test_curves_have_a_title_the_val_loss_and_whole_epoch_ticks():
-    """Item 12: curves.png names the run, draws the val loss beside the training loss (at each evaluated epoch's
+    """curves.png names the run, draws the val loss beside the training loss (at each evaluated epoch's
     last step), and its epoch axes tick at whole epochs."""
     from lipsformer.engine.metrics import draw_curves
     rows = [dict(kind="init", step=0)]

@@ -180,9 +180,9 @@ def test_use_ema_picks_the_ema_of_a_timm_style_checkpoint(tmp_path):
         create_from_checkpoint(path, "lipsformer_swin_t", use_ema=True, **TINY["swin"])
 
 
-# -- issue 25: convert names its folder by a tag, records what it read, and its hint loads the weights ----------
+# -- convert names its folder by a tag, records what it read, and its hint loads the weights ----------
 def test_convert_tag_is_a_name_not_a_path(tmp_path, monkeypatch, capsys):
-    # issue 25.9: --tag ../../../evil wrote outside checkpoints/
+    # --tag ../../../evil wrote outside checkpoints/
     monkeypatch.chdir(tmp_path)
     source = tmp_path / "w.safetensors"
     save_file(tiny().state_dict(), str(source))
@@ -196,7 +196,7 @@ def test_convert_tag_is_a_name_not_a_path(tmp_path, monkeypatch, capsys):
 
 
 def test_convert_hint_loads_the_converted_weights_and_config_says_what_they_are(tmp_path, monkeypatch, capsys):
-    # issue 25.12: the printed local-dir: hint built a model with a random head (no pretrained=True); config.json
+    # the printed local-dir: hint built a model with a random head (no pretrained=True); config.json
     # said tag official_in1k, pool_size null and no source_sha256 for a run folder
     monkeypatch.chdir(tmp_path)
     run, model, _ = _fake_run(tmp_path)
@@ -231,7 +231,7 @@ def test_convert_model_args_must_be_an_object(tmp_path, capsys):
 
 
 def test_attlip_weights_of_the_other_form_are_refused_in_one_line_and_old_runs_load_as_they_were(tmp_path):
-    """The certifiable models' AttLip became the orthogonal form (issue 37): its weights are named rotation and scale,
+    """The certifiable models' AttLip is the orthogonal form by default: its weights are named rotation and scale,
     the general form's weight. A file of one form is refused by a model of the other in one line naming the change
     and the fix; create_from_checkpoint (eval.py, fine-tuning) builds the form the file holds when not told."""
     from lipsformer.engine.checkpoint import check_loadable

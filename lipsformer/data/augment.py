@@ -5,8 +5,8 @@ maps to. ``PosterizeIncreasing`` (the ``inc1`` in the Table 6 recipe ``rand-m9-m
 ``4 - int(m / 10 * 4)`` bits, 0 at magnitude 10; ``Posterize`` keeps ``int(m / 10 * 4)``, 0 below magnitude 2.5.
 With ``mstd0.5`` a magnitude of 10 (the clip) is drawn for about 2.3% of the ops at m9. Pillow < 13 turned 0 (or
 fewer) bits into a black image (its mask ``~(2 ** (8 - bits) - 1)`` clears every bit); Pillow 13 raises
-``ValueError: bits must be between or equal to 1 and 8``, about once in 900 training images, so every ImageNet
-epoch died in its first minutes. :func:`portable` points those ops at :func:`posterize`, which gives the old
+``ValueError: bits must be between or equal to 1 and 8``, about once in 900 training images, so no ImageNet
+epoch would end. :func:`portable` points those ops at :func:`posterize`, which gives Pillow < 13's
 black image for bits <= 0 and Pillow's own result otherwise: the same recipe, the same distribution, on every
 Pillow the project allows.
 """

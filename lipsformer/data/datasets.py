@@ -32,11 +32,11 @@ def _seeded_rngs(seed: int):
 
     In the main process (a loader without workers) their states are given back after it, so the model's draws
     (DropPath, mixup) do not depend on the data. A loader worker draws from them only here, reseeded for every
-    sample, so it neither saves nor restores them (~0.15 ms a sample). The CPU generator is seeded by
+    sample, so it neither saves nor restores them (a cost per sample). The CPU generator is seeded by
     ``torch.default_generator.manual_seed``: ``torch.manual_seed`` also seeds every CUDA generator (before CUDA
-    starts it queues the call with a stack trace, ~0.35 ms a sample) and, in the main process, left them at the last
-    sample's seed, while the transforms draw on the CPU only. In a worker the seeding went from ~0.6 ms a sample
-    (~5% of decoding and augmenting a 500x375 JPEG) to ~0.03 ms (``benchmarks/loader.py``).
+    starts it queues the call with a stack trace, for every sample) and, in the main process, would leave them at
+    the last sample's seed, while the transforms draw on the CPU only. What the seeding costs a worker against
+    decoding and augmenting a JPEG: ``benchmarks/loader.py``.
     """
     main = get_worker_info() is None
     if main:
@@ -121,7 +121,7 @@ def collate_skip_failed(batch: List[Tuple[Any, ...]]):
 def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
     """timm's data config from the model's pretrained config, at the size the model is built for (a model built
     at 32 px gets 32 px images, whatever size its published config names); ``crop_pct`` / ``interpolation``
-    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/certified.py's CNN) keeps the
+    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/paper/certified.py's CNN) keeps the
     input size its pretrained config names."""
     from ..models._base import LipsFormerBase
     size = None

@@ -33,7 +33,7 @@ class TrainState:
     """Where the run is: epoch, optimizer step, batches consumed in this epoch, and bookkeeping.
 
     ``batch_in_epoch`` counts each process's batches of ``batch_size`` on ``processes`` processes: the run that
-    wrote the state. A checkpoint from before these were recorded keeps the values the loading run gives.
+    wrote the state. A checkpoint that does not record them keeps the values the loading run gives.
     """
 
     def __init__(self, processes: int = 1, batch_size: int = 1, global_batch: int = 1, updates_per_epoch: int = 0):
@@ -49,7 +49,7 @@ class TrainState:
         self.updates_per_epoch = updates_per_epoch  # optimizer steps an epoch takes in that geometry
         self.epoch_sums = {}  # the current epoch's sums so far (metrics.py's EpochMeter.totals), for a mid-epoch resume
         # the bound keeping's last projection (train.py's _Run.keep_bound: step, bound, the margin loss's L, the
-        # settings), restored on resume rather than projected again; None: none yet, or a checkpoint from before
+        # settings), restored on resume rather than projected again; None: none yet, or a checkpoint that records none
         self.kept = None
 
     @property

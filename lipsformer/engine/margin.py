@@ -88,7 +88,7 @@ def kept_record(step: int, bound: float, criterion: Callable, cfg) -> dict:
 def restore_kept(kept: Optional[dict], criterion: Callable, cfg) -> bool:
     """On resume: the last projection's margin L as the uninterrupted run left it (whatever step it was kept at;
     with ``lipschitz_every_steps`` > 1 not necessarily the checkpoint's), so the run goes on bit for bit instead of
-    projecting again; False when the checkpoint has none (written before it was recorded) or other settings."""
+    projecting again; False when the checkpoint records none or other settings."""
     if kept is None or kept["settings"] != keep_settings(cfg):
         return False
     if kept["margin"] is not None and isinstance(criterion, LipschitzMarginLoss):

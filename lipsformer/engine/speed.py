@@ -37,7 +37,7 @@ def prepare_model(model: torch.nn.Module, channels_last: bool = False,
     a convolution with NHWC weights runs NHWC whatever the input's layout, and LipsFormer keeps its activations
     (B, H, W, C) between convolutions, so the input batch needs no conversion. ``grad_checkpointing`` keeps
     only each block's input for backward and recomputes the rest (timm's ``set_grad_checkpointing``, which every
-    timm model has; LipsFormer-Swin-T at batch 16 keeps 0.11x of the bytes, README Speed).
+    timm model has; what it saves: README Speed).
     """
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -51,9 +51,9 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     """Compile ``model`` in place (``nn.Module.compile``: no ``_orig_mod`` wrapper, so parameter names,
     ``accelerator.unwrap_model``, checkpoints and the EMA see the same module) and return it.
 
-    ``torch.compile`` with static shapes, as a fixed-batch training job has (automatic dynamic shapes made
-    the batch symbolic once training and evaluation batches both ran, and cost a quarter of the compiled
-    training speed, README Speed).
+    ``torch.compile`` with static shapes, as a fixed-batch training job has (automatic dynamic shapes make
+    the batch symbolic once training and evaluation batches have both run, which slows compiled training,
+    README Speed).
 
     ``memory_budget`` in (0, 1] is the partitioner's activation memory budget
     (``torch._functorch.config.activation_memory_budget``, process-wide): the share of the saved activations
@@ -70,8 +70,8 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
 
     A CPU model is also compiled without inductor's layout optimisation (``layout_optimization: False``, for this
     compilation only). With oneDNN it stores every 4-d tensor of a graph that has a convolution channels-last,
-    taking dim 1 for the channels: LipsFormer's (B, H, W, C) activations then had H innermost, and kernels read them
-    element by element and copied them back (a stage-1 MLP's GELU backward took 30 ms against 6 ms). The
+    taking dim 1 for the channels: LipsFormer's (B, H, W, C) activations would then have H innermost, and kernels
+    read them element by element and copy them back (a stage-1 MLP's GELU backward several times slower). The
     convolutions already run channels-last on views of those activations. GPUs keep the default until measured.
 
     AOTAutograd's cache may hold graphs with custom autograd Functions

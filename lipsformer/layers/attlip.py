@@ -235,7 +235,7 @@ def form_mismatch(file_keys, model_keys) -> Optional[str]:
     if theirs is None or ours is None or theirs == ours:
         return None
     return (f"its AttLip blocks are attlip_form {theirs!r} (weights {', '.join(FORM_KEYS[theirs])}), the model's "
-            f"{ours!r} (weights {', '.join(FORM_KEYS[ours])}; the certifiable *_cert models' default became "
+            f"{ours!r} (weights {', '.join(FORM_KEYS[ours])}; the certifiable *_cert models default to "
             f"'orthogonal'): build the model with attlip_form={theirs!r} (model_kwargs: {{attlip_form: {theirs}}}) "
             f"to load it")
 

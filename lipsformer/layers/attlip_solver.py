@@ -167,7 +167,7 @@ STALLED_AFTER = 8
 STALL_FLOOR = 100.0
 # derivatives through an evaluation solve (attacks, Jacobian estimates) are those of at most this many unrolled
 # Armijo steps, whatever the solve's cap: the certifiable presets cap the solve at FIRST_PASS_STEPS, and unrolling
-# that many made the PGD attacks and difference quotients of benchmarks/certified.py 2.5x slower
+# that many makes the PGD attacks and difference quotients of benchmarks/paper/certified.py several times slower
 GRAD_STEPS = 20
 # a Barzilai-Borwein step that takes a window's residual above this multiple of its lowest so far is undone and
 # retried at a quarter of its length (BB's rises on these windows stay under 4x; a first step of eta / 2 on 1024
@@ -225,7 +225,8 @@ def check_multiply_adds(tokens: int, channels: int, dim: int, windows: int, dens
 
 
 # windows solved together: about this many tokens x channels at once, so that a solve's working set stays in the
-# CPU's caches (Swin-T stage 1 at batch 32, 2048 windows: 7.3 s in one piece, 1.8 s in chunks of 128)
+# CPU's caches (Swin-T stage 1 at batch 32, 2048 windows, solves several times faster in chunks of 128 windows
+# than in one piece)
 CHUNK_ELEMENTS = 2 ** 19
 
 

@@ -72,8 +72,8 @@ def _dw_conv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
 
 
 # Elements of (x, grad) one convolution of :func:`_dw_weight_grad_eager` takes, per thread: a stage-1 image of
-# Swin-T (56 x 56 x 96) alone, stage 3 four at a time. Larger groups leave the cache (stage 1, batch 8: 8.3 ms for
-# one image at a time, 21 ms for all eight, 36 ms for oneDNN's weight gradient; one thread).
+# Swin-T (56 x 56 x 96) alone, stage 3 four at a time. Larger groups leave the cache (at stage 1, batch 8, one
+# image at a time is faster than all eight at once, which is still faster than oneDNN's weight gradient).
 _DW_GRAD_CHUNK = 56 * 56 * 96
 
 
@@ -83,7 +83,7 @@ def _dw_weight_grad_eager(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.
     ``grad_w[c, i, j] = sum_{b,h,w} x_pad[b, h+i, w+j, c] grad[b, h, w, c]`` is, for a group of images, the
     convolution of the input (images and channels as the channels of one map) with the output gradient as an
     H x W kernel per channel, a k x k output, summed over the group's images. oneDNN's own depth-wise weight
-    gradient is 3-14 times slower (stage 1 to stage 4 of Swin-T, one thread)."""
+    gradient is slower at every stage of Swin-T."""
     B, H, W, C = x.shape
     step = max(1, _DW_GRAD_CHUNK * torch.get_num_threads() // (H * W * C))  # oneDNN splits the channels
     out = None

@@ -31,9 +31,8 @@ def init_weights(model: nn.Module, mode: str = "spectral", normalize: bool = Tru
     the GIL in their kernels). Once the drawing is over this thread computes the norms no worker has started,
     from the end of the queue, and each weight is divided at the end. The random draws keep their order and each
     norm depends on its own weight only, so the result is bit-identical to a serial loop (tested); a weight shared
-    by two modules is drawn twice as before and divided once, by the norm of its last draw. On 2 cores building
-    any LipsFormer takes 1.3x to 1.7x of timm's nearest Swin against 1.2x to 2.4x serially
-    (``benchmarks/build_time.py``, README Building).
+    by two modules is drawn twice, as a serial loop draws it, and divided once, by the norm of its last draw. What
+    building takes against timm's nearest Swin: ``benchmarks/build_time.py``, README Building.
     """
     if mode not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {mode!r}")

@@ -52,7 +52,7 @@ CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks
                act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS, mlp=MLPS, attlip_form=tuple(FORMS))
 
 
-# The certifiable configuration (issue 17), the one home of its choices: every layer 1-Lipschitz by construction
+# The certifiable configuration, the one home of its choices: every layer 1-Lipschitz by construction
 # or kept so, the bound computed from the weights. The ``*_cert`` models are a family's size with these fields
 # (a family's own defaults, e.g. CSwin's tau, stay under them); the caller's ``lipschitz`` object and keyword
 # arguments replace any of them (:func:`preset`).

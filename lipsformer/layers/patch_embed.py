@@ -55,6 +55,6 @@ class PatchEmbed(nn.Module):
             if pad_h or pad_w:
                 x = F.pad(x, (0, pad_w, 0, pad_h))
         # a channels-last input makes oneDNN write the embedding channels-last, so that (B, H, W, C) below is
-        # row-major: from an NCHW output it was a permuted view, and every stage-1 operation inherited that layout
-        # (the MLP's first linear layer copied its input, the depth-wise convolutions ran NCHW)
+        # row-major: from an NCHW output it would be a permuted view, and every stage-1 operation would inherit that
+        # layout (the MLP's first linear layer would copy its input, the depth-wise convolutions would run NCHW)
         return self.norm(self.proj(x.contiguous(memory_format=torch.channels_last)).permute(0, 2, 3, 1))

@@ -9,14 +9,15 @@ import torch
 # Up to this size of the smaller side the certified route is exact (an eigenvalue of the Gram matrix); above it,
 # power iteration.
 EXACT_MAX_DIM = 4096
-# Sides up to this size take the exact route even when no certificate is asked for (it is cheaper there: 0.2 ms
-# against 0.5 ms of Lanczos at 64, 7.5 ms against 1.2 ms at 256).
+# Sides up to this size take the exact route even when no certificate is asked for (it is cheaper than Lanczos
+# there; at 256 Lanczos is the cheaper one).
 SMALL_DIM = 96
 
 
 @functools.lru_cache(maxsize=None)
 def _blas_controller():
-    """threadpoolctl's controller, found once (its library scan took 1.5 ms a call); None without threadpoolctl."""
+    """threadpoolctl's controller, found once (its library scan is too slow for every call); None without
+    threadpoolctl."""
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:  # a dependency; without it only slower
@@ -27,8 +28,7 @@ def _blas_controller():
 def numpy_blas_one_thread() -> contextlib.AbstractContextManager:
     """A context in which NumPy's BLAS runs on one thread (``threadpoolctl``), for Lanczos runs between torch
     operations. NumPy's OpenBLAS threads keep spinning after each product and then compete with torch's OpenMP
-    threads for the cores: building LipsFormer-Swin-S took 1.61 s with them, 0.80 s without (2 cores), and the bound
-    keeping of the certifiable Swin-T 0.85 s against 0.55 s."""
+    threads for the cores, which slows down building a model and the bound keeping of the certifiable models."""
     controller = _blas_controller()
     return contextlib.nullcontext() if controller is None else controller.limit(limits=1, user_api="blas")
 
@@ -45,8 +45,8 @@ def _lanczos(product, n: int, rtol: float = 1e-5, check_every: int = 4, vector: 
     ``(value, its Ritz vector)``, the vector float64 of norm 1 up to rounding.
 
     In NumPy: a step is a dozen small operations, each about ten times cheaper than a torch call, and on CPU the
-    steps are bound by that overhead rather than by the products (0.42x of the same loop in torch on Swin-T's
-    shapes, with the looser stop)."""
+    steps are bound by that overhead rather than by the products (faster than the same loop in torch on Swin-T's
+    shapes)."""
     basis = np.empty((n, n))  # rows: the orthonormal Lanczos vectors, float64
     diag, off = np.zeros(n), np.zeros(n)
     q = torch.randn(n, dtype=torch.float64, generator=_generator(torch.device("cpu"))).numpy()
@@ -155,7 +155,7 @@ VERIFY_MARGIN = 1e-8
 # LAPACK's blocked factorisation with conventional products satisfies it with another modest constant: charged
 # this many times over
 CHOLESKY_SAFETY = 100.0
-# below this smaller side ``eigh`` is the cheaper route (0.7 ms against 1.0 ms at 96, 20 against 15 ms at 384)
+# below this smaller side ``eigh`` is the cheaper route (at 96 it is, at 384 the verified route is)
 VERIFIED_MIN_DIM = 128
 
 
@@ -242,8 +242,7 @@ def estimated_top_triple(weight: torch.Tensor, verified=None):
     float64: at most the norm (the image of a unit vector), within about 1e-9 of it. The normalised layers'
     divisor in training, where nothing is certified: their certified norm charges the gap
     (:meth:`lipsformer.layers.normalized._RawWeight.certified_norm`). No Gram product (m n^2 float64 multiply-adds)
-    and no factorisation: 19 against 70 ms for a random (3072, 768) weight, 4.1 against 10 ms at (1536, 384) (2
-    cores, ``benchmarks/certified_speed.py``'s machine). The same bits on every call for the same weight. Smaller
+    and no factorisation, hence a fraction of the verified route's cost. The same bits on every call for the same weight. Smaller
     sides up to :data:`SMALL_DIM` take :func:`top_singular_triple`'s exact route, cheaper there (``verified``: its
     triple for ``weight`` where already computed, returned as it is). Runs on the CPU whatever ``weight``'s device: a
     weight on a GPU is copied to the host."""

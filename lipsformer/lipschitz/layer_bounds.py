@@ -293,7 +293,7 @@ def kim_theorem_3_2(w_q: torch.Tensor, w_v: torch.Tensor, w_o: torch.Tensor, hea
 
 def kim_l2_inf_bound(attn: nn.Module, n: int) -> float:
     """Theorem 3.2, l-infinity form, for :class:`~lipsformer.layers.attention.KimL2Attention` on ``n`` tokens
-    (Kim et al. Fig. 2 measures its asymptotic tightness; ``benchmarks/kim_tightness.py``)."""
+    (Kim et al. Fig. 2 measures its asymptotic tightness; ``benchmarks/paper/kim_tightness.py``)."""
     w = [m.weight.detach().double() for m in (attn.q, attn.v, attn.proj)]
     return float(kim_theorem_3_2(*w, attn.heads, n, norm="inf"))
 

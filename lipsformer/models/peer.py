@@ -1,4 +1,4 @@
-"""A peer 1-Lipschitz CNN built from deel-torchlip's layers: the baseline no one here tuned (issue 36).
+"""A peer 1-Lipschitz CNN built from deel-torchlip's layers: the baseline no one here tuned.
 
     timm.create_model("torchlip_cnn", in_chans=1, img_size=32, num_classes=10)   # pip install "lipsformer[torchlip]"
 

@@ -1,6 +1,7 @@
-"""Kim et al. Figure 3: numerical invertibility of g(x) = x + c f(x) for L2 and dot-product multi-head attention.
+"""A paper reproduction (docs/experiments.md): Kim et al. Figure 3: numerical invertibility of g(x) = x + c f(x) for
+L2 and dot-product multi-head attention.
 
-    python benchmarks/invertibility.py [--n 64] [--dim 64] [--heads 8] [--batch 128] [--iters 50] [--scale 10]
+    python benchmarks/paper/invertibility.py [--n 64] [--dim 64] [--heads 8] [--batch 128] [--iters 50] [--scale 10]
                                        [--out output/invertibility]
 
 As in Kim et al. Sec. 5.2: 8 heads, N = 64, D = 64, randomly initialised weights (PyTorch's nn.Linear default), a
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lipsformer.layers.attention import KimL2Attention, dot_attention  # noqa: E402

@@ -1,12 +1,14 @@
-"""What the normalised layers' divisor costs (issue 26), interleaved in one process, medians: an eval forward with
-the cached divisor against one that recomputes it (the behaviour before the cache), and a training step (forward,
-backward, SGD step) with the power-iteration divisor (``linear=normalized_power``) against the exact one
-(``linear=normalized``), from the same weights; the exact one as it was computed before (autograd back through
-the Gram matrix and ``eigvalsh``, instead of the exact gradient ``u v^T`` through one bilinear form); and the two
-again with the certified bound computed after every step, as train.py's bound keeping does
-(``lipschitz_target``): its eigendecompositions give the exact divisor of the next forward.
+"""A finished investigation (docs/certified.md, the normalised layers' divisor, cites its figures): What the
+normalised layers' divisor costs.
 
-    python benchmarks/normalized_speed.py [--model lipsformer_swin_t] [--img 224] [--batch 4] [--threads 1] [--reps 7]
+    python benchmarks/investigations/normalized_speed.py [--model lipsformer_swin_t] [--img 224] [--batch 4]
+        [--threads 1] [--reps 7]
+
+Interleaved in one process, medians: an eval forward with the cached divisor against one that recomputes it
+(``forget_divisor`` before each forward), and a training step (forward, backward, SGD step) with the
+power-iteration divisor (``linear=normalized_power``) against the exact one (``linear=normalized``), from the same
+weights; and the two again with the certified bound computed after every step, as train.py's bound keeping does
+(``lipschitz_target``): its eigendecompositions give the exact divisor of the next forward.
 
 The model is the certifiable configuration without AttLip (``attn=l2``, ``linear=normalized``: every Linear and
 non-overlapping convolution normalised), so that the divisor's share is not hidden behind AttLip's solver; a
@@ -15,22 +17,19 @@ attention's bound reads its normalised projections' divided matrices, one more e
 mode: there the rows with the bound favour power iteration more than with the ``*_cert`` models.)
 """
 import argparse
-import contextlib
 import copy
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import timm
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import lipsformer  # noqa: E402,F401  (registers the models)
-from lipsformer.layers import normalized  # noqa: E402
 from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear  # noqa: E402
 from lipsformer.lipschitz.bounds import lipschitz_report  # noqa: E402
 
@@ -46,21 +45,6 @@ def forget(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, (NormalizedLinear, NormalizedConv2d)):
             m.forget_divisor()
-
-
-def _through_eigvalsh(w: torch.Tensor, triple) -> torch.Tensor:
-    """The exact divisor as training computed it before: autograd through the Gram matrix and ``eigvalsh``."""
-    a = w.flatten(1).to(torch.float64)
-    a = a if a.shape[0] >= a.shape[1] else a.T
-    return torch.linalg.eigvalsh(a.T @ a)[-1].clamp_min(0).sqrt().to(w.dtype)
-
-
-@contextlib.contextmanager
-def _patched():
-    """Training forwards inside this context take the divisor by :func:`_through_eigvalsh` (no triple computed)."""
-    with mock.patch.object(normalized, "top_singular_triple", lambda w: None), \
-            mock.patch.object(normalized, "_divisor", _through_eigvalsh):
-        yield
 
 
 def main(argv=None) -> None:
@@ -79,7 +63,7 @@ def main(argv=None) -> None:
 
     def eval_forward(cached: bool) -> float:
         if not cached:
-            forget(model)  # every forward computes every divisor again, as before the cache
+            forget(model)  # this forward computes every divisor again
         t = time.perf_counter()
         with torch.no_grad():
             model(x)
@@ -98,17 +82,14 @@ def main(argv=None) -> None:
 
     power = build(args.model, args.img, "normalized_power")
     power.load_state_dict(model.state_dict())
-    graph = build(args.model, args.img)
-    graph.load_state_dict(model.state_dict())
-    models = {"power": power.train(), "exact": model.train(), "graph": graph.train()}
+    models = {"power": power.train(), "exact": model.train()}
     models.update({f"{k}+bound": copy.deepcopy(models[k]) for k in ("power", "exact")})
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     y = torch.zeros(args.batch, dtype=torch.long)
 
     def train_step(kind: str) -> float:
         t = time.perf_counter()
-        with _patched() if kind == "graph" else contextlib.nullcontext():
-            torch.nn.functional.cross_entropy(models[kind](x), y).backward()
+        torch.nn.functional.cross_entropy(models[kind](x), y).backward()
         opts[kind].step()
         opts[kind].zero_grad()
         if kind.endswith("+bound"):
@@ -121,11 +102,10 @@ def main(argv=None) -> None:
     for _ in range(args.reps):
         for kind in models:
             steps[kind].append(train_step(kind))
-    power, exact_s, graph_s, power_b, exact_b = (statistics.median(steps[k])
-                                                 for k in ("power", "exact", "graph", "power+bound", "exact+bound"))
+    power, exact_s, power_b, exact_b = (statistics.median(steps[k])
+                                        for k in ("power", "exact", "power+bound", "exact+bound"))
     print(f"training step: exact divisors {exact_s * 1e3:.1f} ms, power iteration {power * 1e3:.1f} ms, "
-          f"speed-up {exact_s / power:.2f}x; exact divisors with autograd through eigvalsh (before) "
-          f"{graph_s * 1e3:.1f} ms, {graph_s / exact_s:.2f}x the exact step")
+          f"speed-up {exact_s / power:.2f}x")
     print(f"training step with the certified bound after it (bound keeping): exact divisors {exact_b * 1e3:.1f} ms, "
           f"power iteration {power_b * 1e3:.1f} ms, speed-up {exact_b / power_b:.2f}x")
 

@@ -1,6 +1,7 @@
-"""AttLip Figure 1: the proximal solver's convergence against its inner iterations, for several N.
+"""A paper reproduction (docs/experiments.md): AttLip Figure 1: the proximal solver's convergence against its inner
+iterations, for several N.
 
-    python benchmarks/attlip_convergence.py [--ns 64 252 1024] [--dim 512] [--heads 1] [--iters 30] [--eta 1.0]
+    python benchmarks/paper/attlip_convergence.py [--ns 64 252 1024] [--dim 512] [--heads 1] [--iters 30] [--eta 1.0]
                                             [--out output/attlip_convergence]
 
 The AttLip paper plots the gradient norm ||g_t|| of the proximal subproblem phi(y) = f(y) + ||y - x||^2 / (2 eta)
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lipsformer.layers.attlip import attlip_potential, attlip_prox  # noqa: E402

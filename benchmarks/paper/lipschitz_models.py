@@ -1,7 +1,8 @@
-"""Reproduction (c) of the Lipschitz toolkit: the certified network bound of every registered model at
-initialisation, and how DropPath and alpha change it (LipsFormer Theorem 2, Appendix J).
+"""A paper reproduction (docs/lipschitz.md): Reproduction (c) of the Lipschitz toolkit: the certified network bound
+of every registered model at initialisation, and how DropPath and alpha change it (LipsFormer Theorem 2, Appendix
+J).
 
-    python benchmarks/lipschitz_models.py [--out output/lipschitz]
+    python benchmarks/paper/lipschitz_models.py [--out output/lipschitz]
 
 Models are built with ``v_norm=True`` (the released unnormalised-v SCSA has no finite bound). For each: the
 bound at the default alpha (eq. 19), the expected bound with the config's DropPath rate under the paper's
@@ -18,7 +19,7 @@ from pathlib import Path
 import timm
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import lipsformer  # noqa: E402,F401

@@ -1,6 +1,7 @@
-"""Kim et al. Figure 2: the measured lower bound of Lip-inf of L2 attention against Theorem 3.2's l-inf bound, by N.
+"""A paper reproduction (docs/experiments.md): Kim et al. Figure 2: the measured lower bound of Lip-inf of L2
+attention against Theorem 3.2's l-inf bound, by N.
 
-    python benchmarks/kim_tightness.py [--ns 100 200 400 1000] [--inits 16] [--top 5] [--steps 300]
+    python benchmarks/paper/kim_tightness.py [--ns 100 200 400 1000] [--inits 16] [--top 5] [--steps 300]
                                        [--out output/kim_tightness]
 
 As in Kim et al. Sec. 5.1 and Appendix H: L2-MHA with H = D = 1 and every weight 1 (so f(X)_i = sum_j P_ij x_j,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lipsformer.layers.attention import KimL2Attention  # noqa: E402

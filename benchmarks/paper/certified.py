@@ -1,8 +1,10 @@
-"""Certified robustness on MNIST-5k and digits: certifiable LipsFormer-Swin and -CSwin (branches on, and forced
-off) against our 1-Lipschitz CNN and a peer CNN of deel-torchlip's layers (issues 17 and 36).
+"""A paper-style reproduction (README.md and docs/certified.md, the certified tables): Certified robustness on
+MNIST-5k and digits: certifiable LipsFormer-Swin and -CSwin (branches on, and forced off) against our 1-Lipschitz
+CNN and a peer CNN of deel-torchlip's layers.
 
-    python benchmarks/certified.py --seeds 0 1 2 --jobs 2                      # the README table (both datasets)
-    python benchmarks/certified.py --datasets digits --models "LipsFormer-Swin" --epochs 6 --set ...   # one variant
+    python benchmarks/paper/certified.py --seeds 0 1 2 --jobs 2                      # the README table (both datasets)
+    python benchmarks/paper/certified.py --datasets digits --models "LipsFormer-Swin" --epochs 6 \
+        --set ...                                                               # one variant
 
 Every model is trained by the same loop (``lipsformer.engine.train``, what train.py runs) on the same images for the
 same epochs with the same Lipschitz-margin loss: the LipsFormers from the dataset's two configs
@@ -44,12 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._jobs import add_jobs_argument, run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
+# --jobs: runs in processes, one thread each
+from benchmarks.paper._jobs import add_jobs_argument, run_jobs  # noqa: E402
 
-IN_USE = 0.02  # a residual branch counts as in use when its weight |a| is at least this (issue 36)
+IN_USE = 0.02  # a residual branch counts as in use when its weight |a| is at least this
 
 
 # -- the 1-Lipschitz CNN baseline ---------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""No-warmup stability: LipsFormer vs its standard-Transformer counterpart at a deliberately high lr.
+"""A paper reproduction (docs/experiments.md): No-warmup stability: LipsFormer vs its standard-Transformer
+counterpart at a deliberately high lr.
 
-    python benchmarks/stability.py [--lr 1e-2] [--epochs 10] [--seeds 0 1 2] [--out output/stability]
+    python benchmarks/paper/stability.py --lr 1e-2 --epochs 10
+    python benchmarks/paper/stability.py [--lr 1e-2] [--epochs 10] [--seeds 0 1 2] [--out output/stability]
 
 Both models come from the same code and the same digits recipe (configs/demo_digits.yaml, no warmup);
 the counterpart switches the Lipschitz choices off: norm=layer, attn=dot, init=trunc_normal, alpha_init=1.0.
@@ -13,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {

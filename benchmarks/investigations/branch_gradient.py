@@ -1,6 +1,8 @@
-"""Why the margin loss turns the certifiable LipsFormer's residual branches off (issue 36, item 4).
+"""A finished investigation (docs/certified.md, why the branches turn off, cites its result): Why the margin loss
+turns the certifiable LipsFormer's residual branches off.
 
-    python benchmarks/branch_gradient.py [--config configs/certified_digits.yaml] [--weights run/last.safetensors]
+    python benchmarks/investigations/branch_gradient.py [--config configs/certified_digits.yaml]
+        [--weights run/last.safetensors]
 
 For the model of ``--config`` (at its initialisation, or with ``--weights``), on the training images without
 augmentation, prints for every convex residual ``(1 - a) x + a f(x)``:
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -37,7 +39,7 @@ def main(argv=None):
     from lipsformer.engine.margin import LipschitzMarginLoss
     from lipsformer.layers.residual import ConvexResidual
     from lipsformer.lipschitz.certify import normalization
-    from benchmarks.certified import load_images
+    from benchmarks.paper.certified import load_images
 
     if "digits" in args.data:
         write_digits_folder(args.data)

@@ -1,9 +1,11 @@
-"""LipsFormer Table 3 in miniature: the CSwin-T ablation (depths 1, 2, 21, 1), narrow, on the digits data.
+"""A paper reproduction (docs/experiments.md): LipsFormer Table 3 in miniature: the CSwin-T ablation (depths 1, 2,
+21, 1), narrow, on the digits data.
 
-    python benchmarks/ablation.py [--quick] [--epochs 12] [--embed-dim 16] [--lr 2e-3] [--out output/ablation]
-    python benchmarks/ablation.py --rows default norm=layer      # some rows only
-    python benchmarks/ablation.py --embed-dim 64 --batch 128      # wider, on a GPU (train() picks it up)
-    python benchmarks/ablation.py --jobs 2                        # two runs at a time, one thread each
+    python benchmarks/paper/ablation.py --jobs 2
+    python benchmarks/paper/ablation.py [--quick] [--epochs 12] [--embed-dim 16] [--lr 2e-3] [--out output/ablation]
+    python benchmarks/paper/ablation.py --rows default norm=layer      # some rows only
+    python benchmarks/paper/ablation.py --embed-dim 64 --batch 128      # wider, on a GPU (train() picks it up)
+    python benchmarks/paper/ablation.py --jobs 2                        # two runs at a time, one thread each
 
 One run per row of Table 3, every row a configuration of train.py (``lipsformer.engine.train.train`` with a
 TrainConfig; every choice is a model constructor argument): no warmup unless the row says so, CenterNorm, SCSA,
@@ -25,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._jobs import add_jobs_argument, run_jobs  # noqa: E402  (--jobs: runs in processes, one thread each)
+# --jobs: runs in processes, one thread each
+from benchmarks.paper._jobs import add_jobs_argument, run_jobs  # noqa: E402
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Soak each shipped recipe's training transform in random images of random sizes and modes, against timm's own.
+"""A finished investigation (docs/training.md cites its result): Soak each shipped recipe's training transform in
+random images of random sizes and modes, against timm's own.
 
-    python benchmarks/augment_soak.py                      # every config with augmentation, 20,000 images each
-    python benchmarks/augment_soak.py --images 2000 --configs configs/lipsformer_swin_t.yaml
+    python benchmarks/investigations/augment_soak.py     # every config with augmentation, 20,000 images each
+    python benchmarks/investigations/augment_soak.py --images 2000 --configs configs/lipsformer_swin_t.yaml
 
 For image i both transforms run from the same seed i (torch, random, numpy): ours (what train.py uses,
 lipsformer.data.create_loader_transform) and timm's (lipsformer.data.recipe_transform: create_transform as is).
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lipsformer.data import TransformError, create_loader_transform  # noqa: E402

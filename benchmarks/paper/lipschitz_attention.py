@@ -1,6 +1,7 @@
-"""Reproductions (a) and (b) of the Lipschitz toolkit: attention layers, measured against their bounds.
+"""A paper reproduction (docs/lipschitz.md): Reproductions (a) and (b) of the Lipschitz toolkit: attention layers,
+measured against their bounds.
 
-    python benchmarks/lipschitz_attention.py [--out output/lipschitz] [--ns 16 64 256 1024] [--steps 20]
+    python benchmarks/paper/lipschitz_attention.py [--out output/lipschitz] [--ns 16 64 256 1024] [--steps 20]
 
 (a) Kim et al. Theorem 3.1: maximising the Jacobian norm of dot-product attention (one token pinned at 0, as in the
     proof) grows without limit, while Kim's tied L2 attention stays under its Theorem 3.2 bound.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lipsformer.layers import AttentionKernel  # noqa: E402
