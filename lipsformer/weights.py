@@ -18,15 +18,15 @@ import timm
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from timm.data import resolve_model_data_config
 from timm.models import adapt_input_conv, get_pretrained_cfg, save_for_hf
 
 from .data.classes import read_class_names
+from .data.datasets import eval_data_config
 from .errors import Mistake, did_you_mean
 from .settings import read_yaml
 from .engine.config import ConfigError
 from .layers.attlip import form_mismatch, state_dict_form
-from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step
+from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
 from .writer import replacing
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
@@ -410,19 +410,29 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
                 raise CheckpointError(f"{path} is an exported weight folder: it holds one set of weights, no EMA")
             return path / HUB_WEIGHTS, _hub_meta(path / HUB_CONFIG)
         raise FileNotFoundError(f"{path} holds neither {run.config.name} (a training run) nor {HUB_CONFIG} "
-                                f"(an export)")
+                                f"(an export), nor sub-folders that do (a folder of runs, which eval.py takes)")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint {path}")
     if path.suffix == ".safetensors":
         if use_ema and path.name != LAST_EMA:  # a safetensors file holds one set of weights
             raise CheckpointError(f"{path} holds one set of weights, not an EMA beside them; drop --use-ema, or "
                                   f"pass the run's {LAST_EMA}")
-        if RunFolder(path.parent).is_run():
-            return path, _run_meta(RunFolder(path.parent))
+        run = _run_of(path)
+        if run is not None:
+            return path, _run_meta(run)
         if (path.parent / HUB_CONFIG).is_file():
             return path, _hub_meta(path.parent / HUB_CONFIG)
         return path, _file_meta(path)
     return path, {}
+
+
+def _run_of(file: Path) -> Optional[RunFolder]:
+    """The training run a weight file belongs to: the run folder it lies in, or the one above ``best/`` (the
+    keep_best epochs' weights); None for a file outside a run."""
+    for folder in (file.parent, file.parent.parent) if file.parent.name == BEST_KEPT else (file.parent,):
+        if RunFolder(folder).is_run():
+            return RunFolder(folder)
+    return None
 
 
 def _run_meta(run: RunFolder) -> dict:
@@ -537,7 +547,7 @@ def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str]
     saved_cfg = model.pretrained_cfg
     read_from = saved_cfg.get("file")  # create_from_checkpoint's weight file
     weights = Path(source) if source and Path(source).is_file() else Path(read_from) if read_from else None
-    current = dict(input_size=tuple(resolve_model_data_config(model)["input_size"]))
+    current = dict(input_size=tuple(eval_data_config(model)["input_size"]))  # the channels it is built for
     if hasattr(model, "patch_embed") and hasattr(model, "_stage_resolutions"):  # ours: the last stage's grid
         current["pool_size"] = tuple(model._stage_resolutions()[-1])
     if tag is not None:

@@ -25,7 +25,8 @@ from lipsformer.data.classes import write_class_names
 from lipsformer.engine.config import TrainConfig
 from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
-from lipsformer.weights import CheckpointError, create_from_checkpoint, export, weights_fit
+from lipsformer.weights import (CheckpointError, create_from_checkpoint, export, recorded_input_size,
+                                resolve_checkpoint, weights_fit)
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -205,6 +206,31 @@ def test_a_first_conv_is_adapted_only_for_an_asked_in_chans_and_every_command_sa
     with pytest.raises(CheckpointError, match=r"patch_embed\.proj\.weight takes 1 input channels, lipsformer_swin_t "
                                               r"is built for 3: set in_chans to 1$"):
         timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(one)), **ARGS)
+
+
+def test_a_kept_best_epochs_file_is_read_as_part_of_its_run(door, tmp_path):
+    root, state_dict = door
+    run = write(tmp_path, "run", state_dict, "run", config=root / "cfg.yaml")
+    (run / "best").mkdir()
+    kept = run / "best" / "epoch_001_top1_50.00.safetensors"
+    shutil.copy(run / "last.safetensors", kept)
+    assert resolve_checkpoint(kept)[1] == resolve_checkpoint(run)[1]  # its model, arguments and preprocessing
+    assert weights_fit(create_from_checkpoint(kept)).lines() == []  # no model name needed
+    with pytest.raises(FileNotFoundError, match=r"holds neither config\.yaml \(a training run\) nor config\.json "
+                                                r"\(an export\), nor sub-folders that do \(a folder of runs, which "
+                                                r"eval\.py takes\)$"):
+        resolve_checkpoint(run / "best")
+
+
+def test_a_grey_models_weight_files_and_export_record_its_one_channel(tmp_path):
+    from types import SimpleNamespace
+    from lipsformer.engine.checkpoint import save_weights
+    grey = timm.create_model(MODEL, in_chans=1, **ARGS)
+    cfg = TrainConfig(**dict(RUN, model_kwargs=dict(RUN["model_kwargs"], in_chans=1)))
+    save_weights(SimpleNamespace(is_main_process=True), grey.state_dict(), tmp_path / "last.safetensors", cfg)
+    assert recorded_input_size(tmp_path / "last.safetensors") == (1, cfg.img_size, cfg.img_size)
+    config = json.loads((export(grey, tmp_path / "export") / "config.json").read_text())
+    assert config["pretrained_cfg"]["input_size"] == [1, RUN["img_size"], RUN["img_size"]]
 
 
 def test_a_classifier_is_re_created_only_for_an_asked_class_count(door, capsys, tmp_path, monkeypatch):

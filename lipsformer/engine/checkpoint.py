@@ -181,16 +181,17 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
     return final
 
 
-def save_weights(accelerator, state_dict: dict, path: Path, img_size: int) -> None:
+def save_weights(accelerator, state_dict: dict, path: Path, cfg) -> None:
     """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed) whose metadata records
-    the input size they were made at (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder
-    is beside the file), written beside the target and renamed over it: a failed write leaves the previous file as
-    it was."""
+    the input size they were made at, ``(in_chans, img_size, img_size)`` of the run's config ``cfg``
+    (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder is beside the file), written
+    beside the target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
         with replacing(path) as tmp:
-            save_file(tensors, str(tmp), metadata=input_size_metadata((3, img_size, img_size)))
+            save_file(tensors, str(tmp), metadata=input_size_metadata(
+                (cfg.model_kwargs.get("in_chans", 3), cfg.img_size, cfg.img_size)))
 
 
 def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder: RunFolder, state: TrainState,
@@ -210,9 +211,9 @@ def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder:
         with weights():
             tensors = accelerator.get_state_dict(model)
             if better:
-                save_weights(accelerator, tensors, folder.best, cfg.img_size)
+                save_weights(accelerator, tensors, folder.best, cfg)
             if kept:
-                save_weights(accelerator, tensors, folder.best_kept(epoch, top1), cfg.img_size)
+                save_weights(accelerator, tensors, folder.best_kept(epoch, top1), cfg)
     state.best_top1, state.best_k = max(state.best_top1, top1), ranked
     if accelerator.is_main_process:
         named = {folder.best_kept(e, s) for e, s in ranked}
