@@ -260,7 +260,7 @@ def to_json(value, reason: str = "", indent=None) -> str:
 def check_target(path, folder: bool = False) -> Path:
     """A Mistake (exit 2, before any work) unless ``path`` can be written as a file (``folder``: as a folder): an
     existing folder where a file is meant, a file where a folder is meant, a file among its parents or a parent this
-    user cannot write in are refused; missing parents are created when it is written."""
+    user cannot write in (named as a read-only file system where it is one) are refused; missing parents are created when it is written."""
     path = Path(path)
     if path.is_dir() and not folder:
         raise Mistake(f"{path} is a folder; name the file to write")
@@ -271,7 +271,8 @@ def check_target(path, folder: bool = False) -> Path:
             if not place.is_dir():
                 raise Mistake(f"{path}: {place} is a file, not a folder")
             if not os.access(place, os.W_OK | os.X_OK):
-                raise Mistake(f"{path}: cannot write in {place} (permission denied)")
+                why = "a read-only file system" if os.statvfs(place).f_flag & os.ST_RDONLY else "permission denied"
+                raise Mistake(f"{path}: cannot write in {place} ({why})")
             break
     return path
 

@@ -329,6 +329,19 @@ def test_every_file_output_naming_a_folder_is_refused_before_any_work(base, caps
                 f"{base / 'a_file'} is a file, not a folder")
 
 
+def test_an_output_on_a_read_only_file_system_is_refused_naming_it_before_any_work(base, capsys, tmp_path,
+                                                                                  monkeypatch):
+    from lipsformer import flops
+    ro = tmp_path / "mounted_ro"  # as a read-only mount looks to root: not writable, ST_RDONLY in its flags
+    ro.mkdir()
+    access, statvfs = os.access, os.statvfs
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: Path(p) != ro and access(p, mode, **k))
+    monkeypatch.setattr(os, "statvfs", lambda p: type("S", (), {"f_flag": os.ST_RDONLY})() if Path(p) == ro
+                        else statvfs(p))
+    refused(capsys, flops.main, ["--models", "lipsformer_swin_t", "--no-flops", "--json", ro / "f.json"], tmp_path,
+            f"argument --json: {ro / 'f.json'}: cannot write in {ro} (a read-only file system)")
+
+
 def test_a_missing_parent_folder_is_created(base, capsys, tmp_path):
     from lipsformer import flops
     code, out, _ = call(capsys, flops.main, ["--models", "lipsformer_swin_t", "--no-flops", "--json",
