@@ -260,7 +260,8 @@ def to_json(value, reason: str = "", indent=None) -> str:
 def check_target(path, folder: bool = False) -> Path:
     """A Mistake (exit 2, before any work) unless ``path`` can be written as a file (``folder``: as a folder): an
     existing folder where a file is meant, a file where a folder is meant, a file among its parents or a parent this
-    user cannot write in (named as a read-only file system where it is one) are refused; missing parents are created when it is written."""
+    user cannot write in (named as a read-only file system where it is one) are refused; missing parents are
+    created when it is written."""
     path = Path(path)
     if path.is_dir() and not folder:
         raise Mistake(f"{path} is a folder; name the file to write")
