@@ -326,3 +326,24 @@ def test_the_certificate_api_names_what_is_wrong_with_its_input():
         dict(model.named_parameters())["head.fc.weight"][0, 0] = float("nan")
     with pytest.raises(CertifyInputError, match=r"the model's head\.fc\.weight holds 1 non-finite value"):
         pixel_lipschitz(model)
+
+
+def test_the_certificate_api_refuses_a_model_without_two_classes_and_certifies_a_double_one():
+    """A model of one logit gave every image an infinite radius, one of pooled features (num_classes=0) radii of
+    its features' margins; a float64 model stopped in its first layer (its images were cast to float32)."""
+    from lipsformer.lipschitz.certify import CertifyInputError, normalization, predict_certified
+    arch = dict(TINY["swin"], window_size=4)
+    for classes, said in ((1, "one logit, with no runner-up"), (0, "pooled features, not logits")):
+        model = timm.create_model("lipsformer_swin_t_cert", **arch, num_classes=classes).eval()
+        with pytest.raises(CertifyInputError, match=re.escape(f"num_classes={classes}: it outputs {said}")):
+            predict_certified(model, torch.zeros(1, 3, 32, 32))
+    torch.manual_seed(SEED)
+    single = timm.create_model("lipsformer_swin_t_cert", **arch, num_classes=4).eval()
+    double = timm.create_model("lipsformer_swin_t_cert", **arch, num_classes=4).eval()
+    double.load_state_dict(single.state_dict())
+    double.double()
+    mean, std = normalization(single)
+    images = (torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(SEED)) - mean) / std
+    logits, pred, radius = predict_certified(double, images.double())
+    assert logits.dtype == torch.float64 and torch.equal(pred, predict_certified(single, images)[1])
+    assert torch.allclose(radius.double(), predict_certified(single, images)[2].double(), rtol=1e-3)
