@@ -342,6 +342,14 @@ def test_an_output_on_a_read_only_file_system_is_refused_naming_it_before_any_wo
             f"argument --json: {ro / 'f.json'}: cannot write in {ro} (a read-only file system)")
 
 
+def test_convert_names_the_folder_it_wrote_once(base, capsys, tmp_path):
+    from lipsformer import convert
+    code, out, err = call(capsys, convert.main, [base / "run", "--out", tmp_path / "export"])
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("wrote")] == [f"wrote: {tmp_path / 'export'}"]
+    assert out.splitlines()[0].startswith("model.safetensors sha256 ")
+
+
 def test_a_missing_parent_folder_is_created(base, capsys, tmp_path):
     from lipsformer import flops
     code, out, _ = call(capsys, flops.main, ["--models", "lipsformer_swin_t", "--no-flops", "--json",
