@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import csv
 import errno
+import fcntl
 import io
 import json
 import math
@@ -144,28 +145,56 @@ def _rename(tmp: Path, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def replacing(path, note: str = "", what: str = "", main: bool = True) -> Iterator[Path]:
+def replacing(path, note: str = "", what: str = "", main: bool = True, exclusive: bool = False) -> Iterator[Path]:
     """A temporary name beside ``path`` for the block to write a file or a folder at; when the block ends it is
     renamed over ``path``. On a failure the temporary is removed and an OSError becomes :class:`WriteFailed`
     (``note``: what is intact, for its line; ``what``: how the line names the target).
 
     ``main=False``: a process that writes into the temporary beside the main one (a checkpoint's own files under
-    several processes): it neither clears a stale temporary nor renames, the main process does."""
+    several processes): it neither clears a stale temporary nor renames, the main process does.
+
+    ``exclusive``: a second writer of ``path`` while this one writes (the same command started twice) is refused, a
+    Mistake naming ``path``, rather than clearing this one's temporary as a stale one (:func:`writing_alone`)."""
     path = Path(path)
     tmp = temporary(path)
-    try:
-        if main:
+    with writing_alone(path, tmp) if exclusive else contextlib.nullcontext():
+        try:
+            if main:
+                remove(tmp)
+                path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            if main:
+                _commit(path, lambda: _rename(tmp, path))
+        except BaseException as e:
             remove(tmp)
-            path.parent.mkdir(parents=True, exist_ok=True)
-        yield tmp
-        if main:
-            _commit(path, lambda: _rename(tmp, path))
-    except BaseException as e:
-        remove(tmp)
-        error = io_error(e, tmp) if isinstance(e, Exception) else None
-        if error is None:
-            raise
-        raise WriteFailed(path, error, note, what) from None
+            error = io_error(e, tmp) if isinstance(e, Exception) else None
+            if error is None:
+                raise
+            raise WriteFailed(path, error, note, what) from None
+
+
+@contextlib.contextmanager
+def writing_alone(path: Path, tmp: Path) -> Iterator[None]:
+    """Hold an exclusive lock (``flock``, released by the system when the process ends, however it ends) on
+    ``TMP.lock`` beside ``path`` while it is written; a Mistake naming ``path`` when another process holds it."""
+    lock = tmp.with_name(tmp.name + ".lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o644)
+    except OSError as e:
+        raise WriteFailed(path, io_error(e, lock) or e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Mistake(f"{path} is being written by another process right now (its lock {lock}): wait for it "
+                          f"to end, or choose another folder") from None
+        try:
+            yield
+        finally:
+            remove(lock)
+    finally:
+        os.close(fd)
 
 
 def write_text(path, text: str) -> None:

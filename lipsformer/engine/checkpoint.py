@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from ..layers.attlip import form_mismatch
 from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
 from ..writer import WriteFailed, remove, replacing
+from .processes import agree_on_outcome
 from .run_folder import MANIFEST, RunFolder
 
 _logger = logging.getLogger(__name__)
@@ -159,7 +160,9 @@ def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path
 def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
     """Write to ``.tmp-step_N``, add the manifest, then rename to ``step_N`` (:func:`lipsformer.writer.replacing`),
     so a crash never leaves a partial checkpoint that looks complete; keep the newest ``keep_last``. A failed write
-    (disk full) removes the partial folder, leaves the earlier checkpoints as they were, and raises SaveFailed."""
+    (disk full) removes the partial folder, leaves the earlier checkpoints as they were, and raises WriteFailed; the
+    processes agree on the outcome where they would wait for each other
+    (:func:`~lipsformer.engine.processes.agree_on_outcome`), so a write that fails on one stops every one."""
     folder = RunFolder(output_dir)
     final = folder.checkpoint(state.step)
     assert_finite(model.named_parameters(), final)
@@ -168,16 +171,26 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
     earlier = folder.finished_checkpoints()
     note = (f"the partial folder was removed and {earlier[-1] if earlier else 'no earlier checkpoint'} is intact: "
             f"free space and continue with --resume auto")
-    with replacing(final, note, f"checkpoint {final}", main=accelerator.is_main_process) as tmp:
-        accelerator.wait_for_everyone()  # the main process has cleared a stale temporary
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
+    agreed, error = False, None
+    try:
+        with replacing(final, note, f"checkpoint {final}", main=accelerator.is_main_process) as tmp:
+            accelerator.wait_for_everyone()  # the main process has cleared a stale temporary
+            try:
+                accelerator.save_state(str(tmp))
+            except Exception as e:  # every process learns of it before any waits again
+                error = e
+            agree_on_outcome(accelerator, error, f"checkpoint {final}")
+            agreed = True
+            if accelerator.is_main_process:
+                write_manifest(tmp)
         if accelerator.is_main_process:
-            write_manifest(tmp)
-    if accelerator.is_main_process:
-        for old in folder.finished_checkpoints()[:-keep_last]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+            for old in folder.finished_checkpoints()[:-keep_last]:
+                shutil.rmtree(old)
+    except Exception as e:
+        if not agreed:  # every process raises here
+            raise
+        error = e  # the main process's manifest, rename or pruning: the others learn of it below
+    agree_on_outcome(accelerator, error, f"checkpoint {final}")
     return final
 
 
