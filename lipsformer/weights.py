@@ -119,16 +119,21 @@ def verify_sha256(path, expected: str, origin: str = "") -> None:
                               f"{expected}: the download is corrupt or is not the published file")
 
 
+DDP_PREFIX = "module."  # what DistributedDataParallel puts before every key of the model it wraps
+
+
 def unwrap_state_dict(checkpoint: dict, use_ema: bool = False) -> dict:
     """The state dict inside a training checkpoint (under 'model' / 'state_dict', or the EMA's with ``use_ema``);
-    a raw state dict passes through."""
+    a raw state dict passes through. Keys that all carry DDP's ``module.`` prefix (a wrapped model saved as it is)
+    are read without it, as timm's ``clean_state_dict`` reads them."""
     keys = ("state_dict_ema", "model_ema") if use_ema else ("model", "state_dict")
-    for key in keys:
-        if isinstance(checkpoint.get(key), dict):
-            return checkpoint[key]
-    if use_ema:
+    state_dict = next((checkpoint[key] for key in keys if isinstance(checkpoint.get(key), dict)), None)
+    if state_dict is None and use_ema:
         raise KeyError("no EMA weights ('state_dict_ema' or 'model_ema') in this checkpoint")
-    return checkpoint
+    state_dict = checkpoint if state_dict is None else state_dict
+    if state_dict and all(isinstance(k, str) and k.startswith(DDP_PREFIX) for k in state_dict):
+        return {k[len(DDP_PREFIX):]: v for k, v in state_dict.items()}
+    return state_dict
 
 
 def read_checkpoint(path, use_ema: bool = False) -> dict:

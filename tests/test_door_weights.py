@@ -222,6 +222,15 @@ def test_a_kept_best_epochs_file_is_read_as_part_of_its_run(door, tmp_path):
         resolve_checkpoint(run / "best")
 
 
+def test_a_state_dict_saved_from_a_ddp_wrapped_model_is_read_without_its_module_prefix(door, tmp_path):
+    root, state_dict = door
+    path = tmp_path / "ddp.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in state_dict.items()}}, path)
+    model = create_from_checkpoint(path, MODEL, **ARGS)
+    assert weights_fit(model).lines() == [] and all(torch.equal(v, state_dict[k]) for k, v in
+                                                    model.state_dict().items())
+
+
 def test_a_grey_models_weight_files_and_export_record_its_one_channel(tmp_path):
     from types import SimpleNamespace
     from lipsformer.engine.checkpoint import save_weights
