@@ -559,7 +559,8 @@ def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str]
         current["tag"] = tag
     model.pretrained_cfg = {**{k: v for k, v in saved_cfg.items() if k not in ("sha256", "state_dict")}, **current}
     try:
-        with replacing(out_dir, exclusive=True) as tmp:  # save_for_hf's model.safetensors is written 0600: given the outputs' mode
+        # save_for_hf's model.safetensors is written 0600: given the outputs' mode
+        with replacing(out_dir, exclusive=True) as tmp:
             save_for_hf(model, str(tmp), safe_serialization=True,
                         model_config=dict(source=str(source), source_sha256=sha256_of(weights)
                                           if weights is not None and weights.is_file() else None))
