@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     for line in weights_fit(model).lines():  # what the written weights hold that the source did not (adapted: ...)
         print(line)
     out = export(model, args.out or Path("checkpoints") / f"{name}.{args.tag}", source=args.source, tag=args.tag)
-    print(f"wrote {out} (model.safetensors sha256 {sha256_of(out / 'model.safetensors')})\n"
+    print(f"model.safetensors sha256 {sha256_of(out / 'model.safetensors')}\n"  # the boundary's wrote: line names out
           f'load it with timm.create_model("local-dir:{out}", pretrained=True)')
     return 0
 

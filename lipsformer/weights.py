@@ -18,15 +18,15 @@ import timm
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from timm.data import resolve_model_data_config
 from timm.models import adapt_input_conv, get_pretrained_cfg, save_for_hf
 
 from .data.classes import read_class_names
+from .data.datasets import eval_data_config
 from .errors import Mistake, did_you_mean
 from .settings import read_yaml
 from .engine.config import ConfigError
 from .layers.attlip import form_mismatch, state_dict_form
-from .engine.run_folder import LAST_EMA, RunFolder, checkpoint_step
+from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
 from .writer import replacing
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
@@ -119,16 +119,21 @@ def verify_sha256(path, expected: str, origin: str = "") -> None:
                               f"{expected}: the download is corrupt or is not the published file")
 
 
+DDP_PREFIX = "module."  # what DistributedDataParallel puts before every key of the model it wraps
+
+
 def unwrap_state_dict(checkpoint: dict, use_ema: bool = False) -> dict:
     """The state dict inside a training checkpoint (under 'model' / 'state_dict', or the EMA's with ``use_ema``);
-    a raw state dict passes through."""
+    a raw state dict passes through. Keys that all carry DDP's ``module.`` prefix (a wrapped model saved as it is)
+    are read without it, as timm's ``clean_state_dict`` reads them."""
     keys = ("state_dict_ema", "model_ema") if use_ema else ("model", "state_dict")
-    for key in keys:
-        if isinstance(checkpoint.get(key), dict):
-            return checkpoint[key]
-    if use_ema:
+    state_dict = next((checkpoint[key] for key in keys if isinstance(checkpoint.get(key), dict)), None)
+    if state_dict is None and use_ema:
         raise KeyError("no EMA weights ('state_dict_ema' or 'model_ema') in this checkpoint")
-    return checkpoint
+    state_dict = checkpoint if state_dict is None else state_dict
+    if state_dict and all(isinstance(k, str) and k.startswith(DDP_PREFIX) for k in state_dict):
+        return {k[len(DDP_PREFIX):]: v for k, v in state_dict.items()}
+    return state_dict
 
 
 def read_checkpoint(path, use_ema: bool = False) -> dict:
@@ -410,19 +415,29 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
                 raise CheckpointError(f"{path} is an exported weight folder: it holds one set of weights, no EMA")
             return path / HUB_WEIGHTS, _hub_meta(path / HUB_CONFIG)
         raise FileNotFoundError(f"{path} holds neither {run.config.name} (a training run) nor {HUB_CONFIG} "
-                                f"(an export)")
+                                f"(an export), nor sub-folders that do (a folder of runs, which eval.py takes)")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint {path}")
     if path.suffix == ".safetensors":
         if use_ema and path.name != LAST_EMA:  # a safetensors file holds one set of weights
             raise CheckpointError(f"{path} holds one set of weights, not an EMA beside them; drop --use-ema, or "
                                   f"pass the run's {LAST_EMA}")
-        if RunFolder(path.parent).is_run():
-            return path, _run_meta(RunFolder(path.parent))
+        run = _run_of(path)
+        if run is not None:
+            return path, _run_meta(run)
         if (path.parent / HUB_CONFIG).is_file():
             return path, _hub_meta(path.parent / HUB_CONFIG)
         return path, _file_meta(path)
     return path, {}
+
+
+def _run_of(file: Path) -> Optional[RunFolder]:
+    """The training run a weight file belongs to: the run folder it lies in, or the one above ``best/`` (the
+    keep_best epochs' weights); None for a file outside a run."""
+    for folder in (file.parent, file.parent.parent) if file.parent.name == BEST_KEPT else (file.parent,):
+        if RunFolder(folder).is_run():
+            return RunFolder(folder)
+    return None
 
 
 def _run_meta(run: RunFolder) -> dict:
@@ -537,14 +552,15 @@ def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str]
     saved_cfg = model.pretrained_cfg
     read_from = saved_cfg.get("file")  # create_from_checkpoint's weight file
     weights = Path(source) if source and Path(source).is_file() else Path(read_from) if read_from else None
-    current = dict(input_size=tuple(resolve_model_data_config(model)["input_size"]))
+    current = dict(input_size=tuple(eval_data_config(model)["input_size"]))  # the channels it is built for
     if hasattr(model, "patch_embed") and hasattr(model, "_stage_resolutions"):  # ours: the last stage's grid
         current["pool_size"] = tuple(model._stage_resolutions()[-1])
     if tag is not None:
         current["tag"] = tag
     model.pretrained_cfg = {**{k: v for k, v in saved_cfg.items() if k not in ("sha256", "state_dict")}, **current}
     try:
-        with replacing(out_dir) as tmp:  # save_for_hf's model.safetensors is written 0600: given the outputs' mode
+        # save_for_hf's model.safetensors is written 0600: given the outputs' mode
+        with replacing(out_dir, exclusive=True) as tmp:
             save_for_hf(model, str(tmp), safe_serialization=True,
                         model_config=dict(source=str(source), source_sha256=sha256_of(weights)
                                           if weights is not None and weights.is_file() else None))

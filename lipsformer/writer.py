@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import csv
 import errno
+import fcntl
 import io
 import json
 import math
@@ -144,28 +145,56 @@ def _rename(tmp: Path, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def replacing(path, note: str = "", what: str = "", main: bool = True) -> Iterator[Path]:
+def replacing(path, note: str = "", what: str = "", main: bool = True, exclusive: bool = False) -> Iterator[Path]:
     """A temporary name beside ``path`` for the block to write a file or a folder at; when the block ends it is
     renamed over ``path``. On a failure the temporary is removed and an OSError becomes :class:`WriteFailed`
     (``note``: what is intact, for its line; ``what``: how the line names the target).
 
     ``main=False``: a process that writes into the temporary beside the main one (a checkpoint's own files under
-    several processes): it neither clears a stale temporary nor renames, the main process does."""
+    several processes): it neither clears a stale temporary nor renames, the main process does.
+
+    ``exclusive``: a second writer of ``path`` while this one writes (the same command started twice) is refused, a
+    Mistake naming ``path``, rather than clearing this one's temporary as a stale one (:func:`writing_alone`)."""
     path = Path(path)
     tmp = temporary(path)
-    try:
-        if main:
+    with writing_alone(path, tmp) if exclusive else contextlib.nullcontext():
+        try:
+            if main:
+                remove(tmp)
+                path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            if main:
+                _commit(path, lambda: _rename(tmp, path))
+        except BaseException as e:
             remove(tmp)
-            path.parent.mkdir(parents=True, exist_ok=True)
-        yield tmp
-        if main:
-            _commit(path, lambda: _rename(tmp, path))
-    except BaseException as e:
-        remove(tmp)
-        error = io_error(e, tmp) if isinstance(e, Exception) else None
-        if error is None:
-            raise
-        raise WriteFailed(path, error, note, what) from None
+            error = io_error(e, tmp) if isinstance(e, Exception) else None
+            if error is None:
+                raise
+            raise WriteFailed(path, error, note, what) from None
+
+
+@contextlib.contextmanager
+def writing_alone(path: Path, tmp: Path) -> Iterator[None]:
+    """Hold an exclusive lock (``flock``, released by the system when the process ends, however it ends) on
+    ``TMP.lock`` beside ``path`` while it is written; a Mistake naming ``path`` when another process holds it."""
+    lock = tmp.with_name(tmp.name + ".lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o644)
+    except OSError as e:
+        raise WriteFailed(path, io_error(e, lock) or e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Mistake(f"{path} is being written by another process right now (its lock {lock}): wait for it "
+                          f"to end, or choose another folder") from None
+        try:
+            yield
+        finally:
+            remove(lock)
+    finally:
+        os.close(fd)
 
 
 def write_text(path, text: str) -> None:
@@ -260,7 +289,8 @@ def to_json(value, reason: str = "", indent=None) -> str:
 def check_target(path, folder: bool = False) -> Path:
     """A Mistake (exit 2, before any work) unless ``path`` can be written as a file (``folder``: as a folder): an
     existing folder where a file is meant, a file where a folder is meant, a file among its parents or a parent this
-    user cannot write in are refused; missing parents are created when it is written."""
+    user cannot write in (named as a read-only file system where it is one) are refused; missing parents are
+    created when it is written."""
     path = Path(path)
     if path.is_dir() and not folder:
         raise Mistake(f"{path} is a folder; name the file to write")
@@ -271,7 +301,8 @@ def check_target(path, folder: bool = False) -> Path:
             if not place.is_dir():
                 raise Mistake(f"{path}: {place} is a file, not a folder")
             if not os.access(place, os.W_OK | os.X_OK):
-                raise Mistake(f"{path}: cannot write in {place} (permission denied)")
+                why = "a read-only file system" if os.statvfs(place).f_flag & os.ST_RDONLY else "permission denied"
+                raise Mistake(f"{path}: cannot write in {place} ({why})")
             break
     return path
 

@@ -23,7 +23,7 @@ from test_mistakes import call, refused
 from test_train import PY, TINY_RUN, make_folder
 from lipsformer import cli
 from lipsformer.writer import output_figure, output_file
-from lipsformer.engine.config import MODEL_ARGS, load_config, path_keys
+from lipsformer.engine.config import CHOICES, MODEL_ARGS, load_config, path_keys
 from lipsformer.models._base import ARGUMENTS
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -136,6 +136,15 @@ def test_a_run_folders_config_with_a_key_twice_is_refused_where_it_is_read_back(
     refused(capsys, EVAL.main, ["--checkpoint", run, "--data-dir", base / "data"], base, said)
     refused(capsys, lipschitz, ["--checkpoint", run], base, said)
     refused(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--output-dir", run, "--resume", run], base, said)
+
+
+def test_a_choice_yaml_reads_as_a_boolean_is_the_word_in_a_file_as_in_set(tmp_path):
+    words = {key: "no" for key, choices in CHOICES.items() if "no" in choices}  # YAML 1.1: no is false
+    assert "mixed_precision" in words
+    config = tmp_path / "hand.yaml"
+    config.write_text("".join(f"{key}: no\n" for key in words))
+    for cfg in (load_config(config), load_config(None, [f"{key}=no" for key in words])):
+        assert {key: getattr(cfg, key) for key in words} == words
 
 
 # -- 2. ~ and $VARIABLES --------------------------------------------------------------------------------------------

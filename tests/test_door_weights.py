@@ -25,7 +25,8 @@ from lipsformer.data.classes import write_class_names
 from lipsformer.engine.config import TrainConfig
 from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
-from lipsformer.weights import CheckpointError, create_from_checkpoint, export, weights_fit
+from lipsformer.weights import (CheckpointError, create_from_checkpoint, export, recorded_input_size,
+                                resolve_checkpoint, weights_fit)
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -207,6 +208,40 @@ def test_a_first_conv_is_adapted_only_for_an_asked_in_chans_and_every_command_sa
         timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(one)), **ARGS)
 
 
+def test_a_kept_best_epochs_file_is_read_as_part_of_its_run(door, tmp_path):
+    root, state_dict = door
+    run = write(tmp_path, "run", state_dict, "run", config=root / "cfg.yaml")
+    (run / "best").mkdir()
+    kept = run / "best" / "epoch_001_top1_50.00.safetensors"
+    shutil.copy(run / "last.safetensors", kept)
+    assert resolve_checkpoint(kept)[1] == resolve_checkpoint(run)[1]  # its model, arguments and preprocessing
+    assert weights_fit(create_from_checkpoint(kept)).lines() == []  # no model name needed
+    with pytest.raises(FileNotFoundError, match=r"holds neither config\.yaml \(a training run\) nor config\.json "
+                                                r"\(an export\), nor sub-folders that do \(a folder of runs, which "
+                                                r"eval\.py takes\)$"):
+        resolve_checkpoint(run / "best")
+
+
+def test_a_state_dict_saved_from_a_ddp_wrapped_model_is_read_without_its_module_prefix(door, tmp_path):
+    root, state_dict = door
+    path = tmp_path / "ddp.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in state_dict.items()}}, path)
+    model = create_from_checkpoint(path, MODEL, **ARGS)
+    assert weights_fit(model).lines() == [] and all(torch.equal(v, state_dict[k]) for k, v in
+                                                    model.state_dict().items())
+
+
+def test_a_grey_models_weight_files_and_export_record_its_one_channel(tmp_path):
+    from types import SimpleNamespace
+    from lipsformer.engine.checkpoint import save_weights
+    grey = timm.create_model(MODEL, in_chans=1, **ARGS)
+    cfg = TrainConfig(**dict(RUN, model_kwargs=dict(RUN["model_kwargs"], in_chans=1)))
+    save_weights(SimpleNamespace(is_main_process=True), grey.state_dict(), tmp_path / "last.safetensors", cfg)
+    assert recorded_input_size(tmp_path / "last.safetensors") == (1, cfg.img_size, cfg.img_size)
+    config = json.loads((export(grey, tmp_path / "export") / "config.json").read_text())
+    assert config["pretrained_cfg"]["input_size"] == [1, RUN["img_size"], RUN["img_size"]]
+
+
 def test_a_classifier_is_re_created_only_for_an_asked_class_count(door, capsys, tmp_path, monkeypatch):
     """A num_classes override against the file's classifier was a RuntimeError (a 'bug:' line) in the commands, and
     timm's pretrained path re-created a classifier of its own class count without a word (eval.py --pretrained
@@ -300,3 +335,24 @@ def test_the_certificate_api_names_what_is_wrong_with_its_input():
         dict(model.named_parameters())["head.fc.weight"][0, 0] = float("nan")
     with pytest.raises(CertifyInputError, match=r"the model's head\.fc\.weight holds 1 non-finite value"):
         pixel_lipschitz(model)
+
+
+def test_the_certificate_api_refuses_a_model_without_two_classes_and_certifies_a_double_one():
+    """A model of one logit gave every image an infinite radius, one of pooled features (num_classes=0) radii of
+    its features' margins; a float64 model stopped in its first layer (its images were cast to float32)."""
+    from lipsformer.lipschitz.certify import CertifyInputError, normalization, predict_certified
+    arch = dict(TINY["swin"], window_size=4)
+    for classes, said in ((1, "one logit, with no runner-up"), (0, "pooled features, not logits")):
+        model = timm.create_model("lipsformer_swin_t_cert", **arch, num_classes=classes).eval()
+        with pytest.raises(CertifyInputError, match=re.escape(f"num_classes={classes}: it outputs {said}")):
+            predict_certified(model, torch.zeros(1, 3, 32, 32))
+    torch.manual_seed(SEED)
+    single = timm.create_model("lipsformer_swin_t_cert", **arch, num_classes=4).eval()
+    double = timm.create_model("lipsformer_swin_t_cert", **arch, num_classes=4).eval()
+    double.load_state_dict(single.state_dict())
+    double.double()
+    mean, std = normalization(single)
+    images = (torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(SEED)) - mean) / std
+    logits, pred, radius = predict_certified(double, images.double())
+    assert logits.dtype == torch.float64 and torch.equal(pred, predict_certified(single, images)[1])
+    assert torch.allclose(radius.double(), predict_certified(single, images)[2].double(), rtol=1e-3)

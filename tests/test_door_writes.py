@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import ROOT, TINY
@@ -329,6 +330,65 @@ def test_every_file_output_naming_a_folder_is_refused_before_any_work(base, caps
                 f"{base / 'a_file'} is a file, not a folder")
 
 
+def test_an_output_on_a_read_only_file_system_is_refused_naming_it_before_any_work(base, capsys, tmp_path,
+                                                                                  monkeypatch):
+    from lipsformer import flops
+    ro = tmp_path / "mounted_ro"  # as a read-only mount looks to root: not writable, ST_RDONLY in its flags
+    ro.mkdir()
+    access, statvfs = os.access, os.statvfs
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: Path(p) != ro and access(p, mode, **k))
+    monkeypatch.setattr(os, "statvfs", lambda p: type("S", (), {"f_flag": os.ST_RDONLY})() if Path(p) == ro
+                        else statvfs(p))
+    refused(capsys, flops.main, ["--models", "lipsformer_swin_t", "--no-flops", "--json", ro / "f.json"], tmp_path,
+            f"argument --json: {ro / 'f.json'}: cannot write in {ro} (a read-only file system)")
+
+
+class _Launch:
+    """One process of a launch of two as save_checkpoint sees it; ``others_failed``: what the all-reduce brings."""
+    num_processes, device = 2, "cpu"
+
+    def __init__(self, main: bool, save_error: OSError = None, others_failed: bool = False):
+        self.is_main_process, self.save_error, self.others_failed, self.calls = main, save_error, others_failed, []
+
+    def wait_for_everyone(self):
+        self.calls.append("barrier")
+
+    def save_state(self, path):
+        self.calls.append("save")
+        if self.save_error is not None:
+            raise self.save_error
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def reduce(self, tensor, reduction):
+        self.calls.append("agree")
+        return torch.maximum(tensor, torch.tensor([int(self.others_failed)]))
+
+
+def test_a_checkpoint_write_that_fails_on_one_process_stops_every_process_rather_than_one_waiting(tmp_path):
+    from lipsformer.engine.checkpoint import TrainState, save_checkpoint
+    from lipsformer.errors import Stopped
+    state, model = TrainState(), torch.nn.Linear(2, 2)
+    state.step = 2
+    main = _Launch(True, OSError(errno.ENOSPC, "No space left on device"))  # it joins the agreement, then raises
+    with pytest.raises(writer.WriteFailed, match=r"No space left on device \(ENOSPC"):
+        save_checkpoint(main, model, tmp_path, state, keep_last=2)
+    other = _Launch(False, others_failed=True)  # its part went well: it learns of the failure instead of waiting
+    with pytest.raises(Stopped, match=r"could not write checkpoint \S+step_000000002: another process failed to"):
+        save_checkpoint(other, model, tmp_path, state, keep_last=2)
+    assert main.calls == other.calls == ["barrier", "save", "agree"] and not list(tmp_path.rglob("*step_*"))
+    fine = _Launch(True)
+    assert save_checkpoint(fine, model, tmp_path, state, keep_last=2).is_dir()
+    assert fine.calls == ["barrier", "save", "agree", "agree"]
+
+
+def test_convert_names_the_folder_it_wrote_once(base, capsys, tmp_path):
+    from lipsformer import convert
+    code, out, err = call(capsys, convert.main, [base / "run", "--out", tmp_path / "export"])
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("wrote")] == [f"wrote: {tmp_path / 'export'}"]
+    assert out.splitlines()[0].startswith("model.safetensors sha256 ")
+
+
 def test_a_missing_parent_folder_is_created(base, capsys, tmp_path):
     from lipsformer import flops
     code, out, _ = call(capsys, flops.main, ["--models", "lipsformer_swin_t", "--no-flops", "--json",
@@ -336,6 +396,21 @@ def test_a_missing_parent_folder_is_created(base, capsys, tmp_path):
     assert code == 0 and json.loads((tmp_path / "new" / "deeper" / "f.json").read_text())[0]["model"] == \
         "lipsformer_swin_t"
     assert out.splitlines()[-1] == f"wrote: {tmp_path / 'new' / 'deeper' / 'f.json'}"
+
+
+def test_a_folder_writer_started_twice_refuses_the_second_rather_than_both_writing_one_folder(capsys, tmp_path):
+    """Two data writers into one folder cleared each other's temporary as a stale one and both said wrote: the
+    folder, marked complete, held a tenth of the images. The same holds for convert's export folder."""
+    import fcntl
+    from lipsformer.data import digits
+    root = tmp_path / "digits"
+    lock = writer.temporary(root).with_name(writer.temporary(root).name + ".lock")
+    with open(lock, "w") as first:  # the first writer, still writing
+        fcntl.flock(first, fcntl.LOCK_EX)
+        refused(capsys, digits.main, [root], tmp_path, f"{root} is being written by another process right now")
+    with writer.replacing(root, exclusive=True) as tmp:  # once it has ended, a writer goes ahead
+        tmp.mkdir()
+    assert root.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["digits"]
 
 
 # -- the data writers' folders --------------------------------------------------------------------------------------

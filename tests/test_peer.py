@@ -18,6 +18,12 @@ def test_without_deel_torchlip_building_it_is_one_line_naming_the_extra(monkeypa
         timm.create_model("torchlip_cnn")
 
 
+def test_an_argument_it_does_not_take_is_refused_by_name(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deel.torchlip", None)  # refused before the library is needed
+    with pytest.raises(TypeError, match="unexpected keyword argument 'widht'"):
+        timm.create_model("torchlip_cnn", widht=(8, 16))
+
+
 def test_its_bound_is_computed_from_the_weights_and_holds_against_the_librarys_estimate_and_an_attack():
     pytest.importorskip("deel.torchlip")
     from deel.torchlip.utils import evaluate_lip_const

@@ -32,7 +32,7 @@ def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
     if written_as(root, settings):
         return root
     digits = load_digits()
-    with replacing(root) as tmp:
+    with replacing(root, exclusive=True) as tmp:
         for i, (image, label) in enumerate(zip(digits.images, digits.target)):
             folder = tmp / ("val" if i % val_every == 0 else "train") / str(label)
             folder.mkdir(parents=True, exist_ok=True)

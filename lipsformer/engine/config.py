@@ -520,6 +520,9 @@ def load_config(path=None, overrides: Optional[List[str]] = None, flags: Optiona
         if not isinstance(loaded, (dict, type(None))):
             raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
         data.update(loaded or {})
+        for key, value in data.items():  # YAML 1.1 reads no as false: `mixed_precision: no` means the word, as in --set
+            if value is False and "no" in CHOICES.get(key, ()):
+                data[key] = "no"
     given: Dict[str, str] = {}  # key -> where the command line set it
     items = [(f"--set {item}", *parse_override(item)) for item in overrides or []]
     items += [(f"{flag} {value}", key, value) for key, (flag, value) in (flags or {}).items() if value is not None]

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Optional
 
+from ..errors import Stopped
+
 # How long a process that failed waits for the others to fail the same way before it tells its own line: the
 # processes run the same checks on the same inputs, so a mistake every one of them finds arrives within this.
 AGREE_SECONDS = 5.0
@@ -81,6 +83,21 @@ def failed_elsewhere() -> Optional[int]:
         return None
     _ending()
     return code
+
+
+def agree_on_outcome(accelerator, error: Optional[BaseException], what: str) -> None:
+    """Where every process would wait for the others (a barrier), learn first whether any failed: ``error`` is this
+    process's failure (None: it did its part). Raises ``error`` where it is set, and :class:`~lipsformer.errors.Stopped`
+    naming ``what`` on a process whose part went well while another's failed, so that every process ends (the one
+    that failed says why, :func:`agree`) rather than one waiting for the others forever. One all-reduce of a flag."""
+    import torch
+    failed = torch.tensor([0 if error is None else 1], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="max")
+    if error is not None:
+        raise error
+    if int(failed.item()):
+        raise Stopped(f"could not write {what}: another process failed to, and says why")
 
 
 def end_process_group() -> None:

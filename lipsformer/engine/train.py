@@ -298,11 +298,10 @@ def _train(run: _Run) -> dict:
         if epoch + 1 < cfg.epochs:  # a signal during the evaluation: the epoch's checkpoint is the one
             stop_if_preempted(run)
 
-    save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(), cfg.img_size)
+    save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(), cfg)
     if run.ema is not None:
         with run.ema.applied(run.model):
-            save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(ema=True),
-                         cfg.img_size)
+            save_weights(accelerator, accelerator.get_state_dict(run.model), run.folder.weights(ema=True), cfg)
     accelerator.end_training()
     summary = dict(output_dir=str(run.folder.root), checkpoint=str(run.last_good), best_top1=state.best_top1,
                    best=str(run.folder.best), last=str(run.folder.weights()), epochs=state.epoch,

@@ -258,6 +258,7 @@ def predict_certified(model: nn.Module, images: torch.Tensor, lipschitz: Optiona
     """
     bare = getattr(model, "module", model)
     with evaluation_mode(bare):
+        _check_classes(bare)
         _check_float32(bare)
         check_images(images, bare, *normalization(bare))
         L = pixel_lipschitz(bare) if lipschitz is None else lipschitz  # the eval-mode map's bound, its divisors
@@ -276,6 +277,16 @@ def _check_float32(bare: nn.Module) -> None:
     _check_finite(bare)
 
 
+def _check_classes(bare: nn.Module) -> None:
+    """A CertifyInputError unless ``bare`` scores at least two classes: a radius is a margin between two logits
+    (one logit has no runner-up, ``num_classes=0`` gives pooled features, not logits)."""
+    classes = getattr(bare, "num_classes", None)
+    if classes is not None and classes < 2:
+        what = "pooled features, not logits" if classes == 0 else "one logit, with no runner-up to keep a margin from"
+        raise CertifyInputError(f"the model has num_classes={classes}: it outputs {what}; a certified radius needs a "
+                                f"classifier of at least 2 classes")
+
+
 def _check_finite(model: nn.Module) -> None:
     """A CertifyInputError naming the first parameter of ``model`` with a NaN or Inf (whose bound and radii would be
     NaN)."""
@@ -290,8 +301,9 @@ def _certified_forward(bare: nn.Module, images: torch.Tensor, L: PixelLipschitz,
                        max_steps: int = 1000) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`predict_certified`'s ``(logits, pred, radius)`` of ``bare`` in eval mode, under the bound ``L``."""
     forward = getattr(bare, "_original_forward", bare.forward)  # Accelerate keeps the forward before autocast
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in bare.parameters()) else torch.float32
     with torch.no_grad(), torch.autocast(images.device.type, enabled=False), solve_to_tolerance(bare, max_steps):
-        logits = forward(images.float()).float()
+        logits = forward(images.to(dtype)).to(dtype)
     return logits, logits.argmax(-1), pairwise_radius(logits, L)
 
 

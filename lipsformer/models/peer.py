@@ -34,7 +34,7 @@ class TorchlipCNN(nn.Module):
     """deel-torchlip's 1-Lipschitz CNN for MNIST-sized images (module docstring) as a timm-style model."""
 
     def __init__(self, num_classes: int = 10, in_chans: int = 1, img_size: int = 32, widths: Tuple[int, int] = (16, 32),
-                 hidden: int = 64, **_):
+                 hidden: int = 64):
         super().__init__()
         checks = [("num_classes", num_classes, 1), ("in_chans", in_chans, 1), ("img_size", img_size, 4),
                   ("hidden", hidden, 1), *((f"widths[{i}]", w, 1) for i, w in enumerate(widths))]
@@ -98,7 +98,7 @@ def torchlip_cnn(pretrained: bool = False, **kwargs) -> TorchlipCNN:
     if pretrained:
         raise ValueError("torchlip_cnn has no published weights")
     overlay = kwargs.pop("pretrained_cfg_overlay", None) or {}
-    for key in ("pretrained_cfg", "drop_path_rate", "drop_rate"):
+    for key in ("pretrained_cfg", "cache_dir", "drop_path_rate", "drop_rate"):  # timm's, or training's
         kwargs.pop(key, None)
     model = TorchlipCNN(**kwargs)
     model.pretrained_cfg.update(overlay)
