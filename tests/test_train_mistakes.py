@@ -144,12 +144,12 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monk
 
 
 def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, capsys, config):
-    """--resume with another epochs (or lr, ...) would keep the checkpoint's schedule: refused, naming the
-    key and the way to train further. --resume RUN resumes from that run's newest checkpoint."""
+    """--resume with another epochs (or lr, ...) would keep the checkpoint's schedule, another num_classes cannot
+    continue its model: refused, naming the key and the way to train further. --resume RUN resumes from that run's newest checkpoint."""
     run = tmp_path / "run"
     assert train_cli(capsys, "--config", config, "--set", "epochs=1")[0] == 0
     before = snapshot(run)
-    for change in ("epochs=3", "lr=0.01"):
+    for change in ("epochs=3", "lr=0.01", "num_classes=3"):  # a schedule the checkpoint keeps; another model
         sets = [change] if change.startswith("epochs=") else ["epochs=1", change]  # a key is set once
         code, _, err = train_cli(capsys, "--config", config, "--resume", "auto", "--set", *sets)
         key, value = change.split("=")

@@ -59,6 +59,12 @@ def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
     if not saved_config.is_file():
         return
     saved = read_yaml(saved_config) or {}
+    for key in ("model", "num_classes"):  # the checkpoint holds that model: another one cannot continue it
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise ConfigError(
+                f"--resume: {key} is {getattr(cfg, key)!r} here but {saved[key]!r} in {saved_config}; a resume "
+                f"continues that run's model. Resume with the run's own value, or start a new run from its weights "
+                f"with init_checkpoint: {saved_config.parent}")
     for key in RESTORED_ON_RESUME:
         if key not in saved:
             continue
