@@ -15,7 +15,7 @@ from lipsformer.engine.run_folder import MANIFEST, RunFolder
 from lipsformer.weights import CheckpointError
 
 from conftest import reset_accelerate
-from test_train import TINY_RUN, run_train, write_config
+from helpers import TINY_RUN, run_train, write_config
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_script, reset_accelerate
-from test_train import ROOT, make_folder, read_metrics, torchrun, write_config
+from helpers import ROOT, make_folder, read_metrics, torchrun, write_config
 from train_probe import probed_step
 
 from lipsformer.engine.checkpoint import latest_checkpoint, verify_checkpoint
@@ -230,14 +230,14 @@ def fake_slurm(tmp_path: Path, nodes: int = 2, **env) -> dict:
     """The environment of a SLURM batch job on ``nodes`` "nodes" of this host, one process each, with
     tests/fake_slurm.py as srun and scontrol."""
     import sys
-    from test_train import _free_port
+    from helpers import free_port
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     for tool in ("srun", "scontrol"):
         (bin_ / tool).write_text(f'#!/bin/bash\nexec {sys.executable} {ROOT / "tests" / "fake_slurm.py"} {tool} "$@"\n')
         (bin_ / tool).chmod(0o755)
     return dict(os.environ, PATH=f"{bin_}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_ID="42",
-                SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST="node[1-2]", GPUS="1", PORT=str(_free_port()),
+                SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST="node[1-2]", GPUS="1", PORT=str(free_port()),
                 OMP_NUM_THREADS="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"), **env)
 
 

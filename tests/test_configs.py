@@ -137,7 +137,7 @@ def test_shipped_config_trains_and_evaluates_as_shipped(path, tmp_path, capfd):
 def test_swin_t_recipe_trains_two_epochs_on_awkward_images_and_resumes_exactly(tmp_path):
     """The flagship recipe as users run it (a subprocess, workers as shipped up to 2): killed mid-run, resumed
     with --resume auto, it ends bit-identical to the run that was never stopped."""
-    from test_train import assert_killed_run_resumes_exactly
+    from helpers import assert_killed_run_resumes_exactly
     data = awkward_folder(tmp_path / "data")
     path = ROOT / "configs" / "lipsformer_swin_t.yaml"
     cfg = load_config(path, tiny_model(path) + [f"data_dir={data}", "batch_size=2", "global_batch=2", "epochs=2",

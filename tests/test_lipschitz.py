@@ -233,7 +233,7 @@ def test_keep_bound_projects_to_the_target_with_the_smallest_uniform_alpha_shrin
 
 
 def test_training_with_a_bound_target_keeps_and_logs_the_bound(tmp_path):
-    from test_train import read_metrics, run_train, write_config
+    from helpers import read_metrics, run_train, write_config
     kwargs = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2, v_norm=True)
     config = write_config(tmp_path, epochs=2, model_kwargs=kwargs, ema_decay=None, lr=1e-2)
     run_train("--config", str(config), "--lipschitz-target", "1e20")

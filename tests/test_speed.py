@@ -10,7 +10,7 @@ import torch._functorch.config as functorch_config
 import yaml
 from safetensors.torch import load_file
 from conftest import reset_accelerate
-from test_train import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
+from helpers import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
 
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
@@ -239,7 +239,7 @@ def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
 def test_eval_channels_last_scores_like_the_default(tmp_path):
     import timm
     from conftest import TINY
-    from test_eval import NUM_CLASSES, write_image
+    from helpers import NUM_CLASSES, write_image
 
     from lipsformer.engine.evaluate import evaluate_model
     from lipsformer.weights import export
