@@ -52,6 +52,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    """Torch's thread count as the test found it: a benchmark's ``--threads 1`` run in this process would otherwise
+    leave every later test on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- what the mistake tests run against (test_mistakes.py, test_door_writes.py) -----------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
