@@ -113,9 +113,9 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
-    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1, workers=workers)
+def test_killed_run_resumes_to_bit_identical_weights(tmp_path):
+    """In the main process; with loader workers (2), as the flagship recipe resumes, in tests/test_configs.py."""
+    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1)
     assert_killed_run_resumes_exactly(config, tmp_path, total_steps=18)
 
 
