@@ -147,6 +147,7 @@ def test_shipped_config_trains_and_evaluates_as_shipped(path, tmp_path, capfd):
     assert json.loads(result.read_text())["count"] == 16
 
 
+@pytest.mark.slow
 def test_swin_t_recipe_trains_two_epochs_on_awkward_images_and_resumes_exactly(tmp_path):
     """The flagship recipe as users run it (a subprocess, workers as shipped up to 2): killed mid-run, resumed
     with --resume auto, it ends bit-identical to the run that was never stopped."""

@@ -224,6 +224,7 @@ def test_compiling_the_same_training_graph_again_loads_it_from_aotautograds_cach
         assert dict(counters["aot_autograd"]).get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
 
 
+@pytest.mark.slow
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
     inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""

@@ -113,6 +113,7 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_bit_identical_weights(tmp_path):
     """In the main process; with loader workers (2), as the flagship recipe resumes, in tests/test_configs.py."""
     config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1)
@@ -252,6 +253,7 @@ def test_ema_of_fsdp_shards_matches_the_whole_model_ema(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank_0.ok", "rank_1.ok"]
 
 
+@pytest.mark.slow
 def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2, max_bad_fraction=0.1)
     broken = tmp_path / "data" / "train" / "class_1" / "0.jpg"  # read by one of the processes
@@ -278,6 +280,7 @@ def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     assert [r for r in read_metrics(tmp_path / "nodes") if r["kind"] == "epoch"][0]["processes"] == 2
 
 
+@pytest.mark.slow
 def test_fsdp2_run_matches_ddp_and_resumes_from_its_sharded_checkpoint(tmp_path):
     """The loop under Accelerate's FSDP2 (forced on CPU, see tests/train_probe.py) against plain DDP."""
     ddp = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2)
