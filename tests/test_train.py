@@ -10,8 +10,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from conftest import reset_accelerate
-from helpers import (ROOT, TINY_MODEL, TINY_RUN, assert_killed_run_resumes_exactly, make_folder, make_wds,
-                     read_metrics, run_train, torchrun, write_config)
+from helpers import (ROOT, TINY_MODEL, TINY_RUN, TRAIN, assert_killed_run_resumes_exactly, call, make_folder, make_wds,
+                     read_metrics, torchrun, write_config)
 
 from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, load_config
@@ -180,15 +180,15 @@ def test_corrupt_and_empty_images_are_skipped_counted_and_limited(tmp_path):
         train(strict)
 
 
-def test_non_finite_loss_stops_and_last_good_checkpoint_loads(tmp_path):
+def test_non_finite_loss_stops_and_last_good_checkpoint_loads(tmp_path, capsys):
     config = write_config(tmp_path, epochs=3, lr=1e30, checkpoint_every_steps=1, mixup=0.0, cutmix=0.0,
                           label_smoothing=0.0)
     run = tmp_path / "run"
-    proc = run_train("--config", str(config), check=False)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "non-finite" in proc.stderr and "last good checkpoint" in proc.stderr
+    code, _, err = call(capsys, TRAIN.main, ["--config", config])
+    assert code == 3, err[-2000:]
+    assert "non-finite" in err and "last good checkpoint" in err
     good = latest_checkpoint(run)
-    assert good is not None and str(good) in proc.stderr
+    assert good is not None and str(good) in err
     weights = load_file(str(good / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in weights.values())
 
@@ -324,14 +324,15 @@ def test_hugging_face_and_webdataset_sources_train_and_evaluate_every_image(tmp_
     assert resumed["step"] == 6
 
 
-def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path):
+def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path, capsys):
     from lipsformer.engine.train import train
     cfg = load_config(write_config(tmp_path), ["epochs=1", "mixed_precision=bf16"])
     summary = train(cfg)
     assert summary["step"] == 6 and summary["skipped_steps"] == 0
     assert all(v.dtype == torch.float32 for v in load_file(str(Path(cfg.output_dir) / "last.safetensors")).values())
-    proc = run_train("--config", str(write_config(tmp_path / "fp16")), "--set", "mixed_precision=fp16", check=False)
-    assert proc.returncode == 2 and "fp16 needs a GPU" in proc.stderr
+    reset_accelerate()
+    code, _, err = call(capsys, TRAIN.main, ["--config", write_config(tmp_path / "fp16"), "--set", "mixed_precision=fp16"])
+    assert code == 2 and "fp16 needs a GPU" in err
     assert not (tmp_path / "fp16" / "run").exists()  # refused before anything was written
 
 
