@@ -21,18 +21,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # The oldest versions pyproject.toml allows, in a venv of their own, on the suite's fast subset (not part of CI,
-# which tests what pip resolves today): the shipped recipes, models, layers, checkpoints, weights and evaluation.
+# which tests what pip resolves today): every test not marked slow (pyproject.toml's markers), the shipped recipes
+# among them; a new test joins it unless it is marked.
 FLOORS := torch==2.9.1 torchvision==0.24.1 timm==1.0.31 accelerate==1.15.0 pillow==10.0.0
 FLOORS_VENV := .venv-floors
-FLOORS_TESTS := tests/test_configs.py tests/test_models.py tests/test_layers.py tests/test_checkpoint.py \
-	tests/test_weights.py tests/test_eval.py
+FLOORS_MARKS := not slow and not gpu
 test-floors:
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(FLOORS_VENV)/bin/python -m pip install --quiet -e ".[dev]" $(FLOORS)
 	$(FLOORS_VENV)/bin/python -c "import torch, torchvision, timm, accelerate, PIL; print('floors:', torch.__version__, \
 		torchvision.__version__, timm.__version__, accelerate.__version__, PIL.__version__)"
-	$(FLOORS_VENV)/bin/python -m pytest -q $(FLOORS_TESTS)
+	$(FLOORS_VENV)/bin/python -m pytest -q -m "$(FLOORS_MARKS)"
 
 # The digits demo: written once as an image folder, trained from scratch (its output folder is replaced),
 # then its last weights evaluated by eval.py.

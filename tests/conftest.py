@@ -4,6 +4,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import yaml
 
 import lipsformer  # noqa: F401  (registers the models)
 
@@ -49,3 +50,31 @@ def family(name: str) -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    """Torch's thread count as the test found it: a benchmark's ``--threads 1`` run in this process would otherwise
+    leave every later test on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- what the mistake tests run against (test_mistakes.py, test_door_writes.py) -----------------------------------
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny image folder (4 classes, 16 train and 4 val images), its config, a finished one-epoch run of it (4
+    steps, checkpoints at 2 and 4), and a file where a folder belongs."""
+    from helpers import RUN, make_folder
+    from lipsformer.engine.config import load_config
+    from lipsformer.engine.train import train
+    root = tmp_path_factory.mktemp("mistakes")
+    make_folder(root / "data", train_per_class=(4, 4, 4, 4), val_per_class=(1, 1, 1, 1))
+    cfg = root / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(dict(RUN, data_dir=str(root / "data"), output_dir=str(root / "out"))))
+    train(load_config(cfg, [f"output_dir={root / 'run'}"]))
+    reset_accelerate()
+    (root / "a_file").write_text("not a folder")
+    (root / "bad.yaml").write_text("model: [lipsformer_swin_t\nlr: 1\n")
+    return root

@@ -250,7 +250,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
     import json
 
     from safetensors.torch import load_file
-    from test_train import make_folder
+    from helpers import make_folder
 
     from lipsformer.engine.config import ConfigError, load_config
     from lipsformer.engine.train import build_model, train
@@ -299,7 +299,7 @@ def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_sc
     uninterrupted one (bit-identical weights, the normalised layers' power iteration continued from the
     checkpoint); a model without AttLip refuses the key before writing anything."""
     from safetensors.torch import load_file
-    from test_train import make_folder
+    from helpers import make_folder
 
     from lipsformer.engine.config import ConfigError, load_config
     from lipsformer.engine.train import train
@@ -354,7 +354,7 @@ def test_bound_kept_every_k_steps_resumes_bit_identical_and_projects_the_weights
     import json
 
     from safetensors.torch import load_file
-    from test_train import make_folder
+    from helpers import make_folder
 
     from lipsformer.engine.config import load_config
     from lipsformer.engine.train import train

@@ -5,12 +5,10 @@ import timm
 import torch
 
 from conftest import family
+from helpers import CERTIFIED
 from lipsformer.layers.options import CERTIFIABLE
 from lipsformer.lipschitz import lipschitz_report, predict_certified
 from lipsformer.lipschitz.certify import normalization
-
-CERTIFIED = {"lipsformer_swin_t_cert": "lipsformer_swin_t", "lipsformer_cswin_t_cert": "lipsformer_cswin_t"}
-
 
 @pytest.mark.parametrize("name", sorted(CERTIFIED))
 def test_certified_model_is_the_zoo_size_at_224_with_the_certifiable_options(name):

@@ -15,7 +15,7 @@ from lipsformer.engine.run_folder import MANIFEST, RunFolder
 from lipsformer.weights import CheckpointError
 
 from conftest import reset_accelerate
-from test_train import TINY_RUN, run_train, write_config
+from helpers import TINY_RUN, TRAIN, call, write_config
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -102,7 +102,7 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint_and_ends_identic
     verify_checkpoint(folder.checkpoint(6), model_of(cfg))  # written again, intact
 
 
-def test_unusable_checkpoints_are_one_line_errors_naming_the_file(finished_run, tmp_path):
+def test_unusable_checkpoints_are_one_line_errors_naming_the_file(finished_run, tmp_path, capsys):
     model = model_of(finished_run)
     # pickled code in a state Accelerate would unpickle in full, with a manifest made to match
     folder = tmp_path / "code"
@@ -127,10 +127,10 @@ def test_unusable_checkpoints_are_one_line_errors_naming_the_file(finished_run, 
     for step in RunFolder(run.output_dir).finished_checkpoints():
         (step / "random_states_0.pkl").write_bytes(b"\x80\x04junk")
     run.save(tmp_path / "cfg.yaml")
-    proc = run_train("--config", str(tmp_path / "cfg.yaml"), "--resume", "auto", check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    assert "error: --resume auto: no intact checkpoint" in proc.stderr and "random_states_0.pkl" in proc.stderr
+    code, _, err = call(capsys, TRAIN.main, ["--config", tmp_path / "cfg.yaml", "--resume", "auto"])
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    assert "error: --resume auto: no intact checkpoint" in err and "random_states_0.pkl" in err
     intact, problems = intact_checkpoint(run.output_dir, model)
     assert intact is None and len(problems) == 3
 

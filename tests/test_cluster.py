@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_script, reset_accelerate
-from test_train import ROOT, make_folder, read_metrics, torchrun, write_config
+from helpers import ROOT, make_folder, read_metrics, torchrun, write_config
 from train_probe import probed_step
 
 from lipsformer.engine.checkpoint import latest_checkpoint, verify_checkpoint
@@ -147,6 +147,7 @@ def lrs(run: Path) -> dict:
 NOTICE = "no longer bit-exact: gradients are summed in another order"
 
 
+@pytest.mark.slow
 def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path, capsys):
     """2 -> 1 -> 2 processes, mid-epoch each time: the global batch, the schedule and the epoch's samples carry
     over, each resume says it is no longer bit-exact, and the weights end as the uninterrupted run's to rounding."""
@@ -199,6 +200,7 @@ def test_the_resume_notice_names_what_cannot_carry_over():
     assert _move_position(state, cfg, accelerator, loader, updates_per_epoch=3) is None  # nothing changed
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(two_processes, tmp_path):
     """FSDP2 on 2 processes, preempted in epoch 1; resumed on 1 (its sharded checkpoint resharded), preempted
     again; resumed on 2 to the end: every sample of the epoch once, and the uninterrupted DDP run's weights."""
@@ -230,14 +232,14 @@ def fake_slurm(tmp_path: Path, nodes: int = 2, **env) -> dict:
     """The environment of a SLURM batch job on ``nodes`` "nodes" of this host, one process each, with
     tests/fake_slurm.py as srun and scontrol."""
     import sys
-    from test_train import _free_port
+    from helpers import free_port
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     for tool in ("srun", "scontrol"):
         (bin_ / tool).write_text(f'#!/bin/bash\nexec {sys.executable} {ROOT / "tests" / "fake_slurm.py"} {tool} "$@"\n')
         (bin_ / tool).chmod(0o755)
     return dict(os.environ, PATH=f"{bin_}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_ID="42",
-                SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST="node[1-2]", GPUS="1", PORT=str(_free_port()),
+                SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST="node[1-2]", GPUS="1", PORT=str(free_port()),
                 OMP_NUM_THREADS="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"), **env)
 
 
@@ -278,6 +280,7 @@ def test_slurm_launch_lines_parse(tmp_path, monkeypatch):
     from lipsformer.layers import LipsBlock  # noqa: F401  (the class the config wraps exists under that name)
 
 
+@pytest.mark.slow
 def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(two_processes, tmp_path):
     """examples/slurm/train.sbatch on two "nodes" (torchrun, c10d rendezvous) gets USR1 as SLURM's
     --signal=B:USR1@120 sends it: the training stops after the step in progress with its checkpoint, the script

@@ -33,7 +33,7 @@ from lipsformer.engine.config import ConfigError, Key, TrainConfig, key_table, l
 from lipsformer.engine.run_folder import RunFolder
 
 from conftest import reset_accelerate
-from test_train import make_folder, make_wds, read_metrics
+from helpers import make_folder, make_wds, read_metrics
 
 LR, MIN_LR, UPDATES_PER_EPOCH = 1e-3, 1e-4, 3  # 24 images, batch 4, accumulation 2
 
@@ -168,7 +168,7 @@ def _attlip_steps(p: Probe, schedule) -> list:
 
 def _mlflow(p: Probe, override: str) -> dict:
     """The MLflow run (a local file store) of a run folder whose trackers start with ``override`` set."""
-    from test_run_outputs import start_mlflow
+    from helpers import start_mlflow
     return start_mlflow(p.tmp, p.tmp / override.split("=")[0], [override])
 
 

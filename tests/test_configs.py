@@ -80,6 +80,19 @@ def shrunk(path: Path, data: Path, out: Path, *extra: str) -> list:
     return ["--config", str(path), "--data-dir", str(data), "--output-dir", str(out), "--set", *sets, *extra]
 
 
+_SOAKED = {}
+
+
+def soak(path: Path) -> dict:
+    """``path``'s training transform at 32 px on 600 random images against timm's (benchmarks/augment_soak.py), once
+    per distinct transform: recipes that build the same transform (the same repr, as the benchmark groups them)
+    share one soak."""
+    key = repr(SOAK.training_transforms(load_config(path, ["img_size=32"]))[0])
+    if key not in _SOAKED:
+        _SOAKED[key] = SOAK.soak(path, images=600, img_size=32, max_side=64, seed=0)
+    return _SOAKED[key]
+
+
 # What the shrinking may change; everything else must stay as shipped (checked below, so the test cannot drift
 # into a look-alike).
 SHRUNK_KEYS = {"model_kwargs", "img_size", "batch_size", "global_batch", "epochs", "workers", "data_dir", "num_classes",
@@ -97,7 +110,7 @@ def _features_kept(path: Path, run: Path) -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_config_trains_and_evaluates_as_shipped(path, tmp_path, capfd):
     if load_config(path).aa:  # a few training steps draw too few augmentations to meet a rare op: 600 images do
-        soaked = SOAK.soak(path, images=600, img_size=32, max_side=64)
+        soaked = soak(path)
         assert soaked["ours_raised"] == 0, soaked["errors"]
         assert soaked["mismatched"] == 0
     data = awkward_folder(tmp_path / "data")
@@ -134,10 +147,11 @@ def test_shipped_config_trains_and_evaluates_as_shipped(path, tmp_path, capfd):
     assert json.loads(result.read_text())["count"] == 16
 
 
+@pytest.mark.slow
 def test_swin_t_recipe_trains_two_epochs_on_awkward_images_and_resumes_exactly(tmp_path):
     """The flagship recipe as users run it (a subprocess, workers as shipped up to 2): killed mid-run, resumed
     with --resume auto, it ends bit-identical to the run that was never stopped."""
-    from test_train import assert_killed_run_resumes_exactly
+    from helpers import assert_killed_run_resumes_exactly
     data = awkward_folder(tmp_path / "data")
     path = ROOT / "configs" / "lipsformer_swin_t.yaml"
     cfg = load_config(path, tiny_model(path) + [f"data_dir={data}", "batch_size=2", "global_batch=2", "epochs=2",
@@ -202,7 +216,7 @@ def test_posterize_keeps_pillows_old_result_at_zero_bits():
 def test_recipe_transform_with_seeds_that_draw_zero_bits_survives_and_matches_timm():
     """The Table 6 training transform on seeds known to draw a 0-bit posterize (timm's own transform raises on
     Pillow >= 13 there): ours never raises, and equals timm's tensor wherever timm's works."""
-    result = SOAK.soak(ROOT / "configs" / "lipsformer_swin_t.yaml", images=600, img_size=32, max_side=64, seed=0)
+    result = soak(ROOT / "configs" / "lipsformer_swin_t.yaml")
     assert result["ours_raised"] == 0
     assert result["compared"] + result["timm_raised"] == 600 and result["mismatched"] == 0
     if auto_augment.posterize is not posterize and _pillow_refuses_zero_bits():

@@ -3,7 +3,7 @@ validation and eval.py. Cases are generated, not listed: every format Pillow wri
 (each file read, and scored by eval.py), every skipped folder name, every kind of file that is not an image (Pillow's
 own write-only and identify-only formats among them), data against the batch for 1 and 2 processes (Accelerate's
 own sharding as the reference), an empty class folder, a grey model. Refused cases assert exit code, one line, no
-traceback, nothing written (tests/test_mistakes.py's ``refused``); accepted ones assert the counts.
+traceback, nothing written (tests/helpers.py's ``refused``); accepted ones assert the counts.
 """
 import csv
 import io
@@ -19,8 +19,7 @@ import yaml
 from PIL import EpsImagePlugin, Image, ImageFile
 
 from conftest import TINY
-from test_mistakes import EVAL, RUN, TRAIN, call, refused
-from test_train import make_folder
+from helpers import EVAL, RUN, TRAIN, call, make_folder, refused
 from lipsformer.data.datasets import DataConfigError, check_batches, create_dataset
 from lipsformer.data.imagenet_eval import EvalDataset
 from lipsformer.data.scanner import JUNK_FOLDERS, image_extensions, read_image, scan_classes, to_rgb

@@ -3,7 +3,7 @@
 parsers); each row of each command's table of flags a mode ignores; every constructor argument of both families
 with the values it refuses (from the models' ARGUMENTS table), through timm.create_model and through train.py; a
 bound no projection can keep; a mistake under torchrun with two processes. Each refused case asserts exit code 2,
-one line, no traceback and nothing written (tests/test_mistakes.py's ``refused``)."""
+one line, no traceback and nothing written (tests/helpers.py's ``refused``)."""
 import argparse
 import importlib
 import math
@@ -19,8 +19,7 @@ import torch
 import yaml
 
 from conftest import ROOT, TINY, family, load_script
-from test_mistakes import call, refused
-from test_train import PY, TINY_RUN, make_folder
+from helpers import PY, TINY_RUN, call, make_folder, refused
 from lipsformer import cli
 from lipsformer.writer import output_figure, output_file
 from lipsformer.engine.config import CHOICES, MODEL_ARGS, load_config, path_keys
@@ -292,10 +291,10 @@ def test_each_constructor_argument_through_train_py_is_one_line(base, capsys, fa
 # -- 6. several processes -------------------------------------------------------------------------------------------
 def torchrun(tmp: Path, *args) -> subprocess.Popen:
     """train.py under torchrun on two CPU processes, started (both launches of the test run side by side)."""
-    from test_train import _free_port
+    from helpers import free_port
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen([str(Path(PY).with_name("torchrun")), "--nproc_per_node", "2", "--master_addr",
-                             "127.0.0.1", "--master_port", str(_free_port()), str(ROOT / "train.py"), *map(str, args)],
+                             "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "train.py"), *map(str, args)],
                             cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import TINY
-from test_mistakes import EVAL, RUN, SEED, TRAIN, call, refused
-from test_train import make_folder
+from helpers import EVAL, RUN, SEED, TRAIN, call, make_folder, refused
 from lipsformer import convert
 from lipsformer.data.classes import write_class_names
 from lipsformer.engine.config import TrainConfig

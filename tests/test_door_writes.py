@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from conftest import ROOT, TINY
-from test_mistakes import EVAL, TRAIN, base, call, interrupted, refused, snapshot  # noqa: F401 (base: fixture)
+from helpers import EVAL, TRAIN, call, interrupted, refused, snapshot
 from lipsformer import writer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")

@@ -19,19 +19,13 @@ from lipsformer.engine.evaluate import evaluate_dataset, score
 from lipsformer.weights import export
 
 from conftest import TINY, load_script, reset_accelerate
+from helpers import NUM_CLASSES, write_image
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-NUM_CLASSES = 12
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
-
-
-def write_image(path: Path, predicted: int) -> None:
-    """An image the :class:`ColourModel` classifies as ``predicted`` (its red level encodes the class)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full((8, 8, 3), predicted * 20, dtype=np.uint8)).save(path)
 
 
 class ColourModel(torch.nn.Module):

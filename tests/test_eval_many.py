@@ -21,7 +21,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from conftest import ROOT, TINY, load_script
-from test_mistakes import call, refused
+from helpers import call, refused
 from lipsformer.data import imagenet_eval
 from lipsformer.data.classes import write_class_names
 from lipsformer.weights import export

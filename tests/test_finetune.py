@@ -18,7 +18,7 @@ from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
 from conftest import TINY, family, load_script, reset_accelerate
-from test_train import make_folder, read_metrics
+from helpers import make_folder, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
-from test_train import TINY_RUN, make_folder
+from helpers import TINY_RUN, make_folder
 
 from lipsformer.layers.gelu import gelu_linear, gelu_residual
 

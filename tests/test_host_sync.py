@@ -16,7 +16,7 @@ import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import TINY, family
-from test_train import ROOT, TINY_RUN, make_folder, read_metrics, torchrun, write_config
+from helpers import ROOT, TINY_RUN, make_folder, read_metrics, torchrun, write_config
 
 # the ATen ops that read a tensor's value on the host (``aten::all`` / ``aten::any`` do so only through a following
 # ``bool()``, counted as ``aten::is_nonzero``; along a dimension they are device reductions)

@@ -22,65 +22,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, TINY, load_script, reset_accelerate
-from test_train import TINY_RUN, make_folder
+from conftest import ROOT, TINY
+from helpers import EVAL, RUN, SEED, TRAIN, call, interrupted, refused, snapshot
 from lipsformer.engine.config import _HINTS, CHOICES, RANGES, TrainConfig
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
-
-SEED = 34
-TRAIN, EVAL = load_script("train.py"), load_script("eval.py")
-RUN = dict(TINY_RUN, epochs=1, ema_decay=None, mixup=0.0, cutmix=0.0, drop_path=0.0, checkpoint_every_steps=2)
-
-
-# -- the assertions every case makes ----------------------------------------------------------------------------
-def snapshot(root: Path) -> dict:
-    """Every folder, file and link under ``root`` with its size, modification time and permissions: what 'nothing
-    written' compares."""
-    return {str(p.relative_to(root)): (s.st_size, s.st_mtime_ns, s.st_mode)
-            for p in sorted(root.rglob("*")) for s in [p.lstat()]}
-
-
-def call(capsys, main, argv) -> tuple:
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in argv])
-    finally:
-        reset_accelerate()
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def refused(capsys, main, argv, root: Path, *fragments: str, code: int = 2) -> str:
-    """Run ``main(argv)``; assert exit ``code``, one line on stderr holding every fragment, no traceback, and no
-    change under ``root``. Returns the line."""
-    before = snapshot(root)
-    got, _, err = call(capsys, main, argv)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert got == code and len(lines) == 1 and "Traceback" not in err, (argv, got, err)
-    for fragment in fragments:
-        assert fragment in lines[0], (argv, fragment, lines[0])
-    assert snapshot(root) == before, argv
-    return lines[0]
-
-
-# -- what the cases run against ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A tiny image folder (4 classes, 16 train and 4 val images), its config, a finished one-epoch run of it (4
-    steps, checkpoints at 2 and 4), and a file where a folder belongs."""
-    from lipsformer.engine.config import load_config
-    from lipsformer.engine.train import train
-    root = tmp_path_factory.mktemp("mistakes")
-    make_folder(root / "data", train_per_class=(4, 4, 4, 4), val_per_class=(1, 1, 1, 1))
-    cfg = root / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(dict(RUN, data_dir=str(root / "data"), output_dir=str(root / "out"))))
-    train(load_config(cfg, [f"output_dir={root / 'run'}"]))
-    reset_accelerate()
-    (root / "a_file").write_text("not a folder")
-    (root / "bad.yaml").write_text("model: [lipsformer_swin_t\nlr: 1\n")
-    return root
-
 
 # -- 1. every TrainConfig key ------------------------------------------------------------------------------------
 def _base_type(hint):
@@ -510,21 +456,6 @@ def test_a_list_on_the_command_line_is_a_list():
                              "pretrained=lipsformer_swin_t.official_in1k", "model=lipsformer_swin_t"])
     assert cfg.model_kwargs == {"depths": [1, 1, 2, 1]} and cfg.betas == (0.9, 0.99)
     assert cfg.freeze == "patch_embed,stages.0"  # a string key keeps its commas
-
-
-def interrupted(capsys, monkeypatch, argv: list, step: int) -> tuple:
-    """:func:`call` of train.py ``argv`` with Ctrl-C pressed in optimizer step ``step``."""
-    from lipsformer.engine import train as loop
-    real, steps = loop._train_step, []
-
-    def interrupted_at_step(run, *args, **kwargs):
-        steps.append(1)
-        if len(steps) == step:
-            raise KeyboardInterrupt
-        return real(run, *args, **kwargs)
-    with monkeypatch.context() as patch:
-        patch.setattr(loop, "_train_step", interrupted_at_step)
-        return call(capsys, TRAIN.main, argv)
 
 
 def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):

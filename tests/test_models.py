@@ -11,7 +11,7 @@ from lipsformer.models import lipsformer_cswin, lipsformer_swin
 from lipsformer.weights import CheckpointError
 
 from conftest import TINY, family
-from test_certified_models import CERTIFIED
+from helpers import CERTIFIED
 
 MODELS = sorted(PAPER)
 CONVERTERS = {"swin": lipsformer_swin, "cswin": lipsformer_cswin}

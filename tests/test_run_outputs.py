@@ -6,20 +6,17 @@ import csv
 import importlib.util
 import io
 import json
-import os
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List
-from unittest import mock
 
 import pytest
 import yaml
 
 from conftest import load_script, reset_accelerate
-from test_mistakes import call, refused
-from test_train import TINY_RUN, make_folder, write_config
+from helpers import TINY_RUN, call, make_folder, mlflow_run, refused, start_mlflow, write_config
 
 from lipsformer.engine.checkpoint import TrainState, keep_best
 from lipsformer.engine.config import load_config
@@ -134,18 +131,6 @@ def wandb_run(tmp: Path) -> dict:
 
 def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
-
-
-def mlflow_run(tmp: Path, run_id: str) -> dict:
-    from mlflow.tracking import MlflowClient
-    client = MlflowClient(tracking_uri=f"file:{tmp / 'mlruns'}")
-    found = client.get_run(run_id)
-    values = {}
-    for key in found.data.metrics:
-        for m in client.get_metric_history(run_id, key):  # in the order logged: a later value at a step wins
-            values[(key, m.step)] = m.value
-    return dict(run=found, experiment=client.get_experiment(found.info.experiment_id).name, values=values,
-                runs=[r.info.run_id for r in client.search_runs([found.info.experiment_id])])
 
 
 # -- trackers ---------------------------------------------------------------------------------------------------------
@@ -293,21 +278,3 @@ def test_trackers_project_and_run_name_reach_the_tracker(tmp_path):
     assert (got["experiment"], got["run"].info.run_name) == ("proj", "named")
     got = start_mlflow(tmp_path, tmp_path / "two", [])
     assert (got["experiment"], got["run"].info.run_name) == ("lipsformer", "two")  # output_dir's folder name
-
-
-def start_mlflow(store: Path, output_dir: Path, overrides: List[str]) -> dict:
-    """Start the trackers of a config logging to MLflow's file store under ``store`` (as _start does, without a
-    model) and read its run back; skipped where mlflow is not installed."""
-    pytest.importorskip("mlflow", reason="mlflow is not installed (the dev extra has it)")
-    from lipsformer.engine.train import create_accelerator
-    from lipsformer.engine.trackers import Trackers
-    cfg = load_config(None, ["log_with=mlflow", f"output_dir={output_dir}", *overrides])
-    accelerator = create_accelerator(cfg)
-    env = dict(MLFLOW_TRACKING_URI=f"file:{store / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true")
-    try:
-        with mock.patch.dict(os.environ, env):
-            Trackers(cfg.log_with).start(accelerator, cfg, RunFolder(cfg.output_dir), resumed=False)
-            accelerator.end_training()
-    finally:
-        reset_accelerate()
-    return mlflow_run(store, json.loads(RunFolder(cfg.output_dir).tracker_runs.read_text())["mlflow"]["run_id"])

@@ -10,7 +10,7 @@ import torch._functorch.config as functorch_config
 import yaml
 from safetensors.torch import load_file
 from conftest import reset_accelerate
-from test_train import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
+from helpers import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
 
 from lipsformer.engine.config import ConfigError, load_config
 from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
@@ -224,6 +224,7 @@ def test_compiling_the_same_training_graph_again_loads_it_from_aotautograds_cach
         assert dict(counters["aot_autograd"]).get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
 
 
+@pytest.mark.slow
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
     inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""
@@ -239,7 +240,7 @@ def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
 def test_eval_channels_last_scores_like_the_default(tmp_path):
     import timm
     from conftest import TINY
-    from test_eval import NUM_CLASSES, write_image
+    from helpers import NUM_CLASSES, write_image
 
     from lipsformer.engine.evaluate import evaluate_model
     from lipsformer.weights import export

@@ -1,89 +1,22 @@
 """train.py: config validation, a step on folder data, exact resume, bad images, divergence, two processes."""
 import json
-import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 from safetensors.torch import load_file
 from conftest import reset_accelerate
+from helpers import (ROOT, TINY_MODEL, TINY_RUN, TRAIN, assert_killed_run_resumes_exactly, call, make_folder, make_wds,
+                     read_metrics, torchrun, write_config)
 
 from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-TINY_MODEL = dict(img_size=32, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2)
-TINY_RUN = dict(
-    model="lipsformer_swin_t", num_classes=4, img_size=32, crop_pct=1.0, drop_path=0.1,
-    model_kwargs={k: v for k, v in TINY_MODEL.items() if k != "img_size"},
-    workers=0, epochs=2, global_batch=4, batch_size=4, lr=1e-3, aa=None, reprob=0.0, mixup=0.8, cutmix=1.0,
-    ema_decay=0.9, mixed_precision="no", checkpoint_every_steps=2, keep_last=2, log_every_steps=1)
-
-
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
-
-
-def make_folder(root: Path, train_per_class=(6, 6, 6, 6), val_per_class=(3, 3, 3, 2)) -> Path:
-    rng = np.random.default_rng(0)
-    for split, counts in (("train", train_per_class), ("val", val_per_class)):
-        for c, n in enumerate(counts):
-            d = root / split / f"class_{c}"
-            d.mkdir(parents=True)
-            for i in range(n):
-                pixels = (rng.random((16, 16, 3)) * 60 + c * 60 % 196).astype(np.uint8)  # any number of classes
-                Image.fromarray(pixels).save(d / f"{i}.jpg")
-    return root
-
-
-def make_wds(folder: Path, root: Path, shards: int = 2) -> Path:
-    """The image folder as webdataset shards (``.jpg`` + ``.cls``) with timm's ``_info.json``."""
-    import webdataset as wds
-    root.mkdir(parents=True)
-    classes = sorted(p.name for p in (folder / "train").iterdir())
-    splits = {}
-    for split in ("train", "val"):
-        files = sorted((folder / split).glob("*/*.jpg"))
-        names, lengths = [], []
-        for k in range(shards):
-            part = files[k::shards]
-            names.append(f"{split}-{k:04d}.tar")
-            lengths.append(len(part))
-            with wds.TarWriter(str(root / names[-1])) as sink:
-                for f in part:
-                    sink.write({"__key__": f"{f.parent.name}_{f.stem}", "jpg": f.read_bytes(),
-                                "cls": classes.index(f.parent.name)})
-        splits[split] = dict(name=split, num_samples=len(files), filenames=names, shard_lengths=lengths)
-    (root / "_info.json").write_text(json.dumps(dict(splits=splits)))
-    return root
-
-
-def write_config(tmp_path: Path, **overrides) -> Path:
-    cfg = dict(TINY_RUN, data_dir=str(make_folder(tmp_path / "data")), output_dir=str(tmp_path / "run"))
-    cfg.update(overrides)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def run_train(*args, check=True, **kwargs):
-    proc = subprocess.run([PY, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT, **kwargs)
-    if check and proc.returncode != 0:
-        raise AssertionError(proc.stderr[-3000:])
-    return proc
-
-
-def read_metrics(run: Path):
-    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 # -- config -------------------------------------------------------------------------------------------
@@ -180,35 +113,10 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
 
 
-def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps: int, timeout: float = 240) -> None:
-    """Train ``config`` once uninterrupted, once killed with SIGKILL mid-epoch 2 (after step 8 is on disk) and
-    resumed with ``--resume auto``: both end with the same weights and EMA, bit for bit."""
-    reference = tmp_path / "reference"
-    run_train("--config", str(config), "--output-dir", str(reference))
-
-    interrupted = tmp_path / "interrupted"
-    proc = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir", str(interrupted)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while time.time() < deadline:  # kill mid-epoch 2, after step 8 is safely on disk
-        ckpt = latest_checkpoint(interrupted)
-        if ckpt is not None and int(ckpt.name.split("_")[1]) >= 8:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    step = int(latest_checkpoint(interrupted).name.split("_")[1])
-    assert 8 <= step < total_steps, "the kill must land before the run finishes"
-    run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto")
-    for name in ("last.safetensors", "last_ema.safetensors"):
-        a, b = load_file(str(reference / name)), load_file(str(interrupted / name))
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), name
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_killed_run_resumes_to_bit_identical_weights(tmp_path, workers):
-    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1, workers=workers)
+@pytest.mark.slow
+def test_killed_run_resumes_to_bit_identical_weights(tmp_path):
+    """In the main process; with loader workers (2), as the flagship recipe resumes, in tests/test_configs.py."""
+    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1)
     assert_killed_run_resumes_exactly(config, tmp_path, total_steps=18)
 
 
@@ -272,15 +180,15 @@ def test_corrupt_and_empty_images_are_skipped_counted_and_limited(tmp_path):
         train(strict)
 
 
-def test_non_finite_loss_stops_and_last_good_checkpoint_loads(tmp_path):
+def test_non_finite_loss_stops_and_last_good_checkpoint_loads(tmp_path, capsys):
     config = write_config(tmp_path, epochs=3, lr=1e30, checkpoint_every_steps=1, mixup=0.0, cutmix=0.0,
                           label_smoothing=0.0)
     run = tmp_path / "run"
-    proc = run_train("--config", str(config), check=False)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "non-finite" in proc.stderr and "last good checkpoint" in proc.stderr
+    code, _, err = call(capsys, TRAIN.main, ["--config", config])
+    assert code == 3, err[-2000:]
+    assert "non-finite" in err and "last good checkpoint" in err
     good = latest_checkpoint(run)
-    assert good is not None and str(good) in proc.stderr
+    assert good is not None and str(good) in err
     weights = load_file(str(good / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in weights.values())
 
@@ -292,36 +200,6 @@ def test_non_finite_steps_can_be_skipped_and_counted(tmp_path):
     epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
     assert summary["skipped_steps"] == epoch["skipped_steps"] == 5
     assert summary["step"] == 6
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(script, *args, nodes=1, procs=2, cwd=ROOT, exitcode=0) -> str:
-    """Run ``script`` on ``nodes`` x ``procs`` CPU processes; several nodes are simulated on this host. The
-    processes must exit with ``exitcode`` (torchrun stops the others once one exits with another code than 0);
-    returns what they printed (stdout, then stderr)."""
-    launcher = str(Path(PY).with_name("torchrun"))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    port = _free_port()
-    cmds = [[launcher, "--nnodes", str(nodes), "--node_rank", str(n), "--nproc_per_node", str(procs),
-             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
-            for n in range(nodes)]
-    running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
-               for c in cmds]
-    printed = ""
-    for proc in running:
-        out, err = proc.communicate(timeout=300)
-        printed += out + err
-        if exitcode == 0:
-            assert proc.returncode == 0, err[-3000:]
-        else:  # torchrun names the process that failed first, and its exit code
-            assert proc.returncode != 0 and f"exitcode  : {exitcode} " in err, err[-3000:]
-    return printed
 
 
 def test_each_rank_draws_different_samples_every_epoch(tmp_path):
@@ -375,6 +253,7 @@ def test_ema_of_fsdp_shards_matches_the_whole_model_ema(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank_0.ok", "rank_1.ok"]
 
 
+@pytest.mark.slow
 def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2, max_bad_fraction=0.1)
     broken = tmp_path / "data" / "train" / "class_1" / "0.jpg"  # read by one of the processes
@@ -401,6 +280,7 @@ def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     assert [r for r in read_metrics(tmp_path / "nodes") if r["kind"] == "epoch"][0]["processes"] == 2
 
 
+@pytest.mark.slow
 def test_fsdp2_run_matches_ddp_and_resumes_from_its_sharded_checkpoint(tmp_path):
     """The loop under Accelerate's FSDP2 (forced on CPU, see tests/train_probe.py) against plain DDP."""
     ddp = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2)
@@ -444,14 +324,15 @@ def test_hugging_face_and_webdataset_sources_train_and_evaluate_every_image(tmp_
     assert resumed["step"] == 6
 
 
-def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path):
+def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path, capsys):
     from lipsformer.engine.train import train
     cfg = load_config(write_config(tmp_path), ["epochs=1", "mixed_precision=bf16"])
     summary = train(cfg)
     assert summary["step"] == 6 and summary["skipped_steps"] == 0
     assert all(v.dtype == torch.float32 for v in load_file(str(Path(cfg.output_dir) / "last.safetensors")).values())
-    proc = run_train("--config", str(write_config(tmp_path / "fp16")), "--set", "mixed_precision=fp16", check=False)
-    assert proc.returncode == 2 and "fp16 needs a GPU" in proc.stderr
+    reset_accelerate()
+    code, _, err = call(capsys, TRAIN.main, ["--config", write_config(tmp_path / "fp16"), "--set", "mixed_precision=fp16"])
+    assert code == 2 and "fp16 needs a GPU" in err
     assert not (tmp_path / "fp16" / "run").exists()  # refused before anything was written
 
 

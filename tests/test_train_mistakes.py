@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from conftest import load_script, reset_accelerate
-from test_train import make_folder, read_metrics, write_config
+from helpers import read_metrics, write_config
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
