@@ -34,7 +34,7 @@ from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
 from .preemption import Preemption, stop_if_preempted
-from .resume import begin, check_resumable, restore, resume_point, verified
+from .resume import RunFinished, begin, check_resumable, restore, resume_point, verified
 from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
 from .step import StepTally, fused, quiet_buffers
@@ -185,11 +185,11 @@ def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
 
 
 def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = None,
-           trackers: Optional[Trackers] = None):
+           trackers: Optional[Trackers] = None) -> "_Run":
     """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion, ``trackers`` (``log_with``);
     resume if asked. Every check comes before the first write, which takes the folder's ``lock`` (one writer per run
-    folder). Returns the :class:`_Run`, or the summary of a run that the checkpoint resumed from had finished
-    (nothing to do, nothing written)."""
+    folder). :class:`~.resume.RunFinished` where the checkpoint resumed from had finished the run (nothing to do,
+    nothing written)."""
     trackers, folder = trackers or Trackers(cfg.log_with), RunFolder(cfg.output_dir)
     check_output(folder)
     accelerator = create_accelerator(cfg)
@@ -231,10 +231,8 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch, updates_per_epoch)
     power = PowerIterationState(accelerator.unwrap_model(model))  # normalised layers' vectors (linear=normalized)
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []), *([power] if power.layers else []))
-    if resume_from is not None:
-        finished = restore(accelerator, resume_from, state, cfg, folder, train_loader, updates_per_epoch)
-        if finished is not None:  # the checkpoint resumed from ends the run: nothing to do, nothing written
-            return finished
+    if resume_from is not None:  # RunFinished where the checkpoint ends the run: nothing to do, nothing written
+        restore(accelerator, resume_from, state, cfg, folder, train_loader, updates_per_epoch)
     lock.take(accelerator)  # every check above came first: a refused run writes nothing
     if accelerator.is_main_process:  # what the folder keeps from earlier starts (resume.py)
         begin(folder, resume_from, damaged, state, accelerator.print)
@@ -272,9 +270,10 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     """
     preemption = Preemption()  # the lock is let go of (and removed) however the run ends; the trackers finished
     with preemption.watching(), RunLock(cfg.output_dir) as lock, Trackers(cfg.log_with) as trackers:
-        run = _start(cfg, resume, lock, trackers)
-        if isinstance(run, dict):  # the checkpoint resumed from is the end of the run: nothing to do
-            return run
+        try:
+            run = _start(cfg, resume, lock, trackers)
+        except RunFinished as done:  # the checkpoint resumed from is the end of the run: nothing to do
+            return done.summary
         run.preemption = preemption
         try:
             return _train(run)
