@@ -233,7 +233,7 @@ def train_run(dataset: str, name: str, seed: int, args):
     from safetensors.torch import load_file
 
     from lipsformer.engine.config import load_config
-    from lipsformer.engine.finetune import build_model
+    from lipsformer.build import build_model
     from lipsformer.engine.train import train
 
     ds = DATASETS[dataset]
@@ -250,7 +250,7 @@ def train_run(dataset: str, name: str, seed: int, args):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    model = build_model(cfg)
+    model = build_model(cfg.model, **cfg.model_args()).model
     model.load_state_dict(load_file(str(out / "last.safetensors")))
     return model.eval(), cfg, summary
 

@@ -6,7 +6,7 @@ import pytest
 import timm
 import torch
 
-from conftest import TINY, family, reset_accelerate
+from conftest import TINY, config_model, family, reset_accelerate
 from lipsformer.layers import ConvexResidual, GroupSort, create_residual
 
 
@@ -253,7 +253,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
     from test_train import make_folder
 
     from lipsformer.engine.config import ConfigError, load_config
-    from lipsformer.engine.train import build_model, train
+    from lipsformer.engine.train import train
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
 
@@ -272,7 +272,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
         finally:
             reset_accelerate()
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        model = build_model(cfg)
+        model = config_model(cfg)
         model.load_state_dict(load_file(str(tmp_path / name / "last.safetensors")))
         return next(r["loss"] for r in rows if r["kind"] == "train"), model
 
@@ -689,14 +689,15 @@ def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_la
     from safetensors.torch import save_file
 
     from lipsformer.layers import NormalizedLinear
-    from lipsformer.weights import create_from_checkpoint
+    from lipsformer.build import build_model
 
     kw = dict(TINY["cswin"], init="xavier", residual="convex", act="groupsort", norm="none", linear="normalized",
               num_classes=4)
     model = timm.create_model("lipsformer_cswin_t", **kw).eval()
     save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
-    net = create_from_checkpoint(tmp_path / "w.safetensors", "lipsformer_cswin_t",
-                                 pretrained_cfg_overlay=dict(mean=(0.5,) * 3, std=(1.0,) * 3), **kw).eval()
+    net, _ = build_model("lipsformer_cswin_t", tmp_path / "w.safetensors",
+                         pretrained_cfg_overlay=dict(mean=(0.5,) * 3, std=(1.0,) * 3), **kw)
+    net.eval()
     assert tuple(net.pretrained_cfg["std"]) == (1.0,) * 3 and type(net.head.fc) is NormalizedLinear
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():

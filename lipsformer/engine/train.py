@@ -29,7 +29,8 @@ from ..lipschitz.constraints import check_keepable, keep_bound
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
-from .finetune import ModelStart, eval_frozen, start_model
+from ..build import ModelStart, build_model
+from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
@@ -150,7 +151,7 @@ class _Run:
     log: MetricsLog
     keep: Optional[Callable[[], dict]]  # bound keeping (lipschitz_target), or None
     last_good: Optional[Path]  # the newest checkpoint written or resumed from
-    start: ModelStart = field(default_factory=ModelStart)  # starting weights and frozen modules (finetune.py)
+    start: ModelStart = field(default_factory=ModelStart)  # starting weights (build.py), frozen modules (finetune.py)
     preemption: Preemption = field(default_factory=Preemption)
 
     def diverged(self, what: str, step: int, epoch: int) -> TrainingDiverged:
@@ -206,8 +207,9 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     check_resumable(cfg, resume_from)
     check_data(cfg)
     set_seed(cfg.seed)
-    # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
-    model, start = start_model(cfg, load_weights=resume_from is None)
+    with starting_weights(cfg, resumed=resume_from is not None) as source:  # bad ones stop before any write
+        model, start = build_model(**source, **cfg.model_args())
+    start.frozen = freeze(model, cfg)
     if cfg.attlip_train_steps is not None and not any(isinstance(m, AttLip) for m in model.modules()):
         raise ConfigError(f"attlip_train_steps sets the proximal steps of AttLip attention, which {cfg.model} does "
                           f"not use here: set model_kwargs.attn: attlip, or unset attlip_train_steps")

@@ -160,7 +160,7 @@ class LipsFormerBase(nn.Module):
 
     def _init_weights(self, mode: str) -> None:
         """:func:`lipsformer.layers.init_weights` over the model. When the weights are about to be loaded
-        (timm's ``pretrained=True``, :func:`lipsformer.weights.create_from_checkpoint`) the spectral division is
+        (timm's ``pretrained=True``, :func:`lipsformer.build.build_model` with a source) the spectral division is
         left out except for the classifier, the one layer a load re-creates (another class count)."""
         loading = _WEIGHTS_WILL_LOAD.get()
         init_weights(self, mode, normalize=not loading)
@@ -327,9 +327,11 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
     return fit_state_dict(state_dict, model, weights_source(model.pretrained_cfg), adapt)
 
 
-def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],
-                 **kwargs):
-    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates.
+def build_with_cfg(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],
+                   **kwargs):
+    """timm's ``build_model_with_cfg`` as both families' ``_create_*`` call it (what ``timm.create_model`` runs; a model
+    with weights from a source is :func:`lipsformer.build.build_model`'s): the family's checkpoint conversion, and
+    ``features_only`` through forward_intermediates.
 
     timm applies ``checkpoint_filter_fn`` to state dicts it reads itself; files and urls go through the
     family's ``load_pretrained`` (``custom_load``), which applies the same function."""

@@ -21,8 +21,8 @@ from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed,
 from ..layers.options import CERTIFIABLE, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, check_arguments, convert_released,
-                    create_model, pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, build_with_cfg, certified_cfg, check_arguments,
+                    convert_released, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
@@ -280,7 +280,7 @@ def released_state_dict(model: LipsFormerCSwin) -> dict:
 
 
 def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
-    return create_model(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
+    return build_with_cfg(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 # No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and

@@ -20,8 +20,8 @@ from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed,
 from ..layers.options import CERTIFIABLE, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse_heads
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, check_arguments, convert_released,
-                    create_model, pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, build_with_cfg, certified_cfg, check_arguments,
+                    convert_released, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -291,7 +291,7 @@ def released_state_dict(model: LipsFormerSwin) -> dict:
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
-    return create_model(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
+    return build_with_cfg(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
