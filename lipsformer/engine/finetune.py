@@ -39,17 +39,17 @@ def pretrained_name(cfg: TrainConfig) -> str:
 
 @contextlib.contextmanager
 def starting_weights(cfg: TrainConfig, resumed: bool) -> Iterator[dict]:
-    """The arguments of :func:`lipsformer.build.build_model` but the model's own for a run: its name and weights (none
-    when ``resumed``: the checkpoint restores its own); inside, a source that cannot be used is a ConfigError naming its key (``pretrained`` /
-    ``init_checkpoint``), and a failed download says how to do without it. Every error comes before the run writes."""
+    """The arguments of :func:`lipsformer.build.build_model` but the model's own for a run: its name and weights
+    (none when ``resumed``: the checkpoint restores its own). Inside, a source that cannot be used is a ConfigError
+    naming its key (``pretrained`` / ``init_checkpoint``), and a failed download says how to do without it."""
     key = "pretrained" if cfg.pretrained else "init_checkpoint"
     if resumed or not (cfg.pretrained or cfg.init_checkpoint):
         yield dict(name=cfg.model, weights=None)
         return
+    args = dict(name=cfg.model, weights=cfg.init_checkpoint, use_ema=cfg.init_use_ema, new_head=True,
+                reset_head=cfg.reset_head)
     if cfg.pretrained:
-        args = dict(name=pretrained_name(cfg), weights=PUBLISHED, new_head=True, reset_head=cfg.reset_head)
-    else:
-        args = dict(name=cfg.model, weights=cfg.init_checkpoint, use_ema=cfg.init_use_ema, new_head=True, reset_head=cfg.reset_head)
+        args.update(name=pretrained_name(cfg), weights=PUBLISHED, use_ema=False)
     try:
         yield args
     except WeightsUnavailable as e:
