@@ -120,7 +120,8 @@ class LipschitzCNN(nn.Module):
 def cnn_report(model: LipschitzCNN):
     """The CNN's certified report: one row per layer (its exact norm), the head's matrix for the pairwise rule."""
     from lipsformer.lipschitz import matrix_norm
-    from lipsformer.lipschitz.bounds import LipschitzReport, Row
+    from lipsformer.lipschitz.bounds import LipschitzReport
+    from lipsformer.lipschitz.registry import Row
     with torch.no_grad():
         rows = [Row(f"convs.{i}", matrix_norm(conv.lin.weight)) for i, conv in enumerate(model.convs)]
         rows.append(Row("head", matrix_norm(model.head.weight)))

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from lipsformer.layers.attlip import AttLip, attlip_grad, attlip_potential, attlip_prox, attlip_solve
+from lipsformer.layers.attlip import AttLip
+from lipsformer.layers.attlip_potential import attlip_grad, attlip_potential
+from lipsformer.layers.attlip_solver import attlip_prox, attlip_solve
 from lipsformer.lipschitz import maximize_difference_quotient
 
 N, C, H = 6, 8, 2

@@ -1,6 +1,7 @@
 """The house stays readable (issue 38): the training loop reads top to bottom in one sitting, with the resume policy,
 the preemption handling and the metrics in modules of their own, and no module of the package grows past what one
 reads in one go; a module that does is split along the concepts it already has."""
+import ast
 from pathlib import Path
 
 import lipsformer
@@ -26,3 +27,56 @@ def test_no_module_of_the_package_is_over_600_lines():
     assert len(modules) > 30  # the whole package is walked
     over = {str(p.relative_to(PACKAGE.parent)): n for p in modules if (n := _lines(p)) > MODULE_MAX}
     assert not over, f"modules over {MODULE_MAX} lines (split each along its concepts): {over}"
+
+
+# (module, name) -> why that module may import a private name of another / a name it does not use.
+PRIVATE_IMPORTS_ALLOWED: dict = {}
+REEXPORTS_ALLOWED = {
+    ("lipsformer/__init__.py", "models"): "imported for its side effect: registers every model with timm",
+    ("lipsformer/models/__init__.py", "peer"): "imported for its side effect: registers torchlip_cnn, the peer baseline",
+}
+
+
+def _imports(tree: ast.Module):
+    """``(name bound here, name in its home, line)`` of every ``from X import name`` of the module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                yield alias.asname or alias.name, alias.name, node.lineno
+
+
+def _used(tree: ast.Module) -> set:
+    """Names the module reads (a bare name, or the head of ``name.attr``), and names its annotations give as strings."""
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    strings = (n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return used | {s.split(".")[0].strip('"') for s in strings if s.isidentifier() or s.split(".")[0].isidentifier()}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield str(path.relative_to(PACKAGE.parent)), ast.parse(path.read_text())
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A ``_name`` is its module's own: a helper two modules share is public in its home, or lives with its user."""
+    found = [f"{module}:{line}: {home}" for module, tree in _modules() for _, home, line in _imports(tree)
+             if home.startswith("_") and not home.startswith("__") and (module, home) not in PRIVATE_IMPORTS_ALLOWED]
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+def test_no_module_re_exports_names_it_does_not_use():
+    """Every import comes from the module where the name lives: a module imports only what it uses. A package's
+    ``__init__`` is its public API: what it imports without using is listed in its ``__all__``."""
+    found = []
+    for module, tree in _modules():
+        used = _used(tree)
+        exported = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+                exported = set(ast.literal_eval(node.value))
+        is_api = module.endswith("__init__.py")
+        for bound, _, line in _imports(tree):
+            if bound in used or (is_api and bound in exported) or (module, bound) in REEXPORTS_ALLOWED:
+                continue
+            found.append(f"{module}:{line}: {bound}")
+    assert not found, "names imported but not used (re-exports; import them from their home):\n" + "\n".join(found)
