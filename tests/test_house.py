@@ -80,3 +80,40 @@ def test_no_module_re_exports_names_it_does_not_use():
                 continue
             found.append(f"{module}:{line}: {bound}")
     assert not found, "names imported but not used (re-exports; import them from their home):\n" + "\n".join(found)
+
+
+def test_one_function_builds_a_model_for_every_entry_point():
+    """``lipsformer.build.build_model`` is the one caller of ``timm.create_model`` in the package (the entry points:
+    training, fine-tuning, eval.py, the toolkit, convert and flops go through it), and the only builder by that name."""
+    calls, builders = [], []
+    for module, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                    "create_model", "create_from_checkpoint", "start_model") and module != "lipsformer/build.py":
+                calls.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.FunctionDef) and node.name in ("build_model", "create_model", "start_model",
+                                                                  "create_from_checkpoint", "_create_model"):
+                builders.append(f"{module}:{node.lineno}: {node.name}")
+    assert not calls, "models built elsewhere than lipsformer/build.py:\n" + "\n".join(calls)
+    assert [b.split(":")[0] + b.split(":")[2] for b in builders] == ["lipsformer/build.py build_model"], builders
+
+
+def test_build_model_says_where_the_weights_came_from(tmp_path):
+    """The start record of each source: none, a weight file (a classifier of another class count re-created only
+    with ``new_head``), and a run of the same classes given a new classifier (``reset_head``)."""
+    import pytest
+    from safetensors.torch import save_file
+
+    from conftest import TINY
+    from lipsformer.build import ModelStart, build_model
+    from lipsformer.weights import CheckpointError
+    model, start = build_model("lipsformer_swin_t", **TINY["swin"], num_classes=5)
+    assert start == ModelStart("scratch")
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    _, start = build_model("lipsformer_swin_t", tmp_path / "w.safetensors", **TINY["swin"], num_classes=3,
+                           new_head=True)
+    assert start == ModelStart(str(tmp_path / "w.safetensors"), reinitialised=["head.fc.weight", "head.fc.bias"])
+    with pytest.raises(CheckpointError, match="is a classifier of 5 classes, lipsformer_swin_t is built for 3"):
+        build_model("lipsformer_swin_t", tmp_path / "w.safetensors", **TINY["swin"], num_classes=3)
+    same, start = build_model("lipsformer_swin_t", tmp_path / "w.safetensors", **TINY["swin"], reset_head=True)
+    assert start.reinitialised == ["head.fc.weight", "head.fc.bias"] and same.num_classes == 5
