@@ -18,6 +18,7 @@ from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
+from ..build import ModelStart, build_model
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
@@ -29,7 +30,6 @@ from ..lipschitz.constraints import check_keepable, keep_bound
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
-from ..build import ModelStart, build_model
 from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
