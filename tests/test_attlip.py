@@ -261,8 +261,8 @@ def test_armijo_steps_near_the_prox_are_not_halved_on_rounding_noise(monkeypatch
     exact, _ = attlip_solver.attlip_prox_certified(x.double(), DiagonalWeight(w.scale.double(), d), 1, 1.0, 1e-10,
                                                    5000)
     trials = []
-    potential = attlip_solver._potential
-    monkeypatch.setattr(attlip_solver, "_potential", lambda v, h: trials.append(1) or potential(v, h))
+    potential = attlip_solver.projected_potential
+    monkeypatch.setattr(attlip_solver, "projected_potential", lambda v, h: trials.append(1) or potential(v, h))
 
     def error(steps):
         trials.clear()
