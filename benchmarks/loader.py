@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lipsformer.data import SafeImageDataset, create_loader_transform, eval_data_config  # noqa: E402
+from lipsformer.data import SafeImageDataset, eval_data_config  # noqa: E402
 from lipsformer.data.augment import portable  # noqa: E402
 from lipsformer.data.datasets import recipe_transform  # noqa: E402
 from lipsformer.engine.config import load_config  # noqa: E402

@@ -12,9 +12,10 @@ import re
 import sys
 from pathlib import Path
 
+from .build import build_model
 from .cli import ArgumentParser, command, json_value, path
 from .errors import UsageError
-from .weights import check_model_args, create_from_checkpoint, export, sha256_of, weights_fit
+from .weights import check_model_args, export, sha256_of, weights_fit
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
                          f"checkpoints/MODEL.TAG), got {args.tag!r}")
     if args.out and Path(args.out).exists():  # found now, not after the weights are read
         raise UsageError(f"--out {args.out} already exists; remove it or choose another output folder")
-    model = create_from_checkpoint(args.source, args.model, use_ema=args.use_ema, **check_model_args(args.model_args))
+    model, _ = build_model(args.model, args.source, use_ema=args.use_ema, **check_model_args(args.model_args))
     name = model.pretrained_cfg["architecture"]
     for line in weights_fit(model).lines():  # what the written weights hold that the source did not (adapted: ...)
         print(line)

@@ -13,7 +13,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .cli import ArgumentParser, command
-from .weights import build_model, check_model_name
+from .build import build_model
+from .weights import check_model_name
 from .writer import output_file, write_json
 
 with warnings.catch_warnings():  # fvcore.nn's focal_loss module calls torch.jit.script on import (deprecated)
@@ -48,7 +49,7 @@ def _sdpa_flop_jit(inputs, outputs) -> int:
 def count_params(name: str, **kwargs) -> int:
     """Parameter count, built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        model = build_model(name, **kwargs)
+        model, _ = build_model(name, **kwargs)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -100,7 +101,7 @@ def measure(name: str, flops: bool = True) -> dict:
     """Params (M) and GFLOPs at the model's default input size, beside the paper's figures."""
     row = dict(model=name, params_m=count_params(name) / 1e6)
     if flops:
-        model = build_model(name, init="xavier")  # the init does not change the count; skip the SVDs
+        model, _ = build_model(name, init="xavier")  # the init does not change the count; skip the SVDs
         row["gflops"] = count_flops(model, model.pretrained_cfg["input_size"]) / 1e9
     paper = PAPER.get(name, {})
     row.update({f"paper_{k}": v for k, v in paper.items()})

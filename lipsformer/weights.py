@@ -25,7 +25,7 @@ from .data.datasets import eval_data_config
 from .errors import Mistake, did_you_mean
 from .settings import read_yaml
 from .engine.config import ConfigError
-from .layers.attlip import form_mismatch, state_dict_form
+from .layers.attlip import form_mismatch
 from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
 from .writer import replacing
 
@@ -69,19 +69,6 @@ def has_published_weights(name: str) -> bool:
     except RuntimeError:  # timm: "Invalid pretrained tag (TAG) for MODEL"
         return False
     return cfg is not None and bool(cfg.url or cfg.hf_hub_id or cfg.file)
-
-
-def build_model(name: str, **kwargs) -> torch.nn.Module:
-    """``timm.create_model(name, **kwargs)`` for a name and arguments a user gave: an unknown name, or an argument
-    the constructor refuses (an unknown keyword, a choice it does not have, a size that does not divide), is a
-    :class:`ModelArgsError` naming the model."""
-    check_model_name(name)
-    try:
-        return timm.create_model(name, **kwargs)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, Mistake):  # ours already says what to fix (a CheckpointError, ...)
-            raise
-        raise ModelArgsError(f"{name}: {e}") from None
 
 
 class _InertConfig:
@@ -486,58 +473,6 @@ def _hub_meta(config_path: Path) -> dict:
     return dict(model=cfg["architecture"], model_args=dict(cfg.get("model_args") or {}), pretrained_cfg=pretrained)
 
 
-def _registered_cfg(name: str) -> dict:
-    """timm's pretrained config of ``name`` as a dict (empty for a name timm does not know)."""
-    check_model_name(name)
-    try:
-        cfg = get_pretrained_cfg(name)
-    except RuntimeError:  # an unknown tag: the model's own config
-        cfg = get_pretrained_cfg(name.split(".", 1)[0])
-    return cfg.to_dict() if cfg is not None else {}
-
-
-def create_from_checkpoint(path, model: Optional[str] = None, use_ema: bool = False, new_head: bool = False,
-                           **kwargs) -> torch.nn.Module:
-    """A timm model with the weights at ``path`` (any form :func:`resolve_checkpoint` accepts).
-
-    The model name and its arguments come from the run / export config when there is one; ``model`` must
-    agree with it; ``num_classes`` and ``in_chans`` default to the file's classifier and first conv. A
-    released-layout file is converted by the family's ``checkpoint_filter_fn``. Every tensor passes
-    :func:`fit_state_dict`: with ``new_head`` (fine-tuning), a classifier of another class count than
-    ``num_classes`` is re-created; without it, such a file does not fit. An ``in_chans`` other than the file's adapts
-    its first conv. What was re-created or adapted is ``weights_fit(model)``.
-    """
-    file, meta = resolve_checkpoint(path, use_ema)
-    if model and meta.get("model") and model != meta["model"]:
-        raise CheckpointError(f"{path} was made by {meta['model']}, not {model}")
-    model = model or meta.get("model")
-    if not model:
-        raise CheckpointError(f"{path} does not say which model it holds: pass the model name")
-    state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
-    args = dict(meta.get("model_args") or {})
-    args.update(kwargs)
-    form = state_dict_form(state_dict)
-    if form is not None and "attlip_form" not in args:  # the form the file's AttLip weights are (a *_cert
-        args["attlip_form"] = form  # run's model_args need not name it, and its weights may be 'general')
-    head = next((state_dict[k] for k in ("head.fc.weight", "head.weight") if k in state_dict), None)  # ours, released
-    head = head if head is not None and head.dim() == 2 else None
-    if "num_classes" not in args and head is not None:
-        args["num_classes"] = head.shape[0]
-    overlay = dict(meta.get("pretrained_cfg") or {})
-    overlay.update(args.pop("pretrained_cfg_overlay", None) or {})  # a run's own (e.g. the certified configs' std 1)
-    overlay.update(file=str(file), state_dict=state_dict, custom_load=False)
-    if "num_classes" in args:
-        overlay["num_classes"] = head.shape[0] if new_head and head is not None else args["num_classes"]
-    stem = state_dict.get(f"{_registered_cfg(model).get('first_conv')}.weight")
-    if stem is not None and stem.dim() == 4:  # the channels the file's first conv takes: what the weights declare
-        args.setdefault("in_chans", stem.shape[1])
-        size = overlay.get("input_size") or _registered_cfg(model)["input_size"]
-        overlay["input_size"] = (stem.shape[1], *size[1:])
-    net = build_model(model, pretrained=True, pretrained_cfg_overlay=overlay, **args)
-    net.pretrained_cfg.pop("state_dict", None)  # the weights are in the model; do not keep a second copy
-    return net
-
-
 def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str] = None) -> Path:
     """Write ``model`` as timm's hub folder (``model.safetensors`` + ``config.json``), loadable with
     ``timm.create_model("local-dir:OUT", pretrained=True)`` or
@@ -550,7 +485,7 @@ def export(model: torch.nn.Module, out_dir, source: str = "", tag: Optional[str]
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
     saved_cfg = model.pretrained_cfg
-    read_from = saved_cfg.get("file")  # create_from_checkpoint's weight file
+    read_from = saved_cfg.get("file")  # the weight file lipsformer.build.build_model read
     weights = Path(source) if source and Path(source).is_file() else Path(read_from) if read_from else None
     current = dict(input_size=tuple(eval_data_config(model)["input_size"]))  # the channels it is built for
     if hasattr(model, "patch_embed") and hasattr(model, "_stage_resolutions"):  # ours: the last stage's grid

@@ -43,6 +43,23 @@ def fresh_accelerate():
     reset_accelerate()
 
 
+def config_model(cfg) -> torch.nn.Module:
+    """A run's model as its config builds it, without weights (train.py's start from scratch)."""
+    from lipsformer.build import build_model
+    return build_model(cfg.model, **cfg.model_args()).model
+
+
+def start_model(cfg):
+    """A run's model and its :class:`~lipsformer.build.ModelStart` as train.py's ``_start`` makes them: the weights
+    its config names (``pretrained`` / ``init_checkpoint``), then the modules it freezes."""
+    from lipsformer.build import build_model
+    from lipsformer.engine.finetune import freeze, starting_weights
+    with starting_weights(cfg, resumed=False) as source:
+        model, start = build_model(**source, **cfg.model_args())
+    start.frozen = freeze(model, cfg)
+    return model, start
+
+
 def family(name: str) -> str:
     return "cswin" if "cswin" in name else "swin"
 

@@ -10,14 +10,14 @@ import torch
 
 from lipsformer.data.datasets import SafeImageDataset
 from lipsformer.engine.config import load_config
-from lipsformer.engine.finetune import build_model
+from lipsformer.build import build_model
 from lipsformer.engine.train import build_loaders, create_accelerator
 
 SafeImageDataset.__getitem__ = lambda self, index: (torch.tensor(index), 0, "")
 
 cfg = load_config(sys.argv[1])
 accelerator = create_accelerator(cfg)
-train_loader, val_loader, _ = build_loaders(cfg, build_model(cfg), accelerator)
+train_loader, val_loader, _ = build_loaders(cfg, build_model(cfg.model, **cfg.model_args()).model, accelerator)
 drawn = {}
 for epoch in range(2):
     train_loader.set_epoch(epoch)

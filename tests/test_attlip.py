@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from lipsformer.layers.attlip import AttLip, attlip_grad, attlip_potential, attlip_prox, attlip_solve
+from lipsformer.layers.attlip import AttLip
+from lipsformer.layers.attlip_potential import attlip_grad, attlip_potential
+from lipsformer.layers.attlip_solver import attlip_prox, attlip_solve
 from lipsformer.lipschitz import maximize_difference_quotient
 
 N, C, H = 6, 8, 2
@@ -259,8 +261,8 @@ def test_armijo_steps_near_the_prox_are_not_halved_on_rounding_noise(monkeypatch
     exact, _ = attlip_solver.attlip_prox_certified(x.double(), DiagonalWeight(w.scale.double(), d), 1, 1.0, 1e-10,
                                                    5000)
     trials = []
-    potential = attlip_solver._potential
-    monkeypatch.setattr(attlip_solver, "_potential", lambda v, h: trials.append(1) or potential(v, h))
+    potential = attlip_solver.projected_potential
+    monkeypatch.setattr(attlip_solver, "projected_potential", lambda v, h: trials.append(1) or potential(v, h))
 
     def error(steps):
         trials.clear()

@@ -6,7 +6,7 @@ import pytest
 import timm
 import torch
 
-from conftest import TINY, family, reset_accelerate
+from conftest import TINY, config_model, family, reset_accelerate
 from lipsformer.layers import ConvexResidual, GroupSort, create_residual
 
 
@@ -207,7 +207,7 @@ def test_keep_bound_keeps_convs_linears_and_convex_weights_at_their_limits(name)
 
 # -- the new modules' registered bounds against measured difference quotients -------------------------
 def test_convex_residual_bound_formula_and_tightness():
-    from lipsformer.lipschitz.bounds import residual_bound
+    from lipsformer.lipschitz.layer_bounds import residual_bound
 
     res = ConvexResidual(8, alpha_init=0.3)
     assert residual_bound(res, 1.0) == pytest.approx(1.0)  # a convex combination of 1-Lipschitz maps
@@ -226,7 +226,7 @@ def test_convex_residual_bound_formula_and_tightness():
 
 def test_groupsort_and_certifiable_model_bounds_cover_measured_quotients():
     from lipsformer.lipschitz import lipschitz_report, maximize_difference_quotient
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
     from lipsformer.lipschitz.constraints import keep_bound
 
     gs = GroupSort(2)
@@ -253,7 +253,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
     from helpers import make_folder
 
     from lipsformer.engine.config import ConfigError, load_config
-    from lipsformer.engine.train import build_model, train
+    from lipsformer.engine.train import train
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
 
@@ -272,7 +272,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
         finally:
             reset_accelerate()
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        model = build_model(cfg)
+        model = config_model(cfg)
         model.load_state_dict(load_file(str(tmp_path / name / "last.safetensors")))
         return next(r["loss"] for r in rows if r["kind"] == "train"), model
 
@@ -421,7 +421,7 @@ def test_benchmark_cnn_baseline_is_1_lipschitz_and_its_certificates_hold():
 # -- spectrally normalised linear maps (linear="normalized") and the prox mixer (attlip_prox) -------------
 def test_normalized_linear_divides_by_its_norm_inside_the_graph():
     from lipsformer.layers import NormalizedConv2d, NormalizedLinear, init_weights
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     plain = torch.nn.Linear(12, 5)
     with torch.no_grad():
@@ -494,7 +494,7 @@ def test_training_divisor_is_computed_once_per_weight_change_and_shared_with_bou
     window share it, the bound keeping after an optimizer step computes the one the next forward divides by (which
     gives a fresh computation's output) beside the verified triple its bound needs, and a change of mode drops it."""
     from lipsformer.layers import normalized
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     calls = dict(verified=[], estimate=[])
     verified, estimate = normalized.top_singular_triple, normalized.estimated_top_triple
@@ -655,9 +655,9 @@ def test_normalized_model_bound_holds_and_keeping_leaves_it_alone(name):
 
 def test_attlip_prox_mixer_returns_the_proximal_point():
     from lipsformer.layers import AttLipMixer, ConvexResidual
-    from lipsformer.layers.attlip import attlip_prox
+    from lipsformer.layers.attlip_solver import attlip_prox
     from lipsformer.lipschitz import maximize_difference_quotient
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     torch.manual_seed(0)
     delta = AttLipMixer(8, 2, [(4, 4)], eval_steps=100).eval()
@@ -689,14 +689,15 @@ def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_la
     from safetensors.torch import save_file
 
     from lipsformer.layers import NormalizedLinear
-    from lipsformer.weights import create_from_checkpoint
+    from lipsformer.build import build_model
 
     kw = dict(TINY["cswin"], init="xavier", residual="convex", act="groupsort", norm="none", linear="normalized",
               num_classes=4)
     model = timm.create_model("lipsformer_cswin_t", **kw).eval()
     save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
-    net = create_from_checkpoint(tmp_path / "w.safetensors", "lipsformer_cswin_t",
-                                 pretrained_cfg_overlay=dict(mean=(0.5,) * 3, std=(1.0,) * 3), **kw).eval()
+    net, _ = build_model("lipsformer_cswin_t", tmp_path / "w.safetensors",
+                         pretrained_cfg_overlay=dict(mean=(0.5,) * 3, std=(1.0,) * 3), **kw)
+    net.eval()
     assert tuple(net.pretrained_cfg["std"]) == (1.0,) * 3 and type(net.head.fc) is NormalizedLinear
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
@@ -765,7 +766,7 @@ def test_alpha_range_holds_the_branches_off_or_on_through_training_steps():
 def test_reflected_attlip_mixer_is_2_prox_minus_x_nonexpansive_with_twice_the_defect():
     from lipsformer.layers import AttLipMixer
     from lipsformer.lipschitz import maximize_difference_quotient
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     torch.manual_seed(0)
     prox = AttLipMixer(8, 2, [(4, 4)], eval_steps=100, delta=False).eval()
@@ -783,7 +784,7 @@ def test_reflected_attlip_mixer_is_2_prox_minus_x_nonexpansive_with_twice_the_de
 def test_cpl_mlp_is_x_minus_2_wt_relu_wx_b_and_its_bound_holds():
     from lipsformer.layers.block import CPLMlp
     from lipsformer.lipschitz import maximize_difference_quotient
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     torch.manual_seed(0)
     mlp = CPLMlp(8, 32)

@@ -5,8 +5,10 @@ import timm
 import torch
 
 from lipsformer.layers import attlip_solver as attlip
-from lipsformer.layers.attlip import (AttLip, SolverToleranceError, attlip_grad, attlip_prox, attlip_prox_certified,
-                                     attlip_solve, prox_residual64, solve_to_tolerance)
+from lipsformer.layers.attlip import AttLip, solve_to_tolerance
+from lipsformer.layers.attlip_potential import attlip_grad
+from lipsformer.layers.attlip_solver import (SolverToleranceError, attlip_prox, attlip_prox_certified, attlip_solve,
+                                             prox_residual64)
 from lipsformer.lipschitz import lipschitz_report
 from lipsformer.lipschitz.certify import (certified_radius, logit_margin, normalization, pgd_l2, pixel_lipschitz,
                                           predict_certified)
@@ -238,7 +240,7 @@ def test_spectral_norm_bound_is_an_upper_bound_with_its_rounding_charged():
     above the exact float64 value (an SVD in extended work), by at most 1e-12 relative."""
     from lipsformer.layers.normalized import NormalizedLinear
     from lipsformer.layers.spectral import gram_norm_upper, top_singular_triple
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     torch.manual_seed(0)
     for shape in ((64, 64), (300, 40), (40, 300), (8, 3, 4, 4)):
@@ -259,7 +261,7 @@ def test_normalised_layer_bound_holds_for_the_matrix_each_mode_divides_by(kind):
     after the cache was made stale some other way (computing the bound puts the exact divisor back, and the forward
     divides by it), and with a power iterate that lags; and within 1e-6 of 1 where the divisor is exact."""
     from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     def used(layer) -> float:  # the float64 norm of the float32 matrix the forward multiplies by
         return float(torch.linalg.matrix_norm(layer.weight.detach().flatten(1).double(), ord=2))
@@ -318,7 +320,8 @@ def test_float32_residual_and_its_bound_cover_the_float64_residual(scale):
     """At the solver's float32 output, |r32 - r64| <= e for every group (so r32 + e bounds the exact residual),
     while r32 alone is below r64 for some groups (the bound is needed); the bound grows with the scores, and where
     it does not settle a group the certified solve evaluates that group in float64."""
-    from lipsformer.layers.attlip import DiagonalWeight, prox_residual32
+    from lipsformer.layers.attlip_potential import DiagonalWeight
+    from lipsformer.layers.attlip_solver import prox_residual32
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(96, 16, 8, generator=gen) * scale
     w = DiagonalWeight(2 * torch.rand(96, 1, 1, generator=gen), 8)
@@ -352,7 +355,7 @@ def test_orthogonal_rotation_bound_covers_the_rounded_rotation():
     """The certified ||Q'^T Q' - I|| of the float32 rotation is at least its value from an SVD in float64, and the
     block's and mixer's bounds charge it: 1 + delta for prox, 1 + 2 delta for I - prox."""
     from lipsformer.layers import AttLipMixer
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
     from lipsformer.layers.spectral import orthogonality_defect
     torch.manual_seed(0)
     for delta_mixer in (False, True):
@@ -444,7 +447,7 @@ def test_the_training_forward_divides_by_the_same_bits_whether_or_not_the_bound_
     matrix the forward uses; in eval mode the forward divides by the verified triple."""
     from lipsformer.layers.normalized import NormalizedLinear
     from lipsformer.layers.spectral import top_singular_triple
-    from lipsformer.lipschitz.bounds import module_bound
+    from lipsformer.lipschitz.registry import module_bound
 
     torch.manual_seed(0)
     a = NormalizedLinear(160, 300).train()

@@ -14,7 +14,7 @@ from lipsformer.engine.config import load_config
 from lipsformer.engine.run_folder import MANIFEST, RunFolder
 from lipsformer.weights import CheckpointError
 
-from conftest import reset_accelerate
+from conftest import config_model, reset_accelerate
 from helpers import TINY_RUN, TRAIN, call, write_config
 
 
@@ -53,8 +53,7 @@ def _yaml(v):
 
 
 def model_of(cfg):
-    from lipsformer.engine.finetune import build_model
-    return build_model(cfg)
+    return config_model(cfg)
 
 
 def test_every_checkpoint_carries_a_manifest_of_its_files(finished_run):

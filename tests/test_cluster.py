@@ -3,7 +3,6 @@ and examples/slurm/ run on one host as two "nodes"."""
 import io
 import json
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import load_script, reset_accelerate
+from conftest import config_model, load_script, reset_accelerate
 from helpers import ROOT, make_folder, read_metrics, torchrun, write_config
 from train_probe import probed_step
 
@@ -70,7 +69,7 @@ def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_id
     assert [Path(w).name for w in writes] == [".tmp-step_000000002"]
     checkpoint = latest_checkpoint(run)
     assert checkpoint.name == "step_000000002"
-    verify_checkpoint(checkpoint, loop.build_model(load_config(config)))  # intact, manifest and all
+    verify_checkpoint(checkpoint, config_model(load_config(config)))  # intact, manifest and all
     assert max(r["step"] for r in read_metrics(run) if r["kind"] == "train") == 2
 
     reset_accelerate()
@@ -102,10 +101,10 @@ def test_a_kill_during_the_preemption_checkpoint_leaves_the_previous_one_the_new
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (run / "checkpoints" / ".tmp-step_000000002").is_dir()
     assert latest_checkpoint(run).name == "step_000000001"
-    verify_checkpoint(latest_checkpoint(run), loop.build_model(load_config(config)))
+    verify_checkpoint(latest_checkpoint(run), config_model(load_config(config)))
     summary = loop.train(load_config(config, [f"output_dir={run}"]), resume="auto")
     assert summary["step"] == 3
-    verify_checkpoint(run / "checkpoints" / "step_000000002", loop.build_model(load_config(config)))
+    verify_checkpoint(run / "checkpoints" / "step_000000002", config_model(load_config(config)))
 
 
 # -- another number of processes ----------------------------------------------------------------------

@@ -32,7 +32,7 @@ from torchvision import transforms as T
 from lipsformer.engine.config import ConfigError, Key, TrainConfig, key_table, load_config
 from lipsformer.engine.run_folder import RunFolder
 
-from conftest import reset_accelerate
+from conftest import config_model, reset_accelerate
 from helpers import make_folder, make_wds, read_metrics
 
 LR, MIN_LR, UPDATES_PER_EPOCH = 1e-3, 1e-4, 3  # 24 images, batch 4, accumulation 2
@@ -100,7 +100,7 @@ def _spectral_norms(model) -> List[float]:
 
 def _finetune(p: Probe, **keys):
     """The probe's configuration with fine-tuning keys set, started from the probe's finished run folder."""
-    from lipsformer.engine.finetune import start_model
+    from conftest import start_model
     init = {} if "pretrained" in keys else dict(init_checkpoint=p.cfg.output_dir)
     if keys.get("freeze") or keys.get("freeze_stages"):  # bound keeping and a frozen backbone are refused together
         init.update(lipschitz_target=None, lipschitz_conv_max=None)
@@ -154,11 +154,10 @@ def _decayed_lrs(p: Probe, **keys) -> List[float]:
 def _attlip_steps(p: Probe, schedule) -> list:
     """Every AttLip module's training steps in each of the probe's two epochs, as the loop sets them (the probe's
     model has no AttLip: a tiny one with it; tests/test_certified.py trains and resumes with the key)."""
-    from lipsformer.engine.finetune import build_model
     from lipsformer.engine.train import set_attlip_steps
     from lipsformer.layers.attlip import AttLip
     cfg = dataclasses.replace(p.cfg, attlip_train_steps=schedule, model_kwargs=dict(p.cfg.model_kwargs, attn="attlip"))
-    model = build_model(cfg)
+    model = config_model(cfg)
     out = []
     for epoch in range(cfg.epochs):
         set_attlip_steps(model, cfg, epoch)
@@ -328,7 +327,6 @@ def probe(tmp_path_factory):
     from accelerate.utils import set_seed
     from lipsformer.engine.metrics import EpochMeter
     from lipsformer.engine.step import StepTally
-    from lipsformer.engine.finetune import build_model
     from lipsformer.engine.train import _read, _start, _train_step, train, train_one_epoch
     from lipsformer.layers import AttentionKernel, CenterNorm
     from lipsformer.lipschitz import conv_bound
@@ -354,7 +352,7 @@ def probe(tmp_path_factory):
         accumulation=run.accelerator.gradient_accumulation_steps, mixed_precision=run.accelerator.mixed_precision,
         logits=model(val_batch[:4]).detach(), patch_embed=model.patch_embed.proj.weight.detach().clone(),
         position_table=_position_table(model),
-        position_table_seed_7=_position_table(build_model(cfg)),
+        position_table_seed_7=_position_table(config_model(cfg)),
         max_gamma=max(m.weight.abs().max().item() for m in model.modules() if isinstance(m, CenterNorm)),
         spectral_norms=_spectral_norms(model),
         taus=[float(m.tau.detach()) for m in model.modules() if isinstance(m, AttentionKernel)],

@@ -16,12 +16,11 @@ import pytest
 import torch
 from PIL import Image
 from timm.data import auto_augment
-from conftest import ROOT, TINY, family, load_script, reset_accelerate
+from conftest import ROOT, TINY, config_model, family, load_script, reset_accelerate
 
 from lipsformer.data import TransformError
 from lipsformer.data.augment import apply_transform, portable, posterize
 from lipsformer.engine.config import ConfigError, load_config
-from lipsformer.engine.finetune import build_model
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 SOAK = load_script("benchmarks/investigations/augment_soak.py")
@@ -300,7 +299,7 @@ def test_a_transform_that_raises_stops_training_in_one_line_and_keeps_the_checkp
                         stopped[0]), stopped[0]
     # the steps before the failing batch were checkpointed (the loader reads a batch ahead); nothing after them
     assert latest_checkpoint(run) is not None
-    model = build_model(load_config(run / "config.yaml"))
+    model = config_model(load_config(run / "config.yaml"))
     assert intact_checkpoint(run, model) == (latest_checkpoint(run), [])
     assert not (run / "last.safetensors").exists()
 

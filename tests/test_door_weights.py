@@ -24,8 +24,8 @@ from lipsformer.data.classes import write_class_names
 from lipsformer.engine.config import TrainConfig
 from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
-from lipsformer.weights import (CheckpointError, create_from_checkpoint, export, recorded_input_size,
-                                resolve_checkpoint, weights_fit)
+from lipsformer.build import build_model
+from lipsformer.weights import CheckpointError, export, recorded_input_size, resolve_checkpoint, weights_fit
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -144,10 +144,10 @@ def test_every_broken_tensor_is_refused_in_one_line_naming_it_by_every_entry_poi
                 continue  # another class count is what fine-tuning re-creates (tested below)
             line = refused(capsys, main, argv, root, *fragments)
             assert line.startswith(prefix + str(path)), (name, line)
-        # Python: timm's pretrained path (the weights declaring the run's class count) and create_from_checkpoint
+        # Python: timm's pretrained path (the weights declaring the run's class count) and lipsformer.build.build_model
         with pytest.raises(CheckpointError) as info:
             if path.is_dir():
-                create_from_checkpoint(path)
+                build_model(None, path)
             else:
                 timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(path),
                                                                                       num_classes=CLASSES), **ARGS)
@@ -160,14 +160,14 @@ def test_half_and_double_precision_files_load_cast_and_a_double_beyond_float32_i
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         path = tmp_path / f"{dtype}.safetensors"
         save_file({k: v.to(dtype) for k, v in state_dict.items()}, str(path))
-        loaded = create_from_checkpoint(path, MODEL, **ARGS).state_dict()
+        loaded = build_model(MODEL, path, **ARGS).model.state_dict()
         assert all(torch.equal(loaded[k], v.to(dtype).float()) for k, v in state_dict.items()), dtype
     huge = dict({k: v.double() for k, v in state_dict.items()})
     huge["norm.weight"] = huge["norm.weight"].clone()
     huge["norm.weight"][3] = 1e300
     save_file(huge, str(tmp_path / "huge.safetensors"))
     with pytest.raises(CheckpointError, match=r"norm\.weight holds 1 non-finite value \(NaN or Inf as float32\)"):
-        create_from_checkpoint(tmp_path / "huge.safetensors", MODEL, **ARGS)
+        build_model(MODEL, tmp_path / "huge.safetensors", **ARGS)
 
 
 # -- what is adapted, only where asked, and said ------------------------------------------------------------------
@@ -190,18 +190,18 @@ def test_a_first_conv_is_adapted_only_for_an_asked_in_chans_and_every_command_sa
     assert code == 0 and out.splitlines()[0] == ADAPTED, err
     # train.py's start line (and its init row)
     from lipsformer.engine.config import load_config
-    from lipsformer.engine.finetune import start_model
+    from conftest import start_model
     cfg = load_config(root / "cfg.yaml", [f"init_checkpoint={rgb}", "model_kwargs.in_chans=1"])
     _, start = start_model(cfg)
     assert start.adapted == [ADAPTED[len("adapted: "):]] and f"; {ADAPTED}; " in start.line()
     # the Python path records it
     net = timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(rgb)), in_chans=1, **ARGS)
     assert weights_fit(net).lines() == [ADAPTED] and net.pretrained_cfg["input_size"][0] == 1
-    # a file of one grey channel: create_from_checkpoint takes its channels, timm's path asks for in_chans
+    # a file of one grey channel: build_model takes its channels, timm's path asks for in_chans
     one = write(tmp_path, "grey", dict(state_dict, **{"patch_embed.proj.weight":
                                                       state_dict["patch_embed.proj.weight"][:, :1].contiguous()}),
                 ".safetensors")
-    assert weights_fit(create_from_checkpoint(one, MODEL, **ARGS)).lines() == []
+    assert weights_fit(build_model(MODEL, one, **ARGS).model).lines() == []
     with pytest.raises(CheckpointError, match=r"patch_embed\.proj\.weight takes 1 input channels, lipsformer_swin_t "
                                               r"is built for 3: set in_chans to 1$"):
         timm.create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(one)), **ARGS)
@@ -214,7 +214,7 @@ def test_a_kept_best_epochs_file_is_read_as_part_of_its_run(door, tmp_path):
     kept = run / "best" / "epoch_001_top1_50.00.safetensors"
     shutil.copy(run / "last.safetensors", kept)
     assert resolve_checkpoint(kept)[1] == resolve_checkpoint(run)[1]  # its model, arguments and preprocessing
-    assert weights_fit(create_from_checkpoint(kept)).lines() == []  # no model name needed
+    assert weights_fit(build_model(None, kept).model).lines() == []  # no model name needed
     with pytest.raises(FileNotFoundError, match=r"holds neither config\.yaml \(a training run\) nor config\.json "
                                                 r"\(an export\), nor sub-folders that do \(a folder of runs, which "
                                                 r"eval\.py takes\)$"):
@@ -225,7 +225,7 @@ def test_a_state_dict_saved_from_a_ddp_wrapped_model_is_read_without_its_module_
     root, state_dict = door
     path = tmp_path / "ddp.pth"
     torch.save({"model": {f"module.{k}": v for k, v in state_dict.items()}}, path)
-    model = create_from_checkpoint(path, MODEL, **ARGS)
+    model = build_model(MODEL, path, **ARGS).model
     assert weights_fit(model).lines() == [] and all(torch.equal(v, state_dict[k]) for k, v in
                                                     model.state_dict().items())
 
@@ -253,8 +253,8 @@ def test_a_classifier_is_re_created_only_for_an_asked_class_count(door, capsys, 
     torch.save({"model": released_state_dict(published)}, tmp_path / "torch/hub/checkpoints/lipsformer-swin-tiny.pth")
     refused(capsys, EVAL.main, ["--model", f"{MODEL}.official_in1k", "--pretrained", "--model-args", MODEL_ARGS,
                                 "--data-dir", root / "data", "--workers", 0], root,
-            "--model-args num_classes 4: eval.py scores the published weights' own classifier, not a new one "
-            "(head.fc (1000 -> 4 classes)); drop num_classes")
+            "head.fc.weight is a classifier of 1000 classes, lipsformer_swin_t is built for 4: set num_classes to "
+            "1000")  # the same fit check, and line, as a file's (below)
     path = write(tmp_path, "four", state_dict, ".safetensors")
     run = write(tmp_path, "four_run", state_dict, "run", root / "cfg.yaml")
     for argv in (["--checkpoint", path, "--model", MODEL, "--model-args", json.dumps(dict(ARGS, num_classes=10))],
@@ -281,7 +281,7 @@ def test_classes_json_has_one_name_per_output(door, capsys, tmp_path):
                         (convert.main, ["--out", tmp_path / "x"])):
         argv = [run] + extra if main is convert.main else ["--checkpoint", run] + extra
         refused(capsys, main, argv, tmp_path, f"{run / 'classes.json'} names 3 classes, the classifier has 4 outputs")
-    folder = export(create_from_checkpoint(write(tmp_path, "w", state_dict, ".safetensors"), MODEL, **ARGS),
+    folder = export(build_model(MODEL, write(tmp_path, "w", state_dict, ".safetensors"), **ARGS).model,
                     tmp_path / "export")
     config = json.loads((folder / "config.json").read_text())
     config["label_names"] = ["a", "b"]

@@ -61,11 +61,11 @@ def test_training_validation_labels_val_classes_by_name(tmp_path, capsys):
     # a val/ lacking one of train/'s classes used to be numbered by its own sorted order, so every
     # class after the gap was scored against the wrong label
     from accelerate import Accelerator
-    from lipsformer.engine.finetune import build_model
+    from conftest import config_model
     from lipsformer.engine.train import build_loaders
     cfg = load_config(config(tmp_path, ["cat", "dog", "bee"]))  # no ant: by place, bee would be 0
     try:
-        _, val, _ = build_loaders(cfg, build_model(cfg), Accelerator(cpu=True))
+        _, val, _ = build_loaders(cfg, config_model(cfg), Accelerator(cpu=True))
     finally:
         reset_accelerate()
     labels = {Path(p).parent.name: t for p, t in val.dataset.reader.samples}

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, TrainConfig, load_config
-from lipsformer.engine.finetune import eval_frozen, start_model
+from conftest import start_model
+from lipsformer.engine.finetune import eval_frozen
 from lipsformer.engine.train import build_optimizer, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
@@ -187,12 +188,12 @@ def test_three_channel_weights_load_into_another_in_chans_as_timm_adapts_them(re
     """timm's ``adapt_input_conv`` on the stem (``first_conv``), every other tensor as in the file: through
     ``init_checkpoint`` (a released-layout file) and timm's own pretrained path (``pretrained_cfg_overlay``)."""
     from timm.models import adapt_input_conv
-    from lipsformer.weights import create_from_checkpoint
+    from lipsformer.build import build_model
     path = request.getfixturevalue(weights)
     path = path[0] if isinstance(path, tuple) else path
     arch = dict(TINY[family(model)], init="xavier")
-    rgb = create_from_checkpoint(path, model, **arch).state_dict()
-    for net in (create_from_checkpoint(path, model, in_chans=in_chans, **arch),
+    rgb = build_model(model, path, **arch).model.state_dict()
+    for net in (build_model(model, path, in_chans=in_chans, **arch).model,
                 timm.create_model(model, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
                                   in_chans=in_chans, **arch)):
         ours = net.state_dict()

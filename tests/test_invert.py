@@ -7,7 +7,7 @@ from torch.func import jacrev
 
 from lipsformer.layers.attention import KimL2Attention
 from lipsformer.lipschitz import ContractiveL2Attention, InvertibleResidual, branch_bound, invert
-from lipsformer.lipschitz.bounds import kim_l2_bound, kim_l2_inf_bound, lambert_phi_inverse
+from lipsformer.lipschitz.layer_bounds import kim_l2_bound, kim_l2_inf_bound, lambert_phi_inverse
 
 
 def _block(c, norm="2", dim=16, heads=2):

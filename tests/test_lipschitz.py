@@ -13,8 +13,8 @@ from lipsformer.layers import AttentionKernel, CenterNorm
 from lipsformer.layers.residual import WeightedResidual
 from lipsformer.lipschitz import (conv_bound, conv_operator_norm, gelu_bound, jacobian_norm, lipschitz_report,
                                   matrix_norm, maximize_jacobian_norm)
-from lipsformer.lipschitz.bounds import (attention_heads_bound, mlp_bound, norm_bound, residual_bound,
-                                         window_attention_bound)
+from lipsformer.lipschitz.layer_bounds import (attention_heads_bound, mlp_bound, norm_bound, residual_bound,
+                                               window_attention_bound)
 from lipsformer.models.lipsformer_swin import WindowAttention
 
 from conftest import TINY, family
@@ -99,7 +99,7 @@ def test_scsa_bound_covers_maximised_jacobian():
 
 
 def test_scsa_infinity_norm_bound_covers_the_jacobians_row_sums():
-    from lipsformer.lipschitz.bounds import scsa_bound
+    from lipsformer.lipschitz.layer_bounds import scsa_bound
     kernel = AttentionKernel("scsa", tau=10.0, v_norm=True, fused=False, eps=1e-2)
     w_q, w_k, w_v = (torch.randn(4, 4, dtype=torch.double) for _ in range(3))
 
@@ -253,7 +253,7 @@ def test_training_with_a_bound_target_keeps_and_logs_the_bound(tmp_path, capsys)
 
 def test_kim_l2_attention_stays_under_theorem_3_2():
     from lipsformer.layers.attention import KimL2Attention
-    from lipsformer.lipschitz.bounds import kim_l2_bound, lambert_phi_inverse
+    from lipsformer.lipschitz.layer_bounds import kim_l2_bound, lambert_phi_inverse
     y = lambert_phi_inverse(15.0)
     assert y * math.exp(y + 1) == pytest.approx(15.0, rel=1e-12)
     attn = KimL2Attention(16, heads=2, fused=False).double()

@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, config_model
 from helpers import EVAL, RUN, SEED, TRAIN, call, interrupted, refused, snapshot
 from lipsformer.engine.config import _HINTS, CHOICES, RANGES, TrainConfig
 
@@ -460,7 +460,6 @@ def test_a_list_on_the_command_line_is_a_list():
 
 def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
     from lipsformer.engine.checkpoint import intact_checkpoint, latest_checkpoint
-    from lipsformer.engine.finetune import build_model
     from lipsformer.engine.config import load_config
     out = base / "interrupted"
     code, _, err = interrupted(capsys, monkeypatch, ["--config", base / "cfg.yaml", "--output-dir", out], 3)
@@ -468,7 +467,7 @@ def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, ca
     assert code == 130 and "Traceback" not in err and lines == [
         f"interrupted: training stopped at step 2 (Ctrl-C); newest checkpoint: {out}/checkpoints/step_000000002; "
         f"continue with --resume auto"], err
-    model = build_model(load_config(out / "config.yaml"))
+    model = config_model(load_config(out / "config.yaml"))
     assert intact_checkpoint(out, model) == (latest_checkpoint(out), [])
 
 

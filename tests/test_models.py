@@ -407,10 +407,10 @@ def test_an_options_object_carries_only_what_its_maker_chose():
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 def test_loading_weights_skips_the_spectral_init_and_still_gives_the_file(tmp_path, monkeypatch, name):
-    """pretrained=True and create_from_checkpoint do not pay for a spectral init the load overwrites: only the
+    """pretrained=True and lipsformer.build.build_model with a source do not pay for a spectral init the load overwrites: only the
     classifier (the layer a load with another class count re-creates) is normalised, and the logits are the file's."""
     from lipsformer.layers import init as init_module
-    from lipsformer.weights import create_from_checkpoint
+    from lipsformer.build import build_model
     source = tiny(name).eval()
     path = tmp_path / "released.pth"
     torch.save(CONVERTERS[family(name)].released_state_dict(source), path)
@@ -430,7 +430,7 @@ def test_loading_weights_skips_the_spectral_init_and_still_gives_the_file(tmp_pa
     assert shapes == [(3, refit.num_features)]  # the new head starts spectrally normalised
     assert largest_singular_value(refit.head.fc.weight) == pytest.approx(1.0, abs=1e-5)
     shapes.clear()
-    again = create_from_checkpoint(path, name, **TINY[family(name)]).eval()
+    again = build_model(name, path, **TINY[family(name)]).model.eval()
     assert shapes == [tuple(again.head.fc.weight.shape)] and torch.equal(source(x), again(x))
     shapes.clear()
     tiny(name)

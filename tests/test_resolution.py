@@ -8,7 +8,7 @@ import torch
 from timm.layers import resize_rel_pos_bias_table
 
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
-from lipsformer.weights import create_from_checkpoint
+from lipsformer.build import build_model
 
 from conftest import TINY, family
 
@@ -38,9 +38,9 @@ def test_loaded_bias_tables_equal_timms_resize_and_the_same_window_is_the_identi
     source = perturbed(SWIN)  # window 2: tables of 3x3 entries (1x1 in the last stage)
     path = tmp_path / "released.pth"
     torch.save({"model": lipsformer_swin.released_state_dict(source)}, path)
-    # timm's pretrained path (and create_from_checkpoint) into a model built at 64 px with window 4
+    # timm's pretrained path (and lipsformer.build.build_model) into a model built at 64 px with window 4
     target = tiny(SWIN, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **BIGGER["swin"])
-    via_weights = create_from_checkpoint(path, SWIN, **dict(TINY["swin"], **BIGGER["swin"]))
+    via_weights, _ = build_model(SWIN, path, **dict(TINY["swin"], **BIGGER["swin"]))
     resized = tables(target)
     assert len(resized) == 5 and {v.shape[0] for v in resized.values()} == {49, 9}  # windows 4, 4, 4, 2
     for key, table in tables(source).items():

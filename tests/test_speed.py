@@ -2,7 +2,6 @@
 grad_checkpointing, tf32): each reaches the model or the process, and none changes what a run computes."""
 import contextlib
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -76,14 +75,14 @@ def test_compile_model_compiles_in_place_and_sets_the_partitioner_budget():
 def test_grad_checkpointing_channels_last_and_tf32_reach_the_run(tmp_path, monkeypatch):
     import lipsformer.engine.train as loop
     built = []
-    start = loop.start_model
+    start = loop.build_model
 
     def recording_start(*args, **kwargs):
         model, how = start(*args, **kwargs)
         built.append(model)
         return model, how
 
-    monkeypatch.setattr(loop, "start_model", recording_start)
+    monkeypatch.setattr(loop, "build_model", recording_start)
     config = write_config(tmp_path, epochs=1, ema_decay=None)
     runs = {"plain": [], "checkpointed": ["grad_checkpointing=true"], "nhwc": ["channels_last=true", "tf32=true"]}
     tf32 = {}

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from lipsformer.convert import main as convert_main
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
-from lipsformer.weights import CheckpointError, create_from_checkpoint, read_checkpoint, sha256_of
+from lipsformer.build import build_model
+from lipsformer.weights import CheckpointError, read_checkpoint, sha256_of
 
 from conftest import TINY, family
 
@@ -48,7 +49,7 @@ def test_checkpoint_carrying_code_is_refused_and_the_code_never_runs(tmp_path):
     path = tmp_path / "evil.pth"
     torch.save({"model": tiny().state_dict(), "payload": _WritesAFile(marker)}, path)
     for load in (lambda: read_checkpoint(path),
-                 lambda: create_from_checkpoint(path, "lipsformer_swin_t", **TINY["swin"]),
+                 lambda: build_model("lipsformer_swin_t", path, **TINY["swin"]),
                  lambda: tiny(pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))):
         with pytest.raises(CheckpointError, match=r"refused to load .*evil\.pth.*builtins\.exec.*nothing in it was run"):
             load()
@@ -94,7 +95,7 @@ def test_checkpoint_of_another_model_names_file_and_keys(tmp_path):
     path = tmp_path / "cswin.safetensors"
     save_file(tiny("lipsformer_cswin_t").state_dict(), str(path))
     with pytest.raises(CheckpointError, match=r"cswin\.safetensors does not fit lipsformer_swin_t: missing keys"):
-        create_from_checkpoint(path, "lipsformer_swin_t", **TINY["swin"])
+        build_model("lipsformer_swin_t", path, **TINY["swin"])
     wide = tmp_path / "wide.safetensors"
     save_file(tiny(embed_dim=24).state_dict(), str(wide))
     with pytest.raises(CheckpointError, match=r"wide\.safetensors does not fit .*shape mismatches \(\d+\): "
@@ -164,20 +165,20 @@ def test_training_run_converts_with_its_config_and_ema(tmp_path):
     loaded = timm.create_model(f"local-dir:{out}", pretrained=True)
     assert torch.equal(logits(loaded), logits(ema))
     assert (loaded.pretrained_cfg["crop_pct"], loaded.pretrained_cfg["interpolation"]) == (1.0, "bilinear")
-    assert torch.equal(logits(create_from_checkpoint(run)), logits(model))
+    assert torch.equal(logits(build_model(None, run).model), logits(model))
     with pytest.raises(CheckpointError, match="made by lipsformer_cswin_t, not lipsformer_swin_t"):
-        create_from_checkpoint(run, "lipsformer_swin_t")
+        build_model("lipsformer_swin_t", run)
 
 
 def test_use_ema_picks_the_ema_of_a_timm_style_checkpoint(tmp_path):
     model, ema = tiny(), tiny()
     path = tmp_path / "timm.pth"
     torch.save({"state_dict": model.state_dict(), "state_dict_ema": ema.state_dict(), "epoch": 1}, path)
-    assert torch.equal(logits(create_from_checkpoint(path, "lipsformer_swin_t", use_ema=True, **TINY["swin"])),
+    assert torch.equal(logits(build_model("lipsformer_swin_t", path, use_ema=True, **TINY["swin"]).model),
                        logits(ema))
     torch.save({"state_dict": model.state_dict()}, path)
     with pytest.raises(CheckpointError, match=r"timm\.pth: no EMA weights"):
-        create_from_checkpoint(path, "lipsformer_swin_t", use_ema=True, **TINY["swin"])
+        build_model("lipsformer_swin_t", path, use_ema=True, **TINY["swin"])
 
 
 # -- convert names its folder by a tag, records what it read, and its hint loads the weights ----------
@@ -233,7 +234,7 @@ def test_convert_model_args_must_be_an_object(tmp_path, capsys):
 def test_attlip_weights_of_the_other_form_are_refused_in_one_line_and_old_runs_load_as_they_were(tmp_path):
     """The certifiable models' AttLip is the orthogonal form by default: its weights are named rotation and scale,
     the general form's weight. A file of one form is refused by a model of the other in one line naming the change
-    and the fix; create_from_checkpoint (eval.py, fine-tuning) builds the form the file holds when not told."""
+    and the fix; lipsformer.build.build_model (eval.py, fine-tuning) builds the form the file holds when not told."""
     from lipsformer.engine.checkpoint import check_loadable
     small = dict(img_size=32, embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), window_size=4,
                  num_classes=5)
@@ -246,7 +247,7 @@ def test_attlip_weights_of_the_other_form_are_refused_in_one_line_and_old_runs_l
                           **small)
     message = str(info.value)
     assert "attlip_form 'general'" in message and "attlip_form='general'" in message and "\n" not in message
-    loaded = create_from_checkpoint(path, "lipsformer_swin_t_cert", **small)
+    loaded, _ = build_model("lipsformer_swin_t_cert", path, **small)
     assert {m.form for m in loaded.modules() if hasattr(m, "form")} == {"general"}
     assert torch.equal(logits(loaded), logits(old))
     folder = tmp_path / "step"

@@ -35,7 +35,7 @@ def main(argv=None):
     import lipsformer  # noqa: F401
     from lipsformer.data.digits import write_digits_folder
     from lipsformer.engine.config import load_config
-    from lipsformer.engine.finetune import build_model
+    from lipsformer.build import build_model
     from lipsformer.engine.margin import LipschitzMarginLoss
     from lipsformer.layers.residual import ConvexResidual
     from lipsformer.lipschitz.certify import normalization
@@ -45,7 +45,7 @@ def main(argv=None):
         write_digits_folder(args.data)
     cfg = load_config(args.config, [f"data_dir={args.data}", *args.set])
     torch.manual_seed(0)
-    model = build_model(cfg)
+    model = build_model(cfg.model, **cfg.model_args()).model
     if args.weights:
         from safetensors.torch import load_file
         model.load_state_dict(load_file(args.weights))

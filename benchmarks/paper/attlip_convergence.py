@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from lipsformer.layers.attlip import attlip_potential, attlip_prox  # noqa: E402
+from lipsformer.layers.attlip_potential import attlip_potential  # noqa: E402
+from lipsformer.layers.attlip_solver import attlip_prox  # noqa: E402
 
 
 def trace(n: int, dim: int, heads: int, eta: float, steps: int, seed: int) -> dict:

@@ -123,7 +123,8 @@ class LipschitzCNN(nn.Module):
 def cnn_report(model: LipschitzCNN):
     """The CNN's certified report: one row per layer (its exact norm), the head's matrix for the pairwise rule."""
     from lipsformer.lipschitz import matrix_norm
-    from lipsformer.lipschitz.bounds import LipschitzReport, Row
+    from lipsformer.lipschitz.bounds import LipschitzReport
+    from lipsformer.lipschitz.registry import Row
     with torch.no_grad():
         rows = [Row(f"convs.{i}", matrix_norm(conv.lin.weight)) for i, conv in enumerate(model.convs)]
         rows.append(Row("head", matrix_norm(model.head.weight)))
@@ -236,7 +237,7 @@ def train_run(dataset: str, name: str, seed: int, args):
     from safetensors.torch import load_file
 
     from lipsformer.engine.config import load_config
-    from lipsformer.engine.finetune import build_model
+    from lipsformer.build import build_model
     from lipsformer.engine.train import train
 
     ds = DATASETS[dataset]
@@ -253,7 +254,7 @@ def train_run(dataset: str, name: str, seed: int, args):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    model = build_model(cfg)
+    model = build_model(cfg.model, **cfg.model_args()).model
     model.load_state_dict(load_file(str(out / "last.safetensors")))
     return model.eval(), cfg, summary
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lipsformer.layers.attention import KimL2Attention  # noqa: E402
-from lipsformer.lipschitz.bounds import kim_l2_inf_bound  # noqa: E402
+from lipsformer.lipschitz.layer_bounds import kim_l2_inf_bound  # noqa: E402
 
 
 def scalar_l2_jacobian(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from lipsformer.layers import AttentionKernel  # noqa: E402
 from lipsformer.layers.attention import KimL2Attention  # noqa: E402
 from lipsformer.layers.attlip import AttLip  # noqa: E402
 from lipsformer.lipschitz import maximize_difference_quotient, maximize_jacobian_norm  # noqa: E402
-from lipsformer.lipschitz.bounds import attlip_bound, kim_l2_bound  # noqa: E402
+from lipsformer.lipschitz.layer_bounds import attlip_bound, kim_l2_bound  # noqa: E402
 from lipsformer.models.lipsformer_swin import WindowAttention  # noqa: E402
 
 

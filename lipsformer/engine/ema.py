@@ -33,7 +33,7 @@ def _reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
+def full_tensor_of(t: torch.Tensor) -> torch.Tensor:
     """The full tensor behind a shard (a collective under FSDP: every process must call it)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -81,7 +81,7 @@ class ShardEma:
 
     def state_dict(self) -> Dict[str, object]:
         """Whole tensors, so a checkpoint written by one process restores every shard."""
-        return dict(average=[_whole(t).cpu() for t in self.average])
+        return dict(average=[full_tensor_of(t).cpu() for t in self.average])
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, object]) -> None:

@@ -14,15 +14,15 @@ from timm.data import infer_imagenet_subset
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from ..build import PUBLISHED, WeightsUnavailable, build_model
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import Sample, Samples, describe_samples, label_names
 from ..errors import Stopped
 from ..lipschitz.certify import certify_dataset
-from ..weights import (build_model, check_model_args, check_model_name, create_from_checkpoint, has_published_weights,
-                       recorded_input_size, resolve_checkpoint, weights_fit)
+from ..weights import (check_model_args, check_model_name, has_published_weights, recorded_input_size,
+                       resolve_checkpoint, weights_fit)
 from ..writer import replacing
 from .config import ConfigError, TrainConfig
-from .finetune import WeightsUnavailable
 from .speed import compile_model, prepare_model
 
 TOPK = 5
@@ -257,31 +257,6 @@ def check_eval_settings(img_size=None, crop_pct=None, attack_eps=(), attack_step
                           f"{attack_restarts}")
 
 
-def _create_model(model_name, checkpoint, use_ema: bool, model_args: dict):
-    """The model to evaluate, from ``checkpoint`` or timm's published weights, and the input size (C, H, W) its
-    weights were made at as they record it (:func:`~lipsformer.weights.recorded_input_size`; a published weight's
-    config), or None where nothing records it. Every tensor passes the fit check
-    (:func:`~lipsformer.weights.fit_state_dict`: names, shapes, kinds, finite values; a first conv adapted only for
-    an explicit ``in_chans``); a ``num_classes`` other than the weights' classifier is refused, for published weights
-    too. A model argument the constructor refuses (e.g. an ``img_size`` the windows do not divide) is a
-    ModelArgsError (:func:`~lipsformer.weights.build_model`), a failed download a WeightsUnavailable."""
-    try:
-        if checkpoint is not None:
-            model = create_from_checkpoint(checkpoint, model_name, use_ema=use_ema, **model_args)
-            return model, recorded_input_size(checkpoint, use_ema)
-        model = build_model(model_name, pretrained=True, **model_args)
-        if weights_fit(model).new_head:  # timm's rule for another num_classes: a classifier that would score chance
-            raise ConfigError(f"--model-args num_classes {model.num_classes}: eval.py scores the published weights' "
-                              f"own classifier, not a new one ({weights_fit(model).new_head}); drop num_classes")
-        return model, tuple(model.pretrained_cfg["input_size"])
-    except OSError as e:  # urllib's URLError, requests' ConnectionError: no network, or the server refused
-        if checkpoint is not None:
-            raise
-        reason = getattr(e, "reason", None) or e
-        raise WeightsUnavailable(f"{model_name}: could not download its published weights ({reason}); check the "
-                                 f"network, or download them elsewhere and pass --checkpoint FILE") from None
-
-
 def check_request(data_dir, model_args=None, img_size=None, crop_pct=None, attack_eps=(), attack_steps: int = 20,
                   attack_restarts: int = 3, batch_size: int = 1, workers: int = 0, amp: str = "no",
                   pretrained: bool = False, use_ema: bool = False) -> dict:
@@ -372,7 +347,13 @@ def prepare(model_name: Optional[str], checkpoint, use_ema: bool, model_args: di
     """Build the model of one evaluation (``checkpoint``, or timm's published weights of ``model_name`` when None)
     and label the data for it, raising what is wrong with it before any evaluation starts."""
     check_source(model_name, checkpoint, use_ema)
-    model, trained = _create_model(model_name, checkpoint, use_ema, model_args)
+    try:  # the fit check refuses a num_classes other than the weights' classifier (eval scores it, not a new one)
+        model, _ = build_model(model_name, PUBLISHED if checkpoint is None else checkpoint, use_ema=use_ema,
+                               **model_args)
+    except WeightsUnavailable as e:
+        raise WeightsUnavailable(f"{e} (--checkpoint FILE)") from None
+    trained = tuple(model.pretrained_cfg["input_size"]) if checkpoint is None else \
+        recorded_input_size(checkpoint, use_ema)  # the size the weights were made at as they record it, or None
     samples = label(model)
     tag = model.pretrained_cfg.get("tag")
     source = str(checkpoint) if checkpoint is not None else f"pretrained:{tag}" if tag else "pretrained"

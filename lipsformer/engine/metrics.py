@@ -14,7 +14,7 @@ from accelerate.utils import gather_object
 from ..layers.residual import WeightedResidual
 from ..models._base import LipsFormerBase
 from ..writer import append_text, save_figure, to_json, write_text
-from .ema import _whole
+from .ema import full_tensor_of
 from .run_folder import RunFolder, read_metrics
 
 
@@ -105,7 +105,7 @@ def alpha_statistics(model: torch.nn.Module) -> Dict[str, float]:
         return {}
     stats = {}
     for i, stage in enumerate(model.stages):
-        alphas = [_whole(m.alpha).detach().float().abs().flatten() for m in stage.modules()
+        alphas = [full_tensor_of(m.alpha).detach().float().abs().flatten() for m in stage.modules()
                   if isinstance(m, WeightedResidual)]
         if alphas:
             a = torch.cat(alphas)

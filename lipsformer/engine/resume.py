@@ -20,6 +20,15 @@ from .run_folder import MANIFEST, RunFolder, checkpoint_step
 _logger = logging.getLogger(__name__)
 
 
+class RunFinished(Exception):
+    """The checkpoint a run resumes from ends it: nothing to do, nothing written. ``summary`` is what
+    :func:`lipsformer.engine.train.train` returns for it (``finished_before`` set)."""
+
+    def __init__(self, summary: dict):
+        super().__init__(f"{summary['checkpoint']} ends the run: nothing to do")
+        self.summary = summary
+
+
 def resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
     """The checkpoint to resume from (``resume="auto"``: decided once the model exists, see :func:`verified`).
     ``resume`` may name a run folder: its newest checkpoint (the output folder's own: as ``auto``)."""
@@ -119,23 +128,22 @@ def begin(folder: RunFolder, resume_from: Optional[Path], damaged: List[Tuple[Pa
 
 
 def restore(accelerator: Accelerator, resume_from: Path, state: TrainState, cfg: TrainConfig, folder: RunFolder,
-            train_loader, updates_per_epoch: int) -> Optional[dict]:
-    """Load the checkpoint ``resume_from`` into everything registered for checkpointing and carry its place in the
-    epoch over to this run (:func:`move_position`). Returns the summary of a run that checkpoint had finished
-    (nothing to do, nothing written), else None once it has said where the run resumes."""
+            train_loader, updates_per_epoch: int) -> None:
+    """Load the checkpoint ``resume_from`` into everything registered for checkpointing, carry its place in the
+    epoch over to this run (:func:`move_position`) and say where the run resumes; :class:`RunFinished` where that
+    checkpoint had finished the run (nothing to do, nothing written)."""
     try:
         accelerator.load_state(str(resume_from))
     except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
         raise CheckpointError(f"cannot resume from {resume_from}: {str(e).splitlines()[0][:300]}") from None
     notice = move_position(state, cfg, accelerator, train_loader, updates_per_epoch)
     if finished(state, cfg, folder, len(train_loader) * cfg.batch_size * accelerator.num_processes):
-        return dict(output_dir=str(folder.root), checkpoint=str(resume_from), epochs=cfg.epochs, step=state.step,
-                    last=str(folder.weights()), finished_before=True)
+        raise RunFinished(dict(output_dir=str(folder.root), checkpoint=str(resume_from), epochs=cfg.epochs,
+                               step=state.step, last=str(folder.weights()), finished_before=True))
     accelerator.print(f"resumed from {resume_from} (step {state.step}: epoch {state.epoch + 1}, "
                       f"{state.batch_in_epoch} of its batches done)")
     if notice:
         accelerator.print(notice)
-    return None
 
 
 def finished(state: TrainState, cfg: TrainConfig, folder: RunFolder, epoch_samples: int) -> bool:

@@ -18,6 +18,7 @@ from timm.scheduler import create_scheduler_v2
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
+from ..build import ModelStart, build_model
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
@@ -29,12 +30,12 @@ from ..lipschitz.constraints import check_keepable, keep_bound
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
 from .config import ConfigError, TrainConfig
 from .ema import ShardEma
-from .finetune import ModelStart, eval_frozen, start_model
+from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
 from .preemption import Preemption, stop_if_preempted
-from .resume import begin, check_resumable, restore, resume_point, verified
+from .resume import RunFinished, begin, check_resumable, restore, resume_point, verified
 from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
 from .step import StepTally, fused, quiet_buffers
@@ -150,7 +151,7 @@ class _Run:
     log: MetricsLog
     keep: Optional[Callable[[], dict]]  # bound keeping (lipschitz_target), or None
     last_good: Optional[Path]  # the newest checkpoint written or resumed from
-    start: ModelStart = field(default_factory=ModelStart)  # starting weights and frozen modules (finetune.py)
+    start: ModelStart = field(default_factory=ModelStart)  # starting weights (build.py), frozen modules (finetune.py)
     preemption: Preemption = field(default_factory=Preemption)
 
     def diverged(self, what: str, step: int, epoch: int) -> TrainingDiverged:
@@ -185,11 +186,11 @@ def build_scheduler(cfg: TrainConfig, optimizer, updates_per_epoch: int):
 
 
 def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = None,
-           trackers: Optional[Trackers] = None):
+           trackers: Optional[Trackers] = None) -> "_Run":
     """Build the run: accelerator, model, loaders, optimizer, schedule, EMA, criterion, ``trackers`` (``log_with``);
     resume if asked. Every check comes before the first write, which takes the folder's ``lock`` (one writer per run
-    folder). Returns the :class:`_Run`, or the summary of a run that the checkpoint resumed from had finished
-    (nothing to do, nothing written)."""
+    folder). :class:`~.resume.RunFinished` where the checkpoint resumed from had finished the run (nothing to do,
+    nothing written)."""
     trackers, folder = trackers or Trackers(cfg.log_with), RunFolder(cfg.output_dir)
     check_output(folder)
     accelerator = create_accelerator(cfg)
@@ -206,8 +207,9 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     check_resumable(cfg, resume_from)
     check_data(cfg)
     set_seed(cfg.seed)
-    # starting weights (pretrained / init_checkpoint, unless resuming) and freezing: bad ones stop before any write
-    model, start = start_model(cfg, load_weights=resume_from is None)
+    with starting_weights(cfg, resumed=resume_from is not None) as source:  # bad ones stop before any write
+        model, start = build_model(**source, **cfg.model_args())
+    start.frozen = freeze(model, cfg)
     if cfg.attlip_train_steps is not None and not any(isinstance(m, AttLip) for m in model.modules()):
         raise ConfigError(f"attlip_train_steps sets the proximal steps of AttLip attention, which {cfg.model} does "
                           f"not use here: set model_kwargs.attn: attlip, or unset attlip_train_steps")
@@ -231,10 +233,8 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch, updates_per_epoch)
     power = PowerIterationState(accelerator.unwrap_model(model))  # normalised layers' vectors (linear=normalized)
     accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []), *([power] if power.layers else []))
-    if resume_from is not None:
-        finished = restore(accelerator, resume_from, state, cfg, folder, train_loader, updates_per_epoch)
-        if finished is not None:  # the checkpoint resumed from ends the run: nothing to do, nothing written
-            return finished
+    if resume_from is not None:  # RunFinished where the checkpoint ends the run: nothing to do, nothing written
+        restore(accelerator, resume_from, state, cfg, folder, train_loader, updates_per_epoch)
     lock.take(accelerator)  # every check above came first: a refused run writes nothing
     if accelerator.is_main_process:  # what the folder keeps from earlier starts (resume.py)
         begin(folder, resume_from, damaged, state, accelerator.print)
@@ -272,9 +272,10 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     """
     preemption = Preemption()  # the lock is let go of (and removed) however the run ends; the trackers finished
     with preemption.watching(), RunLock(cfg.output_dir) as lock, Trackers(cfg.log_with) as trackers:
-        run = _start(cfg, resume, lock, trackers)
-        if isinstance(run, dict):  # the checkpoint resumed from is the end of the run: nothing to do
-            return run
+        try:
+            run = _start(cfg, resume, lock, trackers)
+        except RunFinished as done:  # the checkpoint resumed from is the end of the run: nothing to do
+            return done.summary
         run.preemption = preemption
         try:
             return _train(run)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .gelu import _records_grad
+from .gelu import records_grad
 
 ATTENTIONS = ("scsa", "dot", "l2")
 
@@ -48,7 +48,7 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
     r"""Smoothed l2 row normalisation of LipsFormer eq. 6, times ``scale`` (a positive float):
     :math:`s\,x / \sqrt{\|x\|^2 + \epsilon}`. Recorded for backward, it returns a contiguous tensor and keeps
     that output (:class:`_L2Normalize`; outside torch.func and torch.compile, which see the plain ops)."""
-    if _records_grad(x) and scale > 0:
+    if records_grad(x) and scale > 0:
         return _L2Normalize.apply(x, eps, float(scale))
     return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
 
@@ -224,7 +224,7 @@ class KimL2Attention(nn.Module):
     with tied :math:`W^{Q,h} = W^{K,h}`, :math:`P^h_{ij} \propto \exp(-\|x_i W^{Q,h} - x_j W^{Q,h}\|^2/\sqrt{D/H})`
     and :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{D/H}`. Since :math:`X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/\sqrt{D/H}`,
     the value path is a (d_h x d_h) map of q and the attention runs through :func:`l2_attention` (fused).
-    Theorem 3.2 bounds its Lipschitz constant (:func:`lipsformer.lipschitz.bounds.kim_l2_bound`).
+    Theorem 3.2 bounds its Lipschitz constant (:func:`lipsformer.lipschitz.layer_bounds.kim_l2_bound`).
     """
 
     def __init__(self, dim: int, heads: int = 1, fused: bool = True):

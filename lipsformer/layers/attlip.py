@@ -17,7 +17,7 @@ Two forms of the weight W (``attlip_form``): ``general`` (:class:`AttLip`), any 
 any W) in which, after one rotation, every head of every window is a problem of its own with a scalar Gram product:
 no ``N C^2`` product per gradient evaluation, a closed-form start (the prox at uniform attention) and a first step
 from the conditioning that start's linear problem has, and a float32 residual check with a proven rounding bound
-(:func:`prox_residual32`) in place of most of the float64 one.
+(:func:`~lipsformer.layers.attlip_solver.prox_residual32`) in place of most of the float64 one.
 
 Here: the blocks (:class:`AttLip`, :class:`OrthogonalAttLip`), the token mixer (:class:`AttLipMixer`) and certified
 inference's switch (:func:`solve_to_tolerance`); the potential, its gradient and the weight forms in
@@ -31,12 +31,9 @@ import torch
 from timm.layers import register_notrace_module
 from torch import nn
 
-# the functional API is imported from here too (the problem and its solvers have modules of their own)
-from .attlip_potential import DenseWeight, DiagonalWeight, Weight, attlip_grad, attlip_potential  # noqa: F401
-from .attlip_solver import (DEFAULT_TOL, FIRST_PASS_STEPS, GRAD_STEPS, SolverToleranceError,  # noqa: F401
-                            SolveStats, attlip_prox, attlip_prox_certified, attlip_solve, prox_residual32,
-                            prox_residual64)
-from .normalized import _fingerprint
+from .attlip_potential import DiagonalWeight, Weight
+from .attlip_solver import DEFAULT_TOL, GRAD_STEPS, SolveStats, attlip_prox, attlip_prox_certified, attlip_solve
+from .normalized import fingerprint
 from .spectral import orthogonality_defect
 from .windows import pad_to_multiple, window_partition, window_reverse
 
@@ -184,7 +181,7 @@ class OrthogonalAttLip(AttLip):
         raw = self.rotation
         if torch.is_grad_enabled() and raw.requires_grad:  # training: through the Cayley map
             return cayley(raw)
-        key = _fingerprint(raw)
+        key = fingerprint(raw)
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
                 self.__dict__["_cache"] = (key, cayley(raw), None)
@@ -206,7 +203,9 @@ class OrthogonalAttLip(AttLip):
     @property
     def weight(self) -> torch.Tensor:
         """``W = diag(s) Q'`` (C, C): the AttLip weight whose potential this block's prox takes (for the functions
-        of the general form: :func:`attlip_potential`, :func:`attlip_grad`, :func:`prox_residual64`)."""
+        of the general form: :func:`~lipsformer.layers.attlip_potential.attlip_potential`,
+        :func:`~lipsformer.layers.attlip_potential.attlip_grad`,
+        :func:`~lipsformer.layers.attlip_solver.prox_residual64`)."""
         q = self._rotation()
         return self.head_scales().repeat_interleave(q.shape[0] // self.heads)[:, None] * q
 

@@ -33,7 +33,7 @@ def _lse_potential(logits: torch.Tensor, sq: torch.Tensor, lead: torch.Size, hea
     return 0.5 * (lse + sq).sum(-1).view(*lead, heads).sum(-1)
 
 
-def _potential(v: torch.Tensor, heads: int) -> torch.Tensor:
+def projected_potential(v: torch.Tensor, heads: int) -> torch.Tensor:
     """f per leading index from projected tokens ``v = x W^T`` (..., N, D)."""
     _, sq, logits = _logits(v, heads)
     return _lse_potential(logits, sq, v.shape[:-2], heads)
@@ -41,10 +41,10 @@ def _potential(v: torch.Tensor, heads: int) -> torch.Tensor:
 
 def attlip_potential(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
     """f(x) of Theorem 4 for tokens ``x`` (..., N, C); one value per leading index."""
-    return _potential(x @ weight.T, heads)
+    return projected_potential(x @ weight.T, heads)
 
 
-def _grad_coefficients(v: torch.Tensor, heads: int, potential: bool = False):
+def grad_coefficients(v: torch.Tensor, heads: int, potential: bool = False):
     """For projected tokens ``v = x W^T`` (..., N, D), the ``Y`` (..., N, D) with ``grad f(x) = Y W``: the gradient
     in the weight's row space, where the solvers iterate. ``potential=True`` also returns f(x) per leading index,
     from the same logits and without gradient tracking (what Armijo's test compares against).
@@ -73,7 +73,7 @@ def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tens
     (Algorithm 4 as printed adds the identity once more and drops the :math:`1/\\sqrt{d_h}`; this is the exact
     gradient, checked against autograd in the tests.)
     """
-    return _grad_coefficients(x @ weight.T, heads) @ weight
+    return grad_coefficients(x @ weight.T, heads) @ weight
 
 
 class DenseWeight:
@@ -197,5 +197,6 @@ class DiagonalWeight:
 Weight = Union[torch.Tensor, DenseWeight, DiagonalWeight]
 
 
-def _as_weight(weight: Weight):
+def as_weight(weight: Weight):
+    """``weight`` as a :class:`DenseWeight` / :class:`DiagonalWeight` (a plain matrix is a dense one)."""
     return weight if isinstance(weight, (DenseWeight, DiagonalWeight)) else DenseWeight(weight)

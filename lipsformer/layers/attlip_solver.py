@@ -10,7 +10,7 @@ import torch
 from torch.autograd import forward_ad
 
 from ..errors import Mistake
-from .attlip_potential import DiagonalWeight, Weight, _as_weight, _grad_coefficients, _potential
+from .attlip_potential import DiagonalWeight, Weight, as_weight, grad_coefficients, projected_potential
 
 
 # The AttLip solver tolerance by default (``attlip_tol``): each window's residual ||grad phi_x(y)||, so each block's
@@ -29,11 +29,11 @@ class SolverToleranceError(Mistake, RuntimeError):
 def prox_residual64(y: torch.Tensor, x: torch.Tensor, weight: Weight, heads: int, eta: float) -> torch.Tensor:
     """||grad phi_x(y)||_2 per leading index (one token group), evaluated in float64 at the float32 iterate ``y``:
     the residual g_K of AttLip Proposition 3, with the float32 rounding of its evaluation left out."""
-    w64 = _as_weight(weight).cast(torch.float64)
+    w64 = as_weight(weight).cast(torch.float64)
 
     def residual(y_part, x_part, groups):
         y64, x64, w = y_part.double(), x_part.double(), w64.regroup(groups)
-        g = w.back(_grad_coefficients(w.project(y64), heads)) + (y64 - x64) / eta
+        g = w.back(grad_coefficients(w.project(y64), heads)) + (y64 - x64) / eta
         return g.pow(2).sum((-1, -2)).sqrt()
 
     lead = y.shape[:-2]
@@ -142,7 +142,7 @@ def attlip_prox(x: torch.Tensor, weight: Weight, heads: int, eta: float = 1.0, s
     says, unless ``step_init`` is given). Evaluation uses :func:`attlip_solve`, certified inference
     :func:`attlip_prox_certified`.
     """
-    w = _as_weight(weight)
+    w = as_weight(weight)
 
     def descend(part, groups, callback=None):
         ws = w.regroup(groups)
@@ -250,7 +250,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _bb_solve(x: torch.Tensor, weight: Weight, heads: int, eta: float, tol: float, max_steps: int,
               z: Optional[torch.Tensor] = None):
     """:func:`_bb_solve_windows` over the flattened windows of ``x``, in cache-sized chunks."""
-    w = _as_weight(weight)
+    w = as_weight(weight)
     lead = x.shape[:-2]
     flat = x.reshape(-1, *x.shape[-2:])
     start = None if z is None else z.reshape(*flat.shape[:-1], w.dim)
@@ -275,7 +275,7 @@ def _bb_solve_windows(x: torch.Tensor, weight, heads: int, eta: float, tol: floa
     batch).
 
     Every gradient ``grad phi_x(y) = (Y + z / eta) W`` lies in the row space of the weight W (D, C) when
-    ``y = x + z W`` (``grad f(y) = Y W``, :func:`_grad_coefficients`), so the descent runs on ``z`` (N, D) and on
+    ``y = x + z W`` (``grad f(y) = Y W``, :func:`grad_coefficients`), so the descent runs on ``z`` (N, D) and on
     ``v = y W^T = x W^T + z G`` with the Gram matrix ``G = W W^T`` (``weight``: :class:`DenseWeight`, one
     (N, D) x (D, D) product per evaluation instead of the two of projecting ``y`` and mapping the gradient back; or
     :class:`DiagonalWeight`, a scaling); norms and inner products of gradients are taken in the metric G. ``y`` is
@@ -298,7 +298,7 @@ def _bb_solve_windows(x: torch.Tensor, weight, heads: int, eta: float, tol: floa
     wl = weight  # for the windows still running
 
     def coefficients(v, z):  # u with grad phi = u W, u G, and ||grad phi||^2
-        u = _grad_coefficients(v, heads).add_(z, alpha=1 / eta)
+        u = grad_coefficients(v, heads).add_(z, alpha=1 / eta)
         u_gram = wl.gram(u)
         return u, u_gram, _dot(u, u_gram).clamp_min(0)
 
@@ -357,7 +357,7 @@ def _straight_through(y: torch.Tensor, x: torch.Tensor, weight: Weight, heads: i
     """``y`` (a solve's output, computed without derivatives) carrying, where derivatives are taken (attacks,
     Jacobian estimates), those of at most ``grad_steps`` unrolled Armijo steps (:func:`attlip_prox`, stopping at
     ``tol``), which do not change its value: the derivatives of an approximation of the prox, not of the solve."""
-    if _differentiated(x, *_as_weight(weight).tensors()):
+    if _differentiated(x, *as_weight(weight).tensors()):
         unrolled = attlip_prox(x, weight, heads, eta, grad_steps, tol=tol)
         y = y + (unrolled - unrolled.detach())
     return y
@@ -373,7 +373,7 @@ def attlip_solve(x: torch.Tensor, weight: Weight, heads: int, eta: float, tol: f
     Derivatives, where taken, are those of at most ``min(max_steps, GRAD_STEPS)`` unrolled Armijo steps stopping at
     ``tol``."""
     with torch.no_grad():
-        y = _bb_solve(x.detach(), _as_weight(weight).cast(x.dtype), heads, eta, tol / 2, max_steps)[0]
+        y = _bb_solve(x.detach(), as_weight(weight).cast(x.dtype), heads, eta, tol / 2, max_steps)[0]
     return _straight_through(y, x, weight, heads, eta, min(max_steps, GRAD_STEPS), tol)
 
 
@@ -394,7 +394,7 @@ def attlip_prox_certified(x: torch.Tensor, weight: Weight, heads: int, eta: floa
     Where gradients are needed (attacks) they are those of ``grad_steps`` unrolled Armijo steps (straight-through),
     which do not change the value.
     """
-    w_in = _as_weight(weight)
+    w_in = as_weight(weight)
     with torch.no_grad():
         w = w_in.cast(x.dtype)
         y, z, taken = _bb_solve(x.detach(), w, heads, eta, tol / 2, min(max_steps, FIRST_PASS_STEPS))
@@ -461,7 +461,7 @@ def _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_in
     step_init = torch.as_tensor(step_init, dtype=x.dtype, device=x.device).expand(lead)
     lam = step_init.clone()
     for k in range(steps):
-        coefficients, f_y = _grad_coefficients(v, heads, potential=True)
+        coefficients, f_y = grad_coefficients(v, heads, potential=True)
         u = coefficients + z / eta
         u_gram = weight.gram(u)
         if callback is not None:
@@ -478,7 +478,8 @@ def _descend(x, weight, heads, eta, steps, tol, beta, c, max_backtracks, step_in
             for _ in range(max_backtracks):
                 s = lam[..., None, None]
                 z_t, v_t = z - s * u, v - s * u_gram
-                bad = _potential(v_t, heads) + _dot(z_t, v_t - v_x) / (2 * eta) > phi_y - c * lam * g_sq + slack
+                f_t = projected_potential(v_t, heads)
+                bad = f_t + _dot(z_t, v_t - v_x) / (2 * eta) > phi_y - c * lam * g_sq + slack
                 bad &= running
                 if not bad.any():
                     break

@@ -80,7 +80,7 @@ class _GeluResidual(torch.autograd.Function):
         return grad_x, grad_u, grad_scale
 
 
-def _records_grad(*tensors) -> bool:
+def records_grad(*tensors) -> bool:
     """Whether autograd will record the op for a backward pass, outside torch.func and torch.compile; otherwise
     the plain ops run. Under torch.func transforms ``jvp`` would need a custom rule, which torch.compile cannot
     trace. Under torch.compile the compiler's partitioner chooses what backward keeps whichever form it traces
@@ -98,7 +98,7 @@ def fused_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  scale: Optional[torch.Tensor] = None, gelu: bool = False) -> torch.Tensor:
     """``scale * F.linear(GELU(u) if gelu else u, weight, bias)`` (``scale`` per output channel, or None), saving
     only ``u`` and the parameters for backward."""
-    if not _records_grad(u, weight, bias, scale):
+    if not records_grad(u, weight, bias, scale):
         return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale))
     return _FusedLinear.apply(u, weight, bias, scale, gelu)
 
@@ -114,6 +114,6 @@ def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def gelu_residual(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x + F.gelu(u) * scale`` (one ``addcmul``), ``scale`` broadcasting over ``u``, saving only ``u`` (and the
     small ``scale``) for backward."""
-    if not _records_grad(x, u, scale):
+    if not records_grad(x, u, scale):
         return torch.addcmul(x, F.gelu(u), scale)
     return _GeluResidual.apply(x, u, scale)

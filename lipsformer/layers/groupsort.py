@@ -10,7 +10,7 @@ from timm.layers import register_notrace_function
 from torch.autograd import forward_ad
 from torch import nn
 
-from .gelu import _records_grad
+from .gelu import records_grad
 
 
 def _max_min(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def group_sort(x: torch.Tensor, group_size: int = 2) -> torch.Tensor:
         raise ValueError(f"GroupSort needs channels divisible by group_size {group_size}, got {x.shape[-1]}")
     if group_size == 2:
         # forward-mode AD (a dual tensor) takes the plain ops, which have their own rule
-        recorded = _records_grad(x) and forward_ad.unpack_dual(x).tangent is None
+        recorded = records_grad(x) and forward_ad.unpack_dual(x).tangent is None
         return _MaxMin.apply(x) if recorded else _max_min(x)
     return x.unflatten(-1, (-1, group_size)).sort(-1, descending=True).values.flatten(-2)
 

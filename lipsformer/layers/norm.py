@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from .gelu import _records_grad
+from .gelu import records_grad
 
 NORMS = ("center", "layer", "none")
 
@@ -56,7 +56,7 @@ class CenterNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _records_grad(x, self.weight, self.bias):
+        if records_grad(x, self.weight, self.bias):
             return _CenterNorm.apply(x, self.weight, self.bias, self.scale)
         x = x - x.mean(-1, keepdim=True)
         return torch.addcmul(self.bias, x, self.weight * self.scale)

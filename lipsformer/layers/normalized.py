@@ -53,7 +53,7 @@ class _RawWeight:
     cheaper at Swin-T's sizes), and :meth:`certified_norm` charges the difference. The cache is keyed on the
     parameter's storage, version counter (bumped by in-place optimizer steps,
     ``load_state_dict``, ``copy_`` under ``no_grad``), dtype, device, shape, strides and a checksum of its values
-    (:func:`_fingerprint`: writes that bypass the version counter are seen too), holds an alias of that storage, and
+    (:func:`fingerprint`: writes that bypass the version counter are seen too), holds an alias of that storage, and
     is dropped by ``.to()`` / ``.half()`` (``_apply``) and by every change between train and eval mode;
     :meth:`certified_norm` fills it for the weight as it is now (with the verified triple it computes, where that is
     this mode's divisor). The divisor's gradient is the exact one
@@ -95,7 +95,7 @@ class _RawWeight:
         """Training: ``||W^T u||`` (= u^T W v with v = W^T u / ||W^T u||, both outside the graph), u advanced by one
         power iteration per change of ``w`` (not per forward: gradient accumulation and recomputation under
         gradient checkpointing see the same divisor); at most the exact norm, equal once u has converged."""
-        key = _fingerprint(w)
+        key = fingerprint(w)
         if self._power is None or self._power[0] != key:
             with torch.no_grad():
                 if self._power is not None:  # the iterate in use becomes the start of the next one
@@ -111,7 +111,7 @@ class _RawWeight:
     def settle_power_iteration(self) -> None:
         """Write the next iteration's start into ``weight_u`` and drop the iterate in use (recomputed from it, bit
         for bit, at the next use): what a checkpoint saves, and what ``.to()`` moves."""
-        if self._power is not None and self._power[0] != _fingerprint(self.raw_weight):
+        if self._power is not None and self._power[0] != fingerprint(self.raw_weight):
             self.weight_u.copy_(self._power[2])  # stale: the next use starts from it
             self._start_valid = True
         self.__dict__["_power"] = None
@@ -128,7 +128,7 @@ class _RawWeight:
         :func:`estimated_top_triple`), from the cache when ``w`` holds the values it was computed for; given
         ``verified`` (:func:`top_singular_triple`'s triple just computed for ``w``), afresh whatever the cache holds
         (``verified`` itself where that is this mode's divisor)."""
-        key = _fingerprint(w)
+        key = fingerprint(w)
         cached = self._divisor_cache
         if verified is not None or cached is None or cached[0] != key:
             if self.training and not self.power_iteration:
@@ -188,7 +188,7 @@ class _RawWeight:
             self.bias.copy_(module.bias)
 
 
-def _fingerprint(w: torch.Tensor) -> tuple:
+def fingerprint(w: torch.Tensor) -> tuple:
     """What identifies ``w``'s values: storage, version counter (bumped by in-place writes under autograd's watch:
     optimizer steps, ``load_state_dict``), dtype, device, shape, strides, and a checksum of the values (their sum
     and norm, one host sync) for the writes the version counter misses: ``.data`` edits, optimizers that write

@@ -12,7 +12,7 @@ Adding an option is one field here and its entry in :data:`RELEASED`, plus its u
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -191,21 +191,19 @@ class LipschitzOptions:
         return AttentionKernel(self.attn, tau=self.tau, learn_tau=self.learn_tau, v_norm=self.v_norm, nu=self.nu,
                                tied_qk=self.tied_qk, fused=self.fused_attn)
 
-    def mixer(self, dim: int, heads: int, windows: Sequence[Tuple[int, int]],
-              attention: Callable[[AttentionKernel], nn.Module]) -> Callable[[], nn.Module]:
-        """A factory of one token mixer per block: ``AttLipMixer`` over ``windows`` for ``attn="attlip"``, else
-        the family's ``attention(kernel)`` with a fresh kernel."""
-        if self.attn == "attlip":
-            return lambda: AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
-                                       delta=not self.attlip_prox, reflect=self.attlip_reflect, form=self.attlip_form)
-        return lambda: attention(self.kernel())
+    def attlip_mixer(self, dim: int, heads: int, windows: Sequence[Tuple[int, int]]) -> AttLipMixer:
+        """The token mixer of ``attn="attlip"`` (both families'): AttLip over ``windows`` with these options."""
+        return AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
+                           delta=not self.attlip_prox, reflect=self.attlip_reflect, form=self.attlip_form)
 
     def stage_activation(self) -> nn.Module:
         """The module ``stage_act`` names (identity for ``none``)."""
         return nn.Identity() if self.stage_act == "none" else create_act(self.stage_act)
 
-    def block_kwargs(self, alpha_init: float) -> dict:
-        """The :class:`lipsformer.layers.LipsBlock` arguments these options set (``alpha_init`` resolved)."""
+    def block_kwargs(self, num_blocks: int) -> dict:
+        """The :class:`lipsformer.layers.LipsBlock` arguments these options set in a model of ``num_blocks`` blocks
+        (``alpha_init=None``: ``1 / num_blocks``, the released Swin's)."""
+        alpha_init = 1.0 / num_blocks if self.alpha_init is None else self.alpha_init
         return dict(norm=self.norm, conv_blocks=self.conv_blocks, alpha_init=alpha_init, act=self.act,
                     residual=self.residual, alpha_range=tuple(self.alpha_range), mlp=self.mlp)
 

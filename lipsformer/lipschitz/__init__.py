@@ -1,8 +1,9 @@
 """The Lipschitz toolkit: certified upper bounds (``bounds``), measured lower bounds (``estimate``) and per-image
 certificates with an attack to check them (``certify``)."""
-from .bounds import (Bound, LipschitzReport, NoBoundError, Row, conv_bound, conv_operator_norm, gelu_bound,
-                     lipschitz_report, matrix_norm, module_bound, register_bound, register_kernel_bound,
-                     register_residual_bound, register_rows)
+from .bounds import LipschitzReport, lipschitz_report
+from .layer_bounds import conv_bound, conv_operator_norm, gelu_bound, matrix_norm
+from .registry import (Bound, NoBoundError, Row, module_bound, register_bound, register_kernel_bound,
+                       register_residual_bound, register_rows)
 from .certify import certified_accuracy, certified_radius, pgd_l2, pixel_lipschitz, predict_certified
 from .estimate import ball, jacobian_norm, maximize_difference_quotient, maximize_jacobian_norm
 from .invert import ContractiveL2Attention, Inverse, InvertibleResidual, branch_bound, invert

@@ -10,7 +10,8 @@ import torch
 
 from ..cli import ArgumentParser, command, json_value, path
 from ..errors import UsageError, did_you_mean
-from ..weights import build_model, check_model_args, create_from_checkpoint, weights_fit
+from ..build import build_model
+from ..weights import check_model_args, weights_fit
 from ..writer import output_figure, output_file, save_figure, write_json
 from .bounds import lipschitz_report
 from .estimate import jacobian_norm
@@ -70,10 +71,7 @@ def main(argv=None) -> int:
         kwargs.update(in_chans=args.input_size[0], img_size=tuple(args.input_size[1:]))
     if args.measure:
         kwargs["fused_attn"] = False  # forward-mode AD goes through the explicit softmax
-    if args.checkpoint:
-        model = create_from_checkpoint(args.checkpoint, args.model, **kwargs)
-    else:
-        model = build_model(args.model, **kwargs)
+    model, _ = build_model(args.model, args.checkpoint or None, **kwargs)
     known = dict(model.named_modules())
     unknown = [n for n in args.measure if n != "network" and n not in known]
     if unknown:

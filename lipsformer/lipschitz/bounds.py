@@ -6,7 +6,8 @@ Bounds compose by products (Lipschitz constants of compositions multiply, LipsFo
 
 The pieces: :mod:`lipsformer.lipschitz.registry` (which function bounds each module type, and how to register
 one), :mod:`lipsformer.lipschitz.layer_bounds` (the bound of each layer type) and here the blocks' and stages'
-rows, :class:`LipschitzReport` and :func:`lipschitz_report`. Every name of the two is importable from here too.
+rows, :class:`LipschitzReport` and :func:`lipschitz_report`. Each name is imported from its module;
+:mod:`lipsformer.lipschitz` gathers the ones users call.
 """
 import math
 from dataclasses import dataclass, field
@@ -23,20 +24,10 @@ from ..layers.patch_embed import PatchEmbed
 from ..models._base import LipsFormerBase, LipsStage
 from ..models.lipsformer_cswin import ConvDownsample
 from ..models.lipsformer_swin import PatchMerging
-# the registry and the layers' bounds, importable from here as before they had modules of their own
-from .layer_bounds import (attention_heads_bound, attlip_bound, attlip_mixer_bound, attlip_module_bound,  # noqa: F401
-                           avg_pool_bound, avgmax_pool_bound, catavgmax_pool_bound, center_norm_bound,
-                           conv2d_bound, conv_bound, conv_operator_norm, convex_residual_row, cpl_mlp_bound,
-                           cross_shaped_attention_bound, dot_kernel_bound, gelu_bound, gelu_mlp_bound,
-                           gelu_module_bound, group_sort_bound, identity_rows, kim_heads_bound,
-                           kim_l2_attention_bound, kim_l2_bound, kim_l2_inf_bound, kim_theorem_3_2,
-                           l2_kernel_bound, lambert_phi_inverse, layer_norm_bound, linear_bound, matrix_norm,
-                           max_pool_bound, mlp_bound, norm_bound, normalized_bound, relu_bound, residual_bound,
-                           scsa_bound, scsa_kernel_bound, select_pool_bound, timm_mlp_bound,
-                           weighted_residual_row, window_attention_bound)
-from .registry import (HW, INF, Bound, NoBoundError, Row, RowsFn, _register, module_bound,  # noqa: F401
-                       module_rows, register_bound, register_kernel_bound, register_residual_bound, register_rows,
+from .layer_bounds import conv_bound, gelu_bound
+from .registry import (HW, INF, NoBoundError, Row, module_bound, module_rows, register_in, register_rows,
                        residual_row)
+
 
 # -- blocks and the network ---------------------------------------------------------------------------
 @dataclass
@@ -177,7 +168,7 @@ NETWORKS: Dict[type, Callable[[nn.Module], "LipschitzReport"]] = {}
 
 def register_network(*types: type):
     """Decorator: ``fn(model) -> LipschitzReport`` bounds whole networks of ``types`` (not LipsFormers)."""
-    return lambda fn: _register(NETWORKS, types, fn)
+    return lambda fn: register_in(NETWORKS, types, fn)
 
 
 def linear_head(rows: List[Row], layer: nn.Module, name: str) -> Optional[torch.Tensor]:

@@ -48,7 +48,8 @@ from torch import nn
 from ..data.datasets import eval_data_config
 from ..errors import Mistake, UsageError
 from ..layers.attlip import AttLip, solve_to_tolerance
-from .bounds import LipschitzReport, NoBoundError, lipschitz_report
+from .bounds import LipschitzReport, lipschitz_report
+from .registry import NoBoundError
 
 SQRT2 = math.sqrt(2.0)
 PIXEL_TOLERANCE = 1.0 / 255  # one 8-bit grey level: float rounding and bfloat16 images pass, 0-255 pixels do not

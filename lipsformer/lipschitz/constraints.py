@@ -9,7 +9,7 @@ After an optimizer step, :func:`keep_bound` projects the parameters the bound de
    spectral normalisation, kept through training rather than only at initialisation);
 3b. with ``conv_max``, every Conv2d whose certified operator norm at its input size (found by one forward pass
    of a zero image at the model's input size, then cached) exceeds it is scaled back to it
-   (:func:`~lipsformer.lipschitz.bounds.conv_bound`: the operator, padding and stride included, not the kernel);
+   (:func:`~lipsformer.lipschitz.layer_bounds.conv_bound`: the operator, padding and stride included, not the kernel);
 3c. the weight of every :class:`~lipsformer.layers.ConvexResidual` is clipped to its ``alpha_range`` (within
    [0, 1], where the residual is a convex combination, 1-Lipschitz when its branch is);
 4. if the network bound (eq. 19) is still above the target, every residual weight alpha is multiplied by one
@@ -29,7 +29,8 @@ from torch import nn
 
 from ..errors import Mistake, Stopped
 from ..layers import AttentionKernel, CenterNorm, ConvexResidual, NormalizedConv2d, NormalizedLinear
-from .bounds import conv_bound, lipschitz_report, matrix_norm
+from .bounds import lipschitz_report
+from .layer_bounds import conv_bound, matrix_norm
 
 # each convolution's input (H, W) in the model it was measured in (weak: dropped with the model)
 _CONV_INPUT_HW: "weakref.WeakKeyDictionary[nn.Conv2d, Tuple[int, int]]" = weakref.WeakKeyDictionary()

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..layers.attention import KimL2Attention
-from .bounds import Bound, NoBoundError, kim_l2_bound, kim_l2_inf_bound, kim_theorem_3_2, module_bound, register_bound
+from .layer_bounds import kim_l2_bound, kim_l2_inf_bound, kim_theorem_3_2
+from .registry import Bound, NoBoundError, module_bound, register_bound
 
 NORMS = ("2", "inf")
 
@@ -77,8 +78,8 @@ def _inf_bound(f: nn.Module, n: int) -> float:
 
 def branch_bound(f: nn.Module, n: int, norm: str = "2") -> float:
     """Certified ``Lip_norm(f)`` of a residual branch on ``n`` tokens: l2 from the bounds registry
-    (:func:`~lipsformer.lipschitz.bounds.module_bound`), l-inf from Theorem 3.2's other form; an unknown type raises
-    :class:`~lipsformer.lipschitz.bounds.NoBoundError`."""
+    (:func:`~lipsformer.lipschitz.registry.module_bound`), l-inf from Theorem 3.2's other form; an unknown type raises
+    :class:`~lipsformer.lipschitz.registry.NoBoundError`."""
     if _check_norm(norm) == "2":
         return module_bound(f, (1, n)).lip
     return _inf_bound(f, n)

@@ -72,7 +72,9 @@ KERNEL_BOUNDS: Dict[str, Callable[[AttentionKernel, torch.Tensor, int, bool], Bo
 RESIDUAL_BOUNDS: Dict[type, Callable[[nn.Module, str, float, str], Row]] = {}
 
 
-def _register(table: dict, keys, fn):
+def register_in(table: dict, keys, fn):
+    """``table[key] = fn`` for each of ``keys`` (module types, kernel kinds); a key already there is a ValueError: one
+    bound per key (the registries here, :data:`lipsformer.lipschitz.bounds.NETWORKS`)."""
     for key in keys:
         if key in table:
             raise ValueError(f"a Lipschitz bound for {getattr(key, '__qualname__', key)!r} is already registered "
@@ -83,7 +85,7 @@ def _register(table: dict, keys, fn):
 
 def register_rows(*types: type):
     """Decorator: ``fn(module, name, hw) -> List[Row]`` bounds modules of ``types`` part by part."""
-    return lambda fn: _register(BOUNDS, types, fn)
+    return lambda fn: register_in(BOUNDS, types, fn)
 
 
 def register_bound(*types: type):
@@ -94,19 +96,19 @@ def register_bound(*types: type):
             b = Bound(*b) if isinstance(b, tuple) else Bound(float(b))
             return [Row(name, b.lip, note=b.note)]
         rows.__qualname__ = fn.__qualname__
-        _register(BOUNDS, types, rows)
+        register_in(BOUNDS, types, rows)
         return fn
     return wrap
 
 
 def register_kernel_bound(*kinds: str):
     """Decorator: ``fn(kernel, w, n, position_bias) -> Bound`` bounds attention kernels of ``kinds``."""
-    return lambda fn: _register(KERNEL_BOUNDS, kinds, fn)
+    return lambda fn: register_in(KERNEL_BOUNDS, kinds, fn)
 
 
 def register_residual_bound(*types: type):
     """Decorator: ``fn(residual, name, branch, note) -> Row`` bounds residual maps of ``types`` around a branch."""
-    return lambda fn: _register(RESIDUAL_BOUNDS, types, fn)
+    return lambda fn: register_in(RESIDUAL_BOUNDS, types, fn)
 
 
 def _lookup(table: dict, module: nn.Module, name: str):

@@ -16,7 +16,7 @@ from timm.models import PretrainedCfg, build_model_with_cfg, checkpoint_seq
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from ..layers import LipsBlock, LipschitzOptions, init_weights
+from ..layers import LipschitzOptions, init_weights
 from ..layers.normalized import LINEARS, normalize_linear_maps
 from ..weights import Adapter, CheckpointError, fit_state_dict, read_checkpoint, unwrap_state_dict, verify_sha256
 
@@ -93,7 +93,8 @@ class LipsStage(nn.Module):
 
 
 class LipsFormerBase(nn.Module):
-    """Subclasses set ``patch_embed``, call :meth:`_build_stages`, set ``norm``, then call :meth:`_build_head`."""
+    """Subclasses set ``patch_embed``, build their stages (:class:`LipsStage`) and pass them to :meth:`_set_stages`,
+    set ``norm``, then call :meth:`_build_head`."""
 
     patch_embed: nn.Module
     stages: nn.Sequential
@@ -103,35 +104,15 @@ class LipsFormerBase(nn.Module):
     lipschitz: LipschitzOptions
     output_fmt = "NHWC"  # forward_features' layout, as timm's Swin declares it
 
-    def _build_stages(self, embed_dim: int, depths, downsample: Callable[[int], nn.Module],
-                      stage_mixer: Callable[[int, int, Tuple[int, int]], Callable[[], nn.Module]],
-                      drop_path_rate: float, lipschitz: LipschitzOptions, **block_kwargs) -> None:
-        """Stages of :class:`LipsBlock` after ``patch_embed``, doubling channels and halving resolution.
-
-        ``downsample(dim)`` opens stages 2 onwards; ``stage_mixer(i, dim, res)`` checks stage ``i`` and returns
-        a factory of its token mixer (one per block). ``lipschitz`` sets the blocks' Lipschitz choices
-        (``alpha_init=None`` means ``1 / sum(depths)``) and is kept as ``self.lipschitz``.
-        Sets ``stages``, ``feature_info`` and ``num_features``.
-        """
+    def _set_stages(self, stages: List[LipsStage], embed_dim: int, lipschitz: LipschitzOptions) -> None:
+        """Keep the family's stages (stage ``i`` of width ``embed_dim * 2**i`` at 1 / (patch * 2**i) of the input) and
+        its resolved Lipschitz choices as ``self.lipschitz``; sets ``stages``, ``feature_info`` and ``num_features``."""
         self.lipschitz = lipschitz
-        dpr = drop_path_rates(drop_path_rate, sum(depths))
-        alpha_init = 1.0 / sum(depths) if lipschitz.alpha_init is None else lipschitz.alpha_init
-        block_kwargs.update(lipschitz.block_kwargs(alpha_init))
         patch = self.patch_embed.patch_size[0]
-        stages, self.feature_info = [], []
-        dim = embed_dim
-        for i, (depth, res) in enumerate(zip(depths, self._stage_resolutions(len(depths)))):
-            down = nn.Identity()
-            if i > 0:
-                down = downsample(dim)
-                dim = dim * 2
-            mixer = stage_mixer(i, dim, res)
-            offset = sum(depths[:i])
-            blocks = [LipsBlock(dim, mixer(), drop_path=dpr[offset + j], **block_kwargs) for j in range(depth)]
-            stages.append(LipsStage(down, blocks, lipschitz.stage_activation()))
-            self.feature_info.append(dict(num_chs=dim, reduction=patch * 2 ** i, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
-        self.num_features = dim
+        self.feature_info = [dict(num_chs=embed_dim * 2 ** i, reduction=patch * 2 ** i, module=f"stages.{i}")
+                             for i in range(len(stages))]
+        self.num_features = embed_dim * 2 ** (len(stages) - 1)
 
     def _stage_resolutions(self, num_stages: Optional[int] = None) -> List[Tuple[int, int]]:
         """Each stage's (H, W) at the size ``patch_embed`` is built for; an odd size to halve is an error."""
@@ -160,7 +141,7 @@ class LipsFormerBase(nn.Module):
 
     def _init_weights(self, mode: str) -> None:
         """:func:`lipsformer.layers.init_weights` over the model. When the weights are about to be loaded
-        (timm's ``pretrained=True``, :func:`lipsformer.weights.create_from_checkpoint`) the spectral division is
+        (timm's ``pretrained=True``, :func:`lipsformer.build.build_model` with a source) the spectral division is
         left out except for the classifier, the one layer a load re-creates (another class count)."""
         loading = _WEIGHTS_WILL_LOAD.get()
         init_weights(self, mode, normalize=not loading)
@@ -327,9 +308,11 @@ def convert_released(state_dict: dict, model: nn.Module, released_marker: str,
     return fit_state_dict(state_dict, model, weights_source(model.pretrained_cfg), adapt)
 
 
-def create_model(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],
-                 **kwargs):
-    """timm's builder with the family's checkpoint conversion and ``features_only`` through forward_intermediates.
+def build_with_cfg(model_cls, variant: str, pretrained: bool, checkpoint_filter_fn: Callable[[dict, nn.Module], dict],
+                   **kwargs):
+    """timm's ``build_model_with_cfg`` as both families' ``_create_*`` call it (what ``timm.create_model`` runs; a model
+    with weights from a source is :func:`lipsformer.build.build_model`'s): the family's checkpoint conversion, and
+    ``features_only`` through forward_intermediates.
 
     timm applies ``checkpoint_filter_fn`` to state dicts it reads itself; files and urls go through the
     family's ``load_pretrained`` (``custom_load``), which applies the same function."""

@@ -17,12 +17,12 @@ from timm.layers import register_notrace_module, to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
+from ..layers import AttentionKernel, AttLipMixer, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.options import CERTIFIABLE, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, check_arguments, convert_released,
-                    create_model, pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
+                    check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerCSwin"]
 
@@ -170,14 +170,21 @@ class LipsFormerCSwin(LipsFormerBase):
         self.split_size = tuple(split_size)
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 
-        def stage_mixer(i, dim, res):
-            split = split_size[i]
-            full, windows = stage_stripes(i, res, split, i == len(depths) - 1)
-            return lips.mixer(dim, num_heads[i], windows, lambda kernel: CrossShapedAttention(
-                dim, num_heads[i], res, split, kernel, full=full, qkv_bias=qkv_bias, proj_drop=proj_drop_rate))
-
-        self._build_stages(embed_dim, depths, lambda dim: ConvDownsample(dim, dim * 2, lips.norm), stage_mixer,
-                           drop_path_rate, lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=False)
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
+        block_kwargs = dict(mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=False, **lips.block_kwargs(sum(depths)))
+        stages = []
+        for i, (depth, res) in enumerate(zip(depths, self._stage_resolutions(len(depths)))):
+            dim = embed_dim * 2 ** i
+            downsample = ConvDownsample(dim // 2, dim, lips.norm) if i > 0 else nn.Identity()
+            full, windows = stage_stripes(i, res, split_size[i], i == len(depths) - 1)
+            blocks = []
+            for j in range(depth):
+                attn = lips.attlip_mixer(dim, num_heads[i], windows) if lips.attn == "attlip" else CrossShapedAttention(
+                    dim, num_heads[i], res, split_size[i], lips.kernel(), full=full, qkv_bias=qkv_bias,
+                    proj_drop=proj_drop_rate)
+                blocks.append(LipsBlock(dim, attn, drop_path=dpr[sum(depths[:i]) + j], **block_kwargs))
+            stages.append(LipsStage(downsample, blocks, lips.stage_activation()))
+        self._set_stages(stages, embed_dim, lips)
         self.norm = nn.Identity()  # the released CSwin code has no final norm
         self._build_head(num_classes, global_pool, drop_rate)
         self._init_weights(lips.init)
@@ -280,7 +287,7 @@ def released_state_dict(model: LipsFormerCSwin) -> dict:
 
 
 def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerCSwin:
-    return create_model(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
+    return build_with_cfg(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 # No LipsFormer-CSwin weights have been released: the URLs are empty on purpose, and

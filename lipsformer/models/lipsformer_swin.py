@@ -16,12 +16,12 @@ from timm.layers import register_notrace_module, resize_rel_pos_bias_table, to_2
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, LipschitzOptions, PatchEmbed, create_norm
+from ..layers import AttentionKernel, AttLipMixer, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.options import CERTIFIABLE, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse_heads
-from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, certified_cfg, check_arguments, convert_released,
-                    create_model, pretrained_cfg, rename_prefix)
+from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
+                    check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
 
 __all__ = ["LipsFormerSwin"]
 
@@ -179,13 +179,20 @@ class LipsFormerSwin(LipsFormerBase):
         self.window_size = window_size
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 
-        def stage_mixer(i, dim, res):
+        dpr = drop_path_rates(drop_path_rate, sum(depths))
+        block_kwargs = dict(mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=True, **lips.block_kwargs(sum(depths)))
+        stages = []
+        for i, (depth, res) in enumerate(zip(depths, self._stage_resolutions(len(depths)))):
+            dim = embed_dim * 2 ** i
+            downsample = PatchMerging(dim // 2, lips.norm) if i > 0 else nn.Identity()
             window = stage_window(i, res, window_size)
-            return lips.mixer(dim, num_heads[i], [window], lambda kernel: WindowAttention(
-                dim, num_heads[i], window, kernel, qkv_bias=qkv_bias, proj_drop=proj_drop_rate))
-
-        self._build_stages(embed_dim, depths, lambda dim: PatchMerging(dim, lips.norm), stage_mixer, drop_path_rate,
-                           lips, mlp_ratio=mlp_ratio, drop=proj_drop_rate, attn_norm=True)
+            blocks = []
+            for j in range(depth):
+                attn = lips.attlip_mixer(dim, num_heads[i], [window]) if lips.attn == "attlip" else WindowAttention(
+                    dim, num_heads[i], window, lips.kernel(), qkv_bias=qkv_bias, proj_drop=proj_drop_rate)
+                blocks.append(LipsBlock(dim, attn, drop_path=dpr[sum(depths[:i]) + j], **block_kwargs))
+            stages.append(LipsStage(downsample, blocks, lips.stage_activation()))
+        self._set_stages(stages, embed_dim, lips)
         self.norm = create_norm(lips.norm, self.num_features)
         self._build_head(num_classes, global_pool, drop_rate)
         self._init_weights(lips.init)
@@ -291,7 +298,7 @@ def released_state_dict(model: LipsFormerSwin) -> dict:
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs) -> LipsFormerSwin:
-    return create_model(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
+    return build_with_cfg(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({

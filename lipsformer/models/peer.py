@@ -11,8 +11,8 @@ and Bjorck orthonormalisation inside the forward, and scale the padded convoluti
 
 Certified like every model here, from the weights the forward uses, not from the library's promise: its report
 (:func:`torchlip_cnn_report`, registered with :func:`lipsformer.lipschitz.bounds.register_network`) bounds each
-convolution as the operator it is at its input size (padding included, :func:`~lipsformer.lipschitz.bounds.conv_bound`),
-each Linear by its largest singular value, GroupSort and flatten by 1, each non-overlapping l2-norm pooling by its
+convolution as the operator it is at its input size (padding included,
+:func:`~lipsformer.lipschitz.layer_bounds.conv_bound`), each Linear by its largest singular value, GroupSort and flatten by 1, each non-overlapping l2-norm pooling by its
 coefficient; the last Linear is the head of the pairwise rule. deel-torchlip ships no certificate helper (its
 documentation computes ``(top1 - top2) / sqrt(2)`` by hand, the global rule at L = 1); its
 ``evaluate_lip_const`` is an empirical lower estimate, which the tests hold below our bound.
@@ -27,7 +27,9 @@ from timm.models import register_model
 from torch import nn
 
 from ..extras import require
-from ..lipschitz.bounds import LipschitzReport, NoBoundError, Row, conv_bound, linear_head, matrix_norm, register_network
+from ..lipschitz.bounds import LipschitzReport, linear_head, register_network
+from ..lipschitz.layer_bounds import conv_bound, matrix_norm
+from ..lipschitz.registry import NoBoundError, Row
 
 
 class TorchlipCNN(nn.Module):
