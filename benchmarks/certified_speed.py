@@ -57,7 +57,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import lipsformer  # noqa: E402,F401  (registers the models)
+import lipsformer  # noqa: E402  (registers the models)
 from lipsformer.layers import attlip_solver  # noqa: E402
 from lipsformer.engine.config import load_config  # noqa: E402
 from lipsformer.flops import count_multiply_adds  # noqa: E402

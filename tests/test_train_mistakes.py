@@ -108,7 +108,7 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monk
     # in a log file (not a terminal) the progress is a plain line every log_every_steps, epochs counted from 1
     lines = [line for line in out.splitlines() if line.startswith("epoch ") and " step " in line]
     assert lines and {line.split()[1] for line in lines} == {"1/2", "2/2"} and "\r" not in out + err
-    assert f"best top-1" in out and f"({run / 'best.safetensors'})" in out
+    assert "best top-1" in out and f"({run / 'best.safetensors'})" in out
     assert f"last weights {run / 'last.safetensors'}" in out and f"last checkpoint {run / 'checkpoints'}" in out
     reference = _rows(run)
     epochs = [r for r in reference if r["kind"] == "epoch"]

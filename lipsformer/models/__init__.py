@@ -3,4 +3,4 @@ from .lipsformer_cswin import LipsFormerCSwin
 from .lipsformer_swin import LipsFormerSwin
 
 __all__ = ["LipsFormerCSwin", "LipsFormerSwin"]
-from . import peer  # noqa: E402,F401  (registers torchlip_cnn, the peer baseline; its layers load when it is built)
+from . import peer  # noqa: F401  (registers torchlip_cnn, the peer baseline; its layers load when it is built)
