@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # The oldest versions pyproject.toml allows, in a venv of their own, on the suite's fast subset (not part of CI,

@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     excluded = f", {result['excluded']} without ReaL labels left out" if result["excluded"] else ""
     if result["unreadable"]:
         excluded += f", {result['unreadable']} unreadable skipped"
-    print(f"{result['model']} on {args.data_dir} ({result['data']}): top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
+    print(f"{result['model']} on {args.data_dir} ({result['data']}): "
+          f"top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
           f"({result['count']} of {result['images']} images scored{excluded}; {result['seconds']:.1f} s, "
           f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))")
     if "robustness" in result:

@@ -96,7 +96,7 @@ class SafeImageDataset(Dataset):
             source, target = self.reader[index][:2]
             with contextlib.closing(source) if hasattr(source, "close") else contextlib.nullcontext():
                 img = read_image(source)  # decoded here, so truncated files fail here
-        except Exception as e:  # PIL raises several kinds for corrupt or empty files, open() OSErrors
+        except Exception as e:  # noqa: BLE001 - PIL raises several kinds for corrupt or empty files, open() OSErrors
             path = self.filename(index)
             _logger.warning(f"skipped unreadable image {path}: {e}")
             return None, -1 if target is None else target, path
@@ -121,8 +121,8 @@ def collate_skip_failed(batch: List[Tuple[Any, ...]]):
 def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
     """timm's data config from the model's pretrained config, at the size the model is built for (a model built
     at 32 px gets 32 px images, whatever size its published config names); ``crop_pct`` / ``interpolation``
-    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/paper/certified.py's CNN) keeps the
-    input size its pretrained config names."""
+    override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/paper/certified.py's CNN)
+    keeps the input size its pretrained config names."""
     from ..models._base import LipsFormerBase
     size = None
     if isinstance(model, LipsFormerBase):

@@ -109,7 +109,8 @@ def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, mode
         return imagenet_samples(val_folder(data_dir), model)
     if dataset == "imagenet_real":
         if not real_labels:
-            raise ValueError("imagenet_real needs --real-labels real.json (github.com/google-research/reassessed-imagenet)")
+            raise ValueError("imagenet_real needs --real-labels real.json "
+                             "(github.com/google-research/reassessed-imagenet)")
         samples = imagenet_real_samples(val_folder(data_dir), real_labels)
         top = max((max(labels) for _, labels in samples if labels), default=-1)
         if num_classes is not None and top >= num_classes:
@@ -167,7 +168,7 @@ class EvalDataset(Dataset):
         path = self.samples[index][0]
         try:
             img = read_image(path)  # decoded here, so truncated files fail here
-        except Exception as e:  # PIL raises several kinds for corrupt or empty files
+        except Exception as e:  # noqa: BLE001 - PIL raises several kinds for corrupt or empty files
             _logger.warning(f"skipped unreadable image {path}: {e}")
             return None, index, str(path)
         return apply_transform(self.transform, img, str(path)), index, ""

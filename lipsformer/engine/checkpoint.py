@@ -177,7 +177,7 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
             accelerator.wait_for_everyone()  # the main process has cleared a stale temporary
             try:
                 accelerator.save_state(str(tmp))
-            except Exception as e:  # every process learns of it before any waits again
+            except Exception as e:  # noqa: BLE001 - every process learns of it before any waits again
                 error = e
             agree_on_outcome(accelerator, error, f"checkpoint {final}")
             agreed = True

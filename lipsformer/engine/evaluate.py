@@ -55,7 +55,8 @@ class Predictions:
     probs: torch.Tensor  # (n, k) their softmax probabilities
     unreadable: int = 0  # samples that failed to load, over all processes
     failed: List[str] = field(default_factory=list)  # unreadable paths, of every process
-    loss: Optional[torch.Tensor] = None  # (n,) cross-entropy of each readable sample (``losses=True``: keys are targets)
+    # (n,) cross-entropy of each readable sample (``losses=True``: keys are targets)
+    loss: Optional[torch.Tensor] = None
     seconds: float = 0.0  # time in the model's own work: forward passes, top-k, gathers (not reading the data)
 
 

@@ -43,7 +43,8 @@ class LipschitzMarginLoss(nn.Module):
         return f"eps={self.eps:g}, bound={self.bound:g}"
 
 
-def follow_bound(keep: Callable[[], dict], criterion: LipschitzMarginLoss, input_scale: float = 1.0) -> Callable[[], dict]:
+def follow_bound(keep: Callable[[], dict], criterion: LipschitzMarginLoss,
+                 input_scale: float = 1.0) -> Callable[[], dict]:
     """``keep`` (a :func:`lipsformer.lipschitz.constraints.keep_bound` call) that also hands the bound it kept to
     the margin loss, so the margin is sqrt(2) L eps with L the model's current certified bound in pixel space:
     the model's bound times ``input_scale``, the input normalisation's ``1 / min(std)``."""

@@ -232,7 +232,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     criterion = margin_criterion(criterion, cfg.margin_eps, cfg.margin_bound)  # Lipschitz margin (margin.py)
     state = TrainState(accelerator.num_processes, cfg.batch_size, cfg.global_batch, updates_per_epoch)
     power = PowerIterationState(accelerator.unwrap_model(model))  # normalised layers' vectors (linear=normalized)
-    accelerator.register_for_checkpointing(state, scheduler, *([ema] if ema else []), *([power] if power.layers else []))
+    accelerator.register_for_checkpointing(state, scheduler, *[ema] * bool(ema), *[power] * bool(power.layers))
     if resume_from is not None:  # RunFinished where the checkpoint ends the run: nothing to do, nothing written
         restore(accelerator, resume_from, state, cfg, folder, train_loader, updates_per_epoch)
     lock.take(accelerator)  # every check above came first: a refused run writes nothing

@@ -14,8 +14,9 @@ from .spectral import largest_singular_value
 from .windows import pad_to_multiple, window_partition, window_reverse
 
 __all__ = [
-    "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa", "LipsBlock",
-    "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "largest_singular_value", "LipschitzOptions", "NORMS", "CenterNorm",
+    "ATTENTIONS", "AttentionKernel", "AttLip", "AttLipMixer", "dot_attention", "l2_attention", "l2_normalize", "scsa",
+    "LipsBlock", "CONV_BLOCKS", "ConvBlocks", "INITS", "init_weights", "largest_singular_value", "LipschitzOptions",
+    "NORMS", "CenterNorm",
     "STAGE_ACTS",
     "create_norm", "PatchEmbed", "WeightedResidual", "pad_to_multiple", "window_partition", "window_reverse",
     "ACTS", "create_act", "GroupSort", "group_sort", "RESIDUALS", "ConvexResidual", "create_residual",

@@ -222,8 +222,9 @@ class KimL2Attention(nn.Module):
     .. math:: F(X) = [f^1(X) W^{V,1}, \dots, f^H(X) W^{V,H}]\, W^O,\quad f^h(X) = P^h X A_h,
 
     with tied :math:`W^{Q,h} = W^{K,h}`, :math:`P^h_{ij} \propto \exp(-\|x_i W^{Q,h} - x_j W^{Q,h}\|^2/\sqrt{D/H})`
-    and :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{D/H}`. Since :math:`X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/\sqrt{D/H}`,
-    the value path is a (d_h x d_h) map of q and the attention runs through :func:`l2_attention` (fused).
+    and :math:`A_h = W^{Q,h} W^{Q,h\top} / \sqrt{D/H}`. Since
+    :math:`X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/\sqrt{D/H}`, the value path is a (d_h x d_h) map of q and the
+    attention runs through :func:`l2_attention` (fused).
     Theorem 3.2 bounds its Lipschitz constant (:func:`lipsformer.lipschitz.layer_bounds.kim_l2_bound`).
     """
 

@@ -68,8 +68,9 @@ def grad_coefficients(v: torch.Tensor, heads: int, potential: bool = False):
 def attlip_grad(x: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
     """The gradient of :func:`attlip_potential` in closed form (Proposition 1, per head, as in Algorithm 4):
 
-    :math:`\\nabla f(x)_k = \\sum_h W^{h\\top}\\big[(1 + \\sum_i \\alpha_{ik}) v_k + \\sum_i (\\alpha_{ik} + \\alpha_{ki}) v_i\\big]
-    / \\sqrt{d_h}` with :math:`\\alpha = \\mathrm{softmax}_{\\mathrm{row}}(S)` and :math:`v_i = W^h x_i`.
+    :math:`\\nabla f(x)_k = \\sum_h W^{h\\top}\\big[(1 + \\sum_i \\alpha_{ik}) v_k
+    + \\sum_i (\\alpha_{ik} + \\alpha_{ki}) v_i\\big] / \\sqrt{d_h}` with
+    :math:`\\alpha = \\mathrm{softmax}_{\\mathrm{row}}(S)` and :math:`v_i = W^h x_i`.
     (Algorithm 4 as printed adds the identity once more and drops the :math:`1/\\sqrt{d_h}`; this is the exact
     gradient, checked against autograd in the tests.)
     """

@@ -132,8 +132,10 @@ class ConvBlocks(nn.Module):
 
     - ``A``: none (identity);
     - ``B``: :math:`x + \mathrm{DP}(s_1 \odot \mathrm{GELU}(\mathrm{dw}_{7\times7}(x)))`;
-    - ``C``: :math:`x + \mathrm{DP}(s_1 \odot \mathrm{GELU}(\mathrm{pw}_{1\times1}(\mathrm{GELU}(\mathrm{dw}_{7\times7}(x)))))`;
-    - ``D`` (released default): ``C`` followed by :math:`x + \mathrm{DP}(s_2 \odot \mathrm{GELU}(\mathrm{dw}'_{7\times7}(x)))`.
+    - ``C``:
+     :math:`x + \mathrm{DP}(s_1 \odot \mathrm{GELU}(\mathrm{pw}_{1\times1}(\mathrm{GELU}(\mathrm{dw}_{7\times7}(x)))))`;
+    - ``D`` (released default): ``C`` followed by
+      :math:`x + \mathrm{DP}(s_2 \odot \mathrm{GELU}(\mathrm{dw}'_{7\times7}(x)))`.
 
     ``s1`` and ``s2`` are per-channel weights initialised to ``alpha_init``. The released code
     calls ``dw1``/``dw2`` ``dwconv_layers.0/1``, ``pw`` ``nin`` and ``res1/2.alpha`` ``scale_layers.0/1.scale``.

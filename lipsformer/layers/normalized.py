@@ -63,8 +63,8 @@ class _RawWeight:
     _divisor_cache = None  # (storage fingerprint, alias of the raw weight, (sigma, u, v)) of this mode's divisor
     # training with power iteration (``power_iteration=True``, ``linear="normalized_power"``; opt-in: under Adam at
     # lr 5e-3 on the digits configs one iteration per step lagged the moving top direction, layers reached norm 1.9
-    # in training after two steps and bound keeping at 1.01 refused the run): the buffer ``weight_u`` is the vector the next
-    # iteration starts from (zeros: none yet, the first one is the exact top singular vector); ``_power`` holds
+    # in training after two steps and bound keeping at 1.01 refused the run): the buffer ``weight_u`` is the vector the
+    # next iteration starts from (zeros: none yet, the first one is the exact top singular vector); ``_power`` holds
     # (fingerprint, alias, u) of the iterate in use, computed once per change of the raw weight
     power_iteration = False
     _power = None

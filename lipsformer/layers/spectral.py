@@ -242,10 +242,10 @@ def estimated_top_triple(weight: torch.Tensor, verified=None):
     float64: at most the norm (the image of a unit vector), within about 1e-9 of it. The normalised layers'
     divisor in training, where nothing is certified: their certified norm charges the gap
     (:meth:`lipsformer.layers.normalized._RawWeight.certified_norm`). No Gram product (m n^2 float64 multiply-adds)
-    and no factorisation, hence a fraction of the verified route's cost. The same bits on every call for the same weight. Smaller
-    sides up to :data:`SMALL_DIM` take :func:`top_singular_triple`'s exact route, cheaper there (``verified``: its
-    triple for ``weight`` where already computed, returned as it is). Runs on the CPU whatever ``weight``'s device: a
-    weight on a GPU is copied to the host."""
+    and no factorisation, hence a fraction of the verified route's cost. The same bits on every call for the same
+    weight. Smaller sides up to :data:`SMALL_DIM` take :func:`top_singular_triple`'s exact route, cheaper there
+    (``verified``: its triple for ``weight`` where already computed, returned as it is). Runs on the CPU whatever
+    ``weight``'s device: a weight on a GPU is copied to the host."""
     a, tall = _tall(weight.detach())
     if a.shape[1] <= SMALL_DIM:
         return top_singular_triple(weight) if verified is None else verified

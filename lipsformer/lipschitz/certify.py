@@ -93,10 +93,10 @@ class PixelLipschitz:
 def head_gaps(weight: torch.Tensor) -> torch.Tensor:
     """``||w_c - w_j||`` for every pair of rows of a (classes, features) weight, in float64, each rounded up by the
     float64 computation's relative error bound, charged as ``(features + 2) eps`` with eps = 2^-52 (about twice what
-    the differences, their squares, their sum in any order and the square root can lose). By ``torch.cdist`` without the Gram-matrix shortcut (whose
-    cancellation has no relative bound): no (classes, classes, features) temporary, which at 1000 classes and 768
-    features would take 6.1 GB and would dominate ``pixel_lipschitz`` of the certifiable Swin-T (what every
-    ``predict_certified`` call without a precomputed bound computes)."""
+    the differences, their squares, their sum in any order and the square root can lose). By ``torch.cdist``
+    without the Gram-matrix shortcut (whose cancellation has no relative bound): no (classes, classes, features)
+    temporary, which at 1000 classes and 768 features would take 6.1 GB and would dominate ``pixel_lipschitz`` of
+    the certifiable Swin-T (what every ``predict_certified`` call without a precomputed bound computes)."""
     w = weight.detach().to(torch.float64)
     gaps = torch.cdist(w, w, compute_mode="donot_use_mm_for_euclid_dist")
     return gaps * (1 + (w.shape[1] + 2) * torch.finfo(torch.float64).eps)
@@ -374,7 +374,8 @@ def certify_dataset(model: nn.Module, loader, accelerator, label_sets: Sequence[
     certifies, or ""), ``certified`` (the pairwise rule, :func:`pairwise_radius`), ``certified_global`` (the global
     rule, :func:`certified_radius`) and ``attacked`` ({eps: %}), ``rule`` (``pairwise``, or ``global`` when the
     network does not end in a linear layer) with ``backbone_lipschitz`` (its ``L_b`` in pixel space), ``count``,
-    ``radius`` and ``radius_global`` (per image, by index) and ``solver_steps`` (per AttLip block, the most gradient evaluations its certified solve took on any window).
+    ``radius`` and ``radius_global`` (per image, by index) and ``solver_steps`` (per AttLip block, the most gradient
+    evaluations its certified solve took on any window).
     """
     bare = accelerator.unwrap_model(model)
     _check_float32(bare)

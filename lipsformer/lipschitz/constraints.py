@@ -64,7 +64,8 @@ def check_keepable(model: nn.Module, what: str = "lipschitz_target") -> None:
 
 
 @torch.no_grad()
-def conv_input_sizes(model: nn.Module, input_size: Optional[Tuple[int, int, int]] = None) -> Dict[nn.Conv2d, Tuple[int, int]]:
+def conv_input_sizes(model: nn.Module,
+                     input_size: Optional[Tuple[int, int, int]] = None) -> Dict[nn.Conv2d, Tuple[int, int]]:
     """The input (H, W) of every Conv2d of ``model``, recorded by hooks during one forward pass of a zero image of
     ``input_size`` (C, H, W; default: a LipsFormer's ``patch_embed`` size) in evaluation mode; cached per conv."""
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]

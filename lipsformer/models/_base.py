@@ -70,7 +70,8 @@ def check_arguments(depths, num_heads, *, stage_lists: Optional[dict] = None, **
         raise ValueError(f"mlp_ratio {scalars['mlp_ratio']} gives the MLP no hidden unit at embed_dim {embed_dim}")
 
 
-# True while timm builds a model whose weights it loads next (``pretrained=True``): the costly spectral init is left out.
+# True while timm builds a model whose weights it loads next (``pretrained=True``): the costly spectral init is left
+# out.
 _WEIGHTS_WILL_LOAD: ContextVar[bool] = ContextVar("lipsformer_weights_will_load", default=False)
 
 
@@ -151,7 +152,8 @@ class LipsFormerBase(nn.Module):
 
     def _apply_linear_option(self, module: nn.Module) -> None:
         """``lipschitz.linear``: ``normalized`` / ``normalized_power`` turn ``module``'s Linear and non-overlapping
-        Conv2d layers into their spectrally normalised forms (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
+        Conv2d layers into their spectrally normalised forms
+        (:func:`lipsformer.layers.normalized.normalize_linear_maps`)."""
         power_iteration = LINEARS[self.lipschitz.linear]
         if power_iteration is not None:
             normalize_linear_maps(module, power_iteration)

@@ -62,8 +62,9 @@ class WindowAttention(nn.Module, ScaledOutput):
             return
         table = self.relative_position_bias_table
         with torch.no_grad():
+            entries = (2 * window[0] - 1) * (2 * window[1] - 1)
             resized = resize_rel_pos_bias_table(table.detach(), new_window_size=window,
-                                                new_bias_shape=((2 * window[0] - 1) * (2 * window[1] - 1), self.num_heads))
+                                                new_bias_shape=(entries, self.num_heads))
         self.relative_position_bias_table = nn.Parameter(resized.to(table.dtype), requires_grad=table.requires_grad)
         self.register_buffer("relative_position_index", relative_position_index(window).to(table.device),
                              persistent=False)

@@ -12,8 +12,9 @@ and Bjorck orthonormalisation inside the forward, and scale the padded convoluti
 Certified like every model here, from the weights the forward uses, not from the library's promise: its report
 (:func:`torchlip_cnn_report`, registered with :func:`lipsformer.lipschitz.bounds.register_network`) bounds each
 convolution as the operator it is at its input size (padding included,
-:func:`~lipsformer.lipschitz.layer_bounds.conv_bound`), each Linear by its largest singular value, GroupSort and flatten by 1, each non-overlapping l2-norm pooling by its
-coefficient; the last Linear is the head of the pairwise rule. deel-torchlip ships no certificate helper (its
+:func:`~lipsformer.lipschitz.layer_bounds.conv_bound`), each Linear by its largest singular value, GroupSort
+and flatten by 1, each non-overlapping l2-norm pooling by its coefficient; the last Linear is the head of the
+pairwise rule. deel-torchlip ships no certificate helper (its
 documentation computes ``(top1 - top2) / sqrt(2)`` by hand, the global rule at L = 1); its
 ``evaluate_lip_const`` is an empirical lower estimate, which the tests hold below our bound.
 
