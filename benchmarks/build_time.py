@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     print(f"build (median of {args.reps}, interleaved; {torch.get_num_threads()} threads)")
     print(f"{'model':22s} {'M':>5s} {'s':>7s} {'baseline':32s} {'M':>5s} {'s':>7s} {'ratio':>6s}")
     for r in builds:
-        print(f"{r['model']:22s} {r['params_m']:5.0f} {r['build_s']:7.2f} {r['baseline']:32s} {r['baseline_params_m']:5.0f} "
-              f"{r['baseline_s']:7.2f} {r['ratio']:6.2f}")
+        print(f"{r['model']:22s} {r['params_m']:5.0f} {r['build_s']:7.2f} {r['baseline']:32s} "
+              f"{r['baseline_params_m']:5.0f} {r['baseline_s']:7.2f} {r['ratio']:6.2f}")
     loads = []
     if not args.no_load:
         loads = [load_times(name, args.reps) for name in args.models]

@@ -27,16 +27,16 @@ For each pair (plain, certifiable) and each batch size, each round times, in thi
   the schedule's phases: what an epoch of the recipe costs on average. Each count's own ratio is printed too.
 
 The images are random pixels in [0, 1], each model given them through its own normalisation (ImageNet's for the
-plain models, mean 0.5 and std 1 for the certifiable ones). Each figure is the median over ``--rounds`` rounds (one warm-up call each first); the ratios are certifiable /
-plain. Beside each ratio, its **multiply-add floor**: the multiply-adds of the two calls timed (every matrix
-product and convolution they run, forward and backward, as many as the data decides: torch's FlopCounterMode,
-:func:`lipsformer.flops.count_multiply_adds`, which gives fvcore's count on a forward), certifiable / plain: a ratio
-no implementation running both models equally fast per multiply-add could go below. Then one certified forward is
-profiled: the time inside the AttLip solves, inside their residual checks (float32 with the rounding bound, and
-float64 where that does not settle a window), in the rest of AttLip (the orthogonal form's rotations, the layout
-of its per-head problems), inside the normalised layers' divisors (cached at evaluation: computed once after a
-weight change), and the rest; the multiply-adds of one image split the same way (the solves and checks as the
-solver counts them, :class:`~lipsformer.layers.attlip.SolveStats`); and the gradient evaluations each AttLip block
+plain models, mean 0.5 and std 1 for the certifiable ones). Each figure is the median over ``--rounds`` rounds (one
+warm-up call each first); the ratios are certifiable / plain. Beside each ratio, its **multiply-add floor**: the
+multiply-adds of the two calls timed (every matrix product and convolution they run, forward and backward, as many as
+the data decides: torch's FlopCounterMode, :func:`lipsformer.flops.count_multiply_adds`, which gives fvcore's count on a
+forward), certifiable / plain: a ratio no implementation running both models equally fast per multiply-add could go
+below. Then one certified forward is profiled: the time inside the AttLip solves, inside their residual checks (float32
+with the rounding bound, and float64 where that does not settle a window), in the rest of AttLip (the orthogonal form's
+rotations, the layout of its per-head problems), inside the normalised layers' divisors (cached at evaluation: computed
+once after a weight change), and the rest; the multiply-adds of one image split the same way (the solves and checks as
+the solver counts them, :class:`~lipsformer.layers.attlip.SolveStats`); and the gradient evaluations each AttLip block
 took (slowest window and mean over windows, and how many windows needed a float64 check). Weights are random (no
 certified weights are published): solver steps on trained weights may differ.
 """
@@ -298,10 +298,11 @@ def main(argv=None):
               f"{s['solve']:.2f} G + their checks {s['check']:.2f} G + the rest {s['rest']:.2f} G, plain eval forward "
               f"{m['cert_eval']:.2f} G, vs {m['plain_infer']:.2f} G plain; training step {m['cert_train']:.2f} G vs "
               f"{m['plain_train']:.2f} G")
-        print("  gradient evaluations per AttLip block (slowest window / mean; windows checked in float64): " + ", ".join(
-            f"{b['steps']}/{b['mean_steps']:g}" + (f" ({b['float64_checks']})" if b["float64_checks"] else "")
-            + (f" ({b['float64_windows']} finished in float64)" if b["float64_windows"] else "")
-            for b in r["solver_steps"]))
+        print("  gradient evaluations per AttLip block (slowest window / mean; windows checked in float64): "
+              + ", ".join(f"{b['steps']}/{b['mean_steps']:g}"
+                          + (f" ({b['float64_checks']})" if b["float64_checks"] else "")
+                          + (f" ({b['float64_windows']} finished in float64)" if b["float64_windows"] else "")
+                          for b in r["solver_steps"]))
     if args.json:
         args.json.write_text(json.dumps(dict(rows=rows), indent=2))
     return rows

@@ -3,15 +3,16 @@ LipsFormer models against a timm baseline, same process.
 
     python benchmarks/throughput.py --matrix --threads 1 2 --train-batches 8 32 --reps 3 --iters 1 --compiled none 0.8 \
         --compiled-batches 8
-    python benchmarks/throughput.py [--models lipsformer_swin_t lipsformer_cswin_t] [--baseline swin_tiny_patch4_window7_224]
-        [--device cpu|cuda] [--batch 16] [--train-batch 8] [--amp no|bf16|fp16] [--channels-last] [--compile]
-        [--eager-baseline] [--reps 5] [--grad-checkpointing] [--json out.json] [--profile 15]
+    python benchmarks/throughput.py [--models lipsformer_swin_t lipsformer_cswin_t]
+        [--baseline swin_tiny_patch4_window7_224] [--device cpu|cuda] [--batch 16] [--train-batch 8]
+        [--amp no|bf16|fp16] [--channels-last] [--compile] [--eager-baseline] [--reps 5] [--grad-checkpointing]
+        [--json out.json] [--profile 15]
     python benchmarks/throughput.py --parts [--train-batch 8] [--reps 5]     # where a training step's blocks spend
     python benchmarks/throughput.py --matrix [--threads 1 2] [--train-batches 8 32] [--compiled none 0.8]
         [--compiled-batches 8] [--reps 3] [--iters 1] [--json out.json]
 
-``--matrix`` is the training benchmark of docs/speed.md: for every thread count and batch, eager training and inference of
-the models and the baseline interleaved, then, with ``--compiled``, the same compiled (``compile_model``, train.py's
+``--matrix`` is the training benchmark of docs/speed.md: for every thread count and batch, eager training and inference
+of the models and the baseline interleaved, then, with ``--compiled``, the same compiled (``compile_model``, train.py's
 path), one process per compiler setting (``none``: the compiler's default; a number: ``compile_memory_budget``).
 Each row: img/s, the ratio to the baseline's and the per-FLOP ratio (ratio x GFLOPs / baseline GFLOPs), and the
 bytes autograd saves for backward in one training step (every device; on CUDA also the peak allocated).

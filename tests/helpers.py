@@ -84,7 +84,7 @@ def run_train(*args, check=True, **kwargs):
 
 
 def read_metrics(run: Path):
-    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps: int, timeout: float = 240) -> None:

@@ -163,8 +163,8 @@ def test_certified_speed_refuses_settings_it_cannot_time_in_one_line(args, capsy
 
 
 def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path, capsys, monkeypatch):
-    """--parts (the profile of the gap to the baseline): every block split into LipsFormer's conv blocks, attention and MLP
-    residuals and timm Swin's attention and MLP residuals, which chained give the block's output; each part timed
+    """--parts (the profile of the gap to the baseline): every block split into LipsFormer's conv blocks, attention and
+    MLP residuals and timm Swin's attention and MLP residuals, which chained give the block's output; each part timed
     forward + backward and summed over the blocks (a clock that ticks once per reading: each timed part costs 1, so
     a part's sum is its number of blocks); a model it has no parts for, or a setting it ignores, is refused in one
     line."""

@@ -271,7 +271,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
             train(cfg)
         finally:
             reset_accelerate()
-        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         model = config_model(cfg)
         model.load_state_dict(load_file(str(tmp_path / name / "last.safetensors")))
         return next(r["loss"] for r in rows if r["kind"] == "train"), model
@@ -373,7 +373,7 @@ def test_bound_kept_every_k_steps_resumes_bit_identical_and_projects_the_weights
             train(cfg, resume=resume)
         finally:
             reset_accelerate()
-        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return load_file(str(tmp_path / name / "last.safetensors")), [r for r in rows if r["kind"] == "epoch"]
 
     whole, epochs = run("whole")  # 3 steps an epoch: projections at 0, 3 (epoch end), 4, 6 (epoch end)
@@ -462,7 +462,8 @@ def test_normalized_linear_divides_by_its_norm_inside_the_graph():
 
 def _normalized_pair():
     from lipsformer.layers import NormalizedConv2d, NormalizedLinear
-    return [(NormalizedLinear(12, 5), torch.randn(3, 12)), (NormalizedConv2d(3, 6, 2, stride=2), torch.randn(2, 3, 8, 8))]
+    return [(NormalizedLinear(12, 5), torch.randn(3, 12)),
+            (NormalizedConv2d(3, 6, 2, stride=2), torch.randn(2, 3, 8, 8))]
 
 
 def _fresh(layer, x):
@@ -645,7 +646,8 @@ def test_normalized_model_bound_holds_and_keeping_leaves_it_alone(name):
         if isinstance(m, (NormalizedLinear, NormalizedConv2d)):
             assert torch.equal(m.raw_weight, raw[f"{n}.weight"])
     report = lipschitz_report(model)
-    norm_rows = [r for r in report.rows if isinstance(model.get_submodule(r.name), (NormalizedLinear, NormalizedConv2d))]
+    norm_rows = [r for r in report.rows
+                 if isinstance(model.get_submodule(r.name), (NormalizedLinear, NormalizedConv2d))]
     assert norm_rows and all(r.lip == pytest.approx(1.0, abs=1e-5) for r in norm_rows)
     bound = report.bound
     assert bound <= 1.01

@@ -29,7 +29,8 @@ def test_certified_model_is_the_zoo_size_at_224_with_the_certifiable_options(nam
 
 
 # four stages to one final token (no pooling factor in the bound), windows / stripes the size of the digits configs
-SMALL = {"swin": dict(window_size=4, num_heads=(1, 2, 4, 8)), "cswin": dict(split_size=(2, 2, 2, 1), num_heads=(2, 2, 4, 8))}
+SMALL = {"swin": dict(window_size=4, num_heads=(1, 2, 4, 8)),
+         "cswin": dict(split_size=(2, 2, 2, 1), num_heads=(2, 2, 4, 8))}
 
 
 @pytest.mark.parametrize("name", sorted(CERTIFIED))

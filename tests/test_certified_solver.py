@@ -140,7 +140,8 @@ def test_the_attack_finds_a_known_adversarial_and_none_inside_the_certified_radi
     with torch.no_grad(), solve_to_tolerance(model):
         for _ in range(12):  # bisection for the first t where the prediction of src + t (dst - src) changes
             mid = (lo + hi) / 2
-            moved = model((src + mid.view(-1, 1, 1, 1) * (dst - src) - mean) / std).argmax(-1) != pred[[p[0] for p in pairs]]
+            moved = (model((src + mid.view(-1, 1, 1, 1) * (dst - src) - mean) / std).argmax(-1)
+                     != pred[[p[0] for p in pairs]])
             hi, lo = torch.where(moved, mid, hi), torch.where(moved, lo, mid)
     known = hi * (dst - src).flatten(1).norm(dim=1)  # an adversarial lies at this distance
     with solve_to_tolerance(model):
@@ -308,7 +309,8 @@ def test_platform_float32_exp_is_within_the_error_the_residual_bound_assumes():
     """prox_residual32's bound charges each float32 exp a relative error of EXP_REL_ERROR32 (2^-18, 64 ulp; SLEEF
     and CUDA document 1 and 2 ulp): measured here against float64 on 2^21 arguments covering [-104, 0], and on
     every float32 in [-1, 0) with a 2^-12 step of its exponent bits' neighbourhood."""
-    t = torch.cat([torch.linspace(-104.0, 0.0, 2 ** 21), -torch.rand(2 ** 18, generator=torch.Generator().manual_seed(0))])
+    t = torch.cat([torch.linspace(-104.0, 0.0, 2 ** 21),
+                   -torch.rand(2 ** 18, generator=torch.Generator().manual_seed(0))])
     got, ref = torch.exp(t).double(), torch.exp(t.double())
     normal = ref > torch.finfo(torch.float32).tiny
     worst = float(((got - ref).abs() / ref)[normal].max())
@@ -374,9 +376,9 @@ def test_orthogonal_rotation_bound_covers_the_rounded_rotation():
 @pytest.mark.parametrize("kind", ["random", "orthogonal", "near_repeated", "rank_one"])
 def test_the_verified_top_singular_triple_is_exact_and_its_bound_certified(kind):
     """The normalised layers' divisor and certified norm come from Lanczos verified by a Cholesky factorisation just
-    above its estimate: sigma within the margin of the norm, the bound above the true norm (an SVD) by at most 1e-8 relative,
-    the same bits on every call (a resumed run divides by what the uninterrupted one did), and top singular values
-    repeated or nearly so do not break it."""
+    above its estimate: sigma within the margin of the norm, the bound above the true norm (an SVD) by at most 1e-8
+    relative, the same bits on every call (a resumed run divides by what the uninterrupted one did), and top singular
+    values repeated or nearly so do not break it."""
     from lipsformer.layers import spectral
 
     g = torch.Generator().manual_seed(3)

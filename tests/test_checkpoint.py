@@ -119,7 +119,8 @@ def test_unusable_checkpoints_are_one_line_errors_naming_the_file(finished_run, 
     # weights of another shape
     other = load_config(None, ["model=lipsformer_swin_t", "num_classes=5", "img_size=32",
                                f"model_kwargs={_yaml(TINY_RUN['model_kwargs'])}"])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors does not fit .*head\.fc\.weight \(4, 128\) vs \(5, 128\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"model\.safetensors does not fit .*head\.fc\.weight \(4, 128\) vs \(5, 128\)"):
         verify_checkpoint(latest_checkpoint(finished_run.output_dir), model_of(other))
     # the CLI: one line, no traceback, exit 2
     run = copy_run(finished_run, tmp_path / "run")

@@ -253,7 +253,8 @@ def test_slurm_launch_lines_parse(tmp_path, monkeypatch):
     for script in ("train.sbatch", "train_multinode.sbatch"):
         assert subprocess.run(["bash", "-n", str(SLURM / script)]).returncode == 0
     lines = {}
-    for launcher, extra in (("torchrun", {}), ("accelerate", dict(ACCELERATE_CONFIG=str(SLURM / "fsdp2_multinode.yaml")))):
+    for launcher, extra in (("torchrun", {}),
+                            ("accelerate", dict(ACCELERATE_CONFIG=str(SLURM / "fsdp2_multinode.yaml")))):
         env = fake_slurm(tmp_path, FAKE_SLURM_ECHO="1", SLURM_SUBMIT_DIR=str(ROOT), **extra)
         proc = subprocess.run(["bash", str(SLURM / "train_multinode.sbatch"), "--config", "my config.yaml"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -265,8 +266,10 @@ def test_slurm_launch_lines_parse(tmp_path, monkeypatch):
     for name, value in echoed["env"].items():  # torchrun reads them (accelerate launch runs torchrun)
         monkeypatch.setenv(name, value)
     torchrun = get_args_parser().parse_args(lines["torchrun"][1:])
-    assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend, torchrun.rdzv_id) == ("2", "1", "c10d", "42")
-    assert "SIGUSR1" in torchrun.signals_to_handle.split(",") and echoed["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "110"
+    assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend, torchrun.rdzv_id) == \
+        ("2", "1", "c10d", "42")
+    assert "SIGUSR1" in torchrun.signals_to_handle.split(",")
+    assert echoed["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "110"
     assert (torchrun.training_script, torchrun.training_script_args) == \
         ("train.py", ["--config", "my config.yaml", "--resume", "auto"])
     assert lines["accelerate"][:2] == ["accelerate", "launch"]

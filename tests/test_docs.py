@@ -313,7 +313,8 @@ def doc_commands():
                     yield f"{page.relative_to(ROOT)}:{line + offset}", command
 
 
-INLINE_COMMAND = re.compile(r"^([A-Z_]+=\S+ )*(python3? |make |torchrun |accelerate launch |sbatch |bash |pip install )")
+INLINE_COMMAND = re.compile(r"^([A-Z_]+=\S+ )*"
+                            r"(python3? |make |torchrun |accelerate launch |sbatch |bash |pip install )")
 
 
 def inline_commands():

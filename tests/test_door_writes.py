@@ -310,7 +310,8 @@ def test_every_file_output_naming_a_folder_is_refused_before_any_work(base, caps
     from lipsformer.lipschitz.__main__ import main as lipschitz
     parsers = []
     real = cli.ArgumentParser.parse_args
-    monkeypatch.setattr(cli.ArgumentParser, "parse_args", lambda self, *a, **k: parsers.append(self) or real(self, *a, **k))
+    monkeypatch.setattr(cli.ArgumentParser, "parse_args",
+                        lambda self, *a, **k: parsers.append(self) or real(self, *a, **k))
     valid = {"eval.py": (EVAL.main, ["--checkpoint", base / "run", "--data-dir", base / "data", "--workers", 0]),
              "lipschitz": (lipschitz, ["--model", "lipsformer_swin_t"]),
              "flops": (flops.main, ["--models", "lipsformer_swin_t", "--no-flops"])}

@@ -30,5 +30,5 @@ def test_command_lists_every_model_beside_the_paper(capsys, tmp_path):
 
 def test_command_counts_flops_of_chosen_models(capsys):
     main(["--models", "lipsformer_cswin_t"])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("lipsformer_cswin_t"))
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("lipsformer_cswin_t"))
     assert "4.67" in line.split()

@@ -127,7 +127,8 @@ def test_a_planted_citation_or_timing_is_caught(planted, caught):
 PRIVATE_IMPORTS_ALLOWED: dict = {}
 REEXPORTS_ALLOWED = {
     ("lipsformer/__init__.py", "models"): "imported for its side effect: registers every model with timm",
-    ("lipsformer/models/__init__.py", "peer"): "imported for its side effect: registers torchlip_cnn, the peer baseline",
+    ("lipsformer/models/__init__.py", "peer"):
+        "imported for its side effect: registers torchlip_cnn, the peer baseline",
 }
 
 

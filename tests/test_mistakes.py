@@ -163,7 +163,8 @@ def _no_images(d, img):
     shutil.rmtree(d / "train")
     (d / "train" / "a").mkdir(parents=True)
     (d / "train" / "a" / "notes.txt").write_text("no image here")
-    return "train holds no images (.png, .jpg, .jpeg, .bmp, .webp, .tif, .tiff, .gif or another format Pillow reads) in class folders; found a/notes.txt"
+    return ("train holds no images (.png, .jpg, .jpeg, .bmp, .webp, .tif, .tiff, .gif or another format Pillow reads) "
+            "in class folders; found a/notes.txt")
 
 
 def _folder_named_like_an_image(d, img):

@@ -26,7 +26,8 @@ def test_the_folder_is_the_fixed_split_and_identical_on_every_run(tmp_path, monk
     files = sorted(p.relative_to(a) for p in a.rglob("*.png"))
     assert files == sorted(p.relative_to(b) for p in b.rglob("*.png")) and len(files) == 20
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
-    assert sorted(str(f) for f in files if f.parts[0] == "val") == sorted(f"val/{i % 10}/{i:04d}.png" for i in (0, 5, 10, 15))
+    assert sorted(str(f) for f in files if f.parts[0] == "val") == \
+        sorted(f"val/{i % 10}/{i:04d}.png" for i in (0, 5, 10, 15))
     image, label = fake_digits()[0][5], 5
     assert np.array_equal(np.asarray(Image.open(a / "val" / str(label) / "0005.png")), image)  # 28x28 grey, lossless
 

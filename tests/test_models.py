@@ -407,8 +407,9 @@ def test_an_options_object_carries_only_what_its_maker_chose():
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 def test_loading_weights_skips_the_spectral_init_and_still_gives_the_file(tmp_path, monkeypatch, name):
-    """pretrained=True and lipsformer.build.build_model with a source do not pay for a spectral init the load overwrites: only the
-    classifier (the layer a load with another class count re-creates) is normalised, and the logits are the file's."""
+    """pretrained=True and lipsformer.build.build_model with a source do not pay for a spectral init the load
+    overwrites: only the classifier (the layer a load with another class count re-creates) is normalised, and the
+    logits are the file's."""
     from lipsformer.layers import init as init_module
     from lipsformer.build import build_model
     source = tiny(name).eval()

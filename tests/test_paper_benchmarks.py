@@ -55,7 +55,8 @@ def test_ablation_rows_are_table_3_and_runs_report_outcomes(tmp_path, digits):
     assert (out / "ablation.png").stat().st_size > 0
     # a blown-up run is classified as diverged
     blown = ablation.main(["--rows", "attn=dot", "--quick", "--quick-epochs", "1", "--depths", "1", "1", "1", "1",
-                           "--embed-dim", "8", "--batch", "8", "--lr", "1e4", "--data", str(digits), "--out", str(tmp_path / "b")])
+                           "--embed-dim", "8", "--batch", "8", "--lr", "1e4", "--data", str(digits),
+                           "--out", str(tmp_path / "b")])
     assert blown["runs"][0]["status"] == "diverged"
     with pytest.raises(SystemExit):  # argparse's one line: --jobs must be at least 1
         ablation.main(["--jobs", "0", "--data", str(digits)])

@@ -14,7 +14,8 @@ from lipsformer.lipschitz.certify import certified_radius, normalization, pgd_l2
 
 def test_without_deel_torchlip_building_it_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "deel.torchlip", None)
-    with pytest.raises(MissingExtra, match=r'^the peer CNN \(torchlip_cnn\) needs deel.torchlip, which is not installed .*: pip install "lipsformer\[torchlip\]"$'):
+    with pytest.raises(MissingExtra, match=r'^the peer CNN \(torchlip_cnn\) needs deel.torchlip, which is not '
+                                           r'installed .*: pip install "lipsformer\[torchlip\]"$'):
         timm.create_model("torchlip_cnn")
 
 

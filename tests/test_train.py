@@ -54,10 +54,11 @@ def test_shipped_configs_load_and_name_a_registered_model(path):
 def test_paper_recipe_in_configs():
     t = load_config(ROOT / "configs" / "lipsformer_cswin_t.yaml")
     b = load_config(ROOT / "configs" / "lipsformer_swin_b.yaml")
-    l = load_config(ROOT / "configs" / "lipsformer_swin_l.yaml")
-    assert (t.lr, t.weight_decay, t.ema_decay, t.drop_path, t.global_batch, t.epochs) == (2e-3, 0.05, 0.99984, 0.2, 2048, 300)
+    large = load_config(ROOT / "configs" / "lipsformer_swin_l.yaml")
+    assert (t.lr, t.weight_decay, t.ema_decay, t.drop_path, t.global_batch, t.epochs) == \
+        (2e-3, 0.05, 0.99984, 0.2, 2048, 300)
     assert (b.lr, b.weight_decay, b.ema_decay, b.drop_path) == (1e-3, 0.1, 0.99992, 0.5)
-    assert l.betas == (0.9, 0.99)
+    assert large.betas == (0.9, 0.99)
     assert (t.label_smoothing, t.mixup, t.cutmix, t.aa, t.reprob) == (0.1, 0.8, 1.0, "rand-m9-mstd0.5-inc1", 0.25)
 
 
@@ -331,7 +332,8 @@ def test_bf16_mixed_precision_trains_on_cpu_and_fp16_is_refused_there(tmp_path, 
     assert summary["step"] == 6 and summary["skipped_steps"] == 0
     assert all(v.dtype == torch.float32 for v in load_file(str(Path(cfg.output_dir) / "last.safetensors")).values())
     reset_accelerate()
-    code, _, err = call(capsys, TRAIN.main, ["--config", write_config(tmp_path / "fp16"), "--set", "mixed_precision=fp16"])
+    code, _, err = call(capsys, TRAIN.main,
+                        ["--config", write_config(tmp_path / "fp16"), "--set", "mixed_precision=fp16"])
     assert code == 2 and "fp16 needs a GPU" in err
     assert not (tmp_path / "fp16" / "run").exists()  # refused before anything was written
 

@@ -98,8 +98,8 @@ def _rows(run: Path) -> list:
 
 def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monkeypatch, config):
     """A mid-epoch resume and the fallback from a damaged checkpoint leave metrics.jsonl as the
-    uninterrupted run wrote it (so does a preemption): one row per step and per epoch, the resumed epoch's figures whole. Epochs
-    count from 1 everywhere, and the last line names the best and the last weights for what they are.
+    uninterrupted run wrote it (so does a preemption): one row per step and per epoch, the resumed epoch's figures
+    whole. Epochs count from 1 everywhere, and the last line names the best and the last weights for what they are.
     --resume auto into a folder that does not exist says so."""
     run = tmp_path / "run"
     code, out, err = train_cli(capsys, "--config", config, "--resume", "auto")
@@ -145,7 +145,8 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monk
 
 def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, capsys, config):
     """--resume with another epochs (or lr, ...) would keep the checkpoint's schedule, another num_classes cannot
-    continue its model: refused, naming the key and the way to train further. --resume RUN resumes from that run's newest checkpoint."""
+    continue its model: refused, naming the key and the way to train further. --resume RUN resumes from that run's
+    newest checkpoint."""
     run = tmp_path / "run"
     assert train_cli(capsys, "--config", config, "--set", "epochs=1")[0] == 0
     before = snapshot(run)

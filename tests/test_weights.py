@@ -51,7 +51,8 @@ def test_checkpoint_carrying_code_is_refused_and_the_code_never_runs(tmp_path):
     for load in (lambda: read_checkpoint(path),
                  lambda: build_model("lipsformer_swin_t", path, **TINY["swin"]),
                  lambda: tiny(pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))):
-        with pytest.raises(CheckpointError, match=r"refused to load .*evil\.pth.*builtins\.exec.*nothing in it was run"):
+        with pytest.raises(CheckpointError,
+                           match=r"refused to load .*evil\.pth.*builtins\.exec.*nothing in it was run"):
             load()
     assert not marker.exists()
 
@@ -98,8 +99,9 @@ def test_checkpoint_of_another_model_names_file_and_keys(tmp_path):
         build_model("lipsformer_swin_t", path, **TINY["swin"])
     wide = tmp_path / "wide.safetensors"
     save_file(tiny(embed_dim=24).state_dict(), str(wide))
-    with pytest.raises(CheckpointError, match=r"wide\.safetensors does not fit .*shape mismatches \(\d+\): "
-                                              r"patch_embed\.proj\.weight: file \(24, 3, 4, 4\) vs model \(16, 3, 4, 4\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"wide\.safetensors does not fit .*shape mismatches \(\d+\): "
+                             r"patch_embed\.proj\.weight: file \(24, 3, 4, 4\) vs model \(16, 3, 4, 4\)"):
         tiny(pretrained=True, pretrained_cfg_overlay=dict(file=str(wide)))
 
 

@@ -209,8 +209,8 @@ def main(argv=None) -> dict:
                     converge_loss=args.converge_loss, depths=args.depths, quick=args.quick, jobs=args.jobs)
     summary = dict(settings=settings, runs=results)
     (out / "ablation.json").write_text(json.dumps(summary, indent=1))
-    plot(results, out / "ablation.png", f"Table 3 in miniature: CSwin depths {'-'.join(map(str, args.depths))}, width {args.embed_dim}, "
-                                        f"digits, {args.epochs} epochs, lr {args.lr:g}")
+    plot(results, out / "ablation.png", f"Table 3 in miniature: CSwin depths {'-'.join(map(str, args.depths))}, "
+                                        f"width {args.embed_dim}, digits, {args.epochs} epochs, lr {args.lr:g}")
     print("\n".join(table(results)))
     return summary
 

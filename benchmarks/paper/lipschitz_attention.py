@@ -83,7 +83,8 @@ def main() -> None:
     print("(b) AttLip Table 1, d=512, H=8: measured (PGD) and bound")
     print(f"  {'N':>5} {'AttLip PGD':>11} {'bound':>6} {'L2 PGD':>8} {'L2 bound':>10}")
     for r in b:
-        print(f"  {r['N']:>5} {r['attlip_pgd']:>11.4f} {r['attlip_bound']:>6.0f} {r['l2_pgd']:>8.4f} {r['l2_bound']:>10.4g}")
+        print(f"  {r['N']:>5} {r['attlip_pgd']:>11.4f} {r['attlip_bound']:>6.0f} {r['l2_pgd']:>8.4f} "
+              f"{r['l2_bound']:>10.4g}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lipschitz_attention.json").write_text(json.dumps(dict(kim_thm31=a, attlip_table1=b), indent=2))
