@@ -125,6 +125,15 @@ def worker(args) -> None:
         code = script.main(args.rest)
     else:
         import runpy
+
+        from timm.data import auto_augment
+
+        from lipsformer.data.augment import posterize
+        # Pillow 13 refuses posterize at 0 bits, which RandAugment's magnitude noise draws: timm's ops get Pillow
+        # < 13's result, as train.py's pipeline gives them (lipsformer.data.augment.portable)
+        for name, op in list(auto_augment.NAME_TO_OP.items()):
+            if op is auto_augment.posterize:
+                auto_augment.NAME_TO_OP[name] = posterize
         scope = runpy.run_path(args.train_py, run_name="timm_train")["main"].__globals__  # main defined, not run
         one_epoch = scope["train_one_epoch"]
 
@@ -190,12 +199,12 @@ def setting(name: str, args, work: Path):
             from lipsformer.data.digits import write_digits_folder
             write_digits_folder(data)
         return ROOT / "configs" / "demo_digits.yaml", [], data
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from loader import CLASSES, make_jpegs  # benchmarks/loader.py's photo-like JPEGs
     data = work / "jpegs"
     if not data.is_dir():
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from loader import make_jpegs  # benchmarks/loader.py's photo-like JPEGs
         make_jpegs(data, args.images, (256, 256))
-    return ROOT / "configs" / "lipsformer_swin_t.yaml", ["batch_size=8", "global_batch=8",
+    return ROOT / "configs" / "lipsformer_swin_t.yaml", ["batch_size=8", "global_batch=8", f"num_classes={CLASSES}",
                                                           f"workers={args.workers}"], data
 
 
