@@ -323,8 +323,12 @@ def test_a_grey_model_trains_and_evaluates_on_rgb_and_grey_images(tmp_path, caps
                                               "--output", tmp_path / "r.json"])
     assert code == 0 and json.loads((tmp_path / "r.json").read_text())["input_size"] == [1, 32, 32], err
     assert "(4 of 4 images scored" in out
-    # eval.py: an export of a grey model that kept ImageNet's 3 means
+    # eval.py: a grey model's export whose config keeps ImageNet's 3 means (ours records one: written by hand here)
     from lipsformer.weights import export
     export(timm.create_model("lipsformer_swin_t", in_chans=1, num_classes=4, **TINY["swin"]), tmp_path / "grey")
+    hub = json.loads((tmp_path / "grey" / "config.json").read_text())
+    assert hub["pretrained_cfg"]["input_size"][0] == 1 and len(hub["pretrained_cfg"]["mean"]) == 1
+    hub["pretrained_cfg"].update(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    (tmp_path / "grey" / "config.json").write_text(json.dumps(hub))
     refused(capsys, EVAL.main, ["--checkpoint", tmp_path / "grey", "--data-dir", data, "--workers", 0], tmp_path,
             "the model takes 1 input channel(s)", "pretrained_cfg_overlay: {mean: [0.459]")

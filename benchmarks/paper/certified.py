@@ -245,10 +245,12 @@ def train_run(dataset: str, name: str, seed: int, args):
     out = run_dir(args, dataset, name, seed)
     shutil.rmtree(out, ignore_errors=True)
     data = Path(args.data) / dataset
+    cnn = any(e.startswith("model=") for e in extra)  # a CNN row: --set's model_kwargs size the LipsFormers only
+    sets = [s for s in args.set if not (cnn and s.startswith("model_kwargs."))]
     cfg = load_config(ROOT / "configs" / ds.configs[family],
                       [f"epochs={args.epochs[dataset]}", f"output_dir={out}", f"seed={seed}", f"data_dir={data}",
                        f"eval_every_epochs={args.epochs[dataset]}", *(e.format(cnn=ds.cnn_kwargs) for e in extra),
-                       *args.set])
+                       *sets])
     try:
         summary = train(cfg)
     finally:
@@ -372,7 +374,8 @@ def main(argv=None):
     parser.add_argument("--restarts", type=int, default=2, help="PGD runs from random starts in the ball")
     parser.add_argument("--quotient-images", type=int, default=2)
     parser.add_argument("--quotient-steps", type=int, default=20)
-    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run (key=value)")
+    parser.add_argument("--set", nargs="*", default=[],
+                        help="config overrides for every run (key=value); model_kwargs.* reach the LipsFormers only")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="train every model once per seed")
     add_jobs_argument(parser)
     args = parser.parse_args(argv)
