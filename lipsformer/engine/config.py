@@ -72,6 +72,7 @@ class Key:
     path: bool = False  # a file or folder: its ~ and $VARIABLES are expanded (settings.expand_path)
     section: str = ""  # the heading of the group of keys this one opens
     restored: bool = False  # a checkpoint restores what it set up (optimizer, schedule): a resume must keep it
+    builds_model: bool = False  # the checkpoint holds the model it builds: a resume cannot change it
     keep_bound: str = ""  # the keep_bound argument it is (lipsformer.lipschitz.constraints)
     margin: bool = False  # the margin loss reads it (a checkpoint's record of the kept bound compares it too)
     model_arg: str = ""  # the timm.create_model argument it sets (model_kwargs may not set it again)
@@ -90,9 +91,9 @@ class TrainConfig:
     """Every knob of a training run. Defaults are the paper's Table 6 recipe for the Tiny models."""
 
     model: str = key("lipsformer_cswin_t", "a timm model name (lipsformer_swin_t, lipsformer_cswin_s, ...)",
-                     section="model")
+                     section="model", builds_model=True)
     model_kwargs: Dict[str, Any] = key({}, "extra timm.create_model arguments")
-    num_classes: int = key(1000, "classes of the classifier", model_arg="num_classes",
+    num_classes: int = key(1000, "classes of the classifier", model_arg="num_classes", builds_model=True,
                            range=Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"))
     drop_path: float = key(0.2, "stochastic depth rate (timm's drop_path_rate)", range=Range(0, 1),
                            model_arg="drop_path_rate")
@@ -363,6 +364,7 @@ KEYS: Dict[str, Key] = {f.name: f.metadata.get("key", Key("")) for f in dataclas
 RANGES = {name: spec.range for name, spec in KEYS.items() if spec.range}
 CHOICES = {name: spec.choices for name, spec in KEYS.items() if spec.choices}
 RESTORED_ON_RESUME = tuple(name for name, spec in KEYS.items() if spec.restored)
+BUILDS_MODEL = tuple(name for name, spec in KEYS.items() if spec.builds_model)
 KEEP_BOUND_KEYS = {name: spec.keep_bound for name, spec in KEYS.items() if spec.keep_bound}  # key -> keep_bound arg
 MARGIN_KEYS = tuple(name for name, spec in KEYS.items() if spec.margin)
 MODEL_ARGS = {spec.model_arg: name for name, spec in KEYS.items() if spec.model_arg}  # timm argument -> key

@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 from ..settings import read_yaml
 from ..weights import CheckpointError
 from .checkpoint import TrainState, intact_checkpoint, latest_checkpoint, verify_checkpoint
-from .config import RESTORED_ON_RESUME, ConfigError, TrainConfig, check_type
+from .config import BUILDS_MODEL, RESTORED_ON_RESUME, ConfigError, TrainConfig, check_type
 from .run_folder import MANIFEST, RunFolder, checkpoint_step
 
 _logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
     if not saved_config.is_file():
         return
     saved = read_yaml(saved_config) or {}
-    for key in ("model", "num_classes"):  # the checkpoint holds that model: another one cannot continue it
+    for key in BUILDS_MODEL:  # the checkpoint holds that model: another one cannot continue it
         if key in saved and saved[key] != getattr(cfg, key):
             raise ConfigError(
                 f"--resume: {key} is {getattr(cfg, key)!r} here but {saved[key]!r} in {saved_config}; a resume "
