@@ -69,6 +69,35 @@ def test_accumulation_is_derived_from_global_batch():
         cfg.accumulation_steps(3)
 
 
+def test_an_epochs_short_last_accumulation_window_updates_with_its_batches_mean_gradient():
+    """3 batches an epoch, 2 accumulated per update: the second update holds one batch, and (as in timm's train.py)
+    its gradient is that batch's own, not half of it. SGD at lr 1 makes the update the gradient itself."""
+    from types import SimpleNamespace
+    from accelerate import Accelerator
+    from lipsformer.engine.step import StepTally
+    from lipsformer.engine.train import _train_step
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(6, 5), torch.randint(0, 3, (6,)))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(5, 3)
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                                   torch.utils.data.DataLoader(data, batch_size=2))
+    run = SimpleNamespace(accelerator=accelerator, model=model, mixup=None, optimizer=optimizer,
+                          criterion=torch.nn.functional.cross_entropy, cfg=SimpleNamespace(clip_grad=None),
+                          state=SimpleNamespace(batch_in_epoch=0))
+    meter = SimpleNamespace(tally=StepTally("cpu", window=4))
+    for images, targets in loader:
+        before = [p.detach().clone() for p in model.parameters()]
+        _train_step(run, meter, images, targets, epoch=0)
+        run.state.batch_in_epoch += 1
+    assert meter.tally.updates == 2
+    last = torch.nn.Linear(5, 3)
+    last.load_state_dict(dict(zip(("weight", "bias"), before)))
+    torch.nn.functional.cross_entropy(last(images), targets).backward()
+    for p, q, b in zip(model.parameters(), last.parameters(), before):
+        torch.testing.assert_close(b - p.detach(), q.grad)
+
+
 # -- the loop ------------------------------------------------------------------------------------------
 def test_one_epoch_on_folder_data_steps_the_optimizer_and_writes_everything(tmp_path):
     from lipsformer.engine.train import train

@@ -151,6 +151,18 @@ def _momentum_ready(optimizer) -> bool:
     return True
 
 
+def complete_window(parameters, batch: int, accumulation: int) -> None:
+    """At an update that ends on the epoch's ``batch`` (0-based; windows start at multiples of ``accumulation``):
+    Accelerate divides each batch's loss by the accumulation steps, so an epoch whose batches they do not divide ends
+    in a shorter window, whose gradients are scaled here to its batches' mean, as timm's train.py divides that
+    window's losses by its own length. A full window is left as it is."""
+    batches = batch % accumulation + 1
+    if batches < accumulation:
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(accumulation / batches)
+
+
 def step_unless(optimizer, skip: torch.Tensor) -> None:
     """``optimizer.step()`` unless ``skip`` (a bool on the device) is true, leaving the parameters and the
     optimizer's state exactly as they were. Optimizers that take GradScaler's ``found_inf`` (torch's fused ones:

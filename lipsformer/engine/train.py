@@ -38,7 +38,7 @@ from .preemption import Preemption, stop_if_preempted
 from .resume import RunFinished, begin, check_resumable, restore, resume_point, verified
 from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
-from .step import StepTally, fused, quiet_buffers
+from .step import StepTally, complete_window, fused, quiet_buffers
 from .trackers import Trackers
 
 
@@ -380,6 +380,7 @@ def _train_step(run: _Run, meter: EpochMeter, images, targets, epoch: int) -> No
             loss = run.criterion(model(images), targets)
         accelerator.backward(meter.tally.checked(loss))
         if accelerator.sync_gradients:
+            complete_window(model.parameters(), run.state.batch_in_epoch, accelerator.gradient_accumulation_steps)
             meter.tally.update(accelerator, run.optimizer, model.parameters(), run.cfg.clip_grad)
         run.optimizer.zero_grad()
 
