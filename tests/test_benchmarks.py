@@ -176,7 +176,7 @@ def test_parts_time_each_block_part_of_each_model_against_the_baseline(tmp_path,
                  "--json", str(out)])
     parts = json.loads(out.read_text())["parts"]
     assert parts == {"swin_tiny_patch4_window7_224": {"attention": 12e3, "mlp": 12e3},
-                     "lipsformer_cswin_t": {"convs": 25e3, "attention": 25e3, "mlp": 25e3}}  # ms: 1 s a part
+                     "lipsformer_cswin_t": {"convs": 25e3, "attention": 25e3, "mlp": 25e3}}  # in ms: a second a part
     printed = capsys.readouterr().out
     assert "convs" in printed and "total" in printed
     for name in ("swin_tiny_patch4_window7_224", "lipsformer_swin_t"):

@@ -687,7 +687,7 @@ def test_attlip_prox_mixer_returns_the_proximal_point():
 
 def test_certifiable_checkpoint_reloads_with_its_normalisation_and_normalized_layers(tmp_path):
     """What eval.py does with a certified run: the run's own pretrained_cfg_overlay (std 1) and the normalised
-    layers come back, with the same logits (the overlay used to clash with the file's own)."""
+    layers come back, with the same logits (the overlay does not clash with the file's own)."""
     from safetensors.torch import save_file
 
     from lipsformer.layers import NormalizedLinear

@@ -61,8 +61,8 @@ def tiny_model(path: Path) -> list:
 
 
 # bf16 autocast where the machine computes in bf16 (a GPU, or a CPU with AVX512-BF16 / AMX); elsewhere oneDNN
-# emulates it, and a CSwin step takes ~10x as long (a depth-wise conv2d: 150 ms at 32 px on an AVX2 CPU), so the
-# recipes train in fp32 there. The flagship resume test below keeps bf16 everywhere.
+# emulates it, and a CSwin step takes many times as long (its depth-wise conv2d above all), so the recipes train in
+# fp32 there. The flagship resume test below keeps bf16 everywhere.
 NATIVE_BF16 = torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

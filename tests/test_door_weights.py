@@ -242,9 +242,9 @@ def test_a_grey_models_weight_files_and_export_record_its_one_channel(tmp_path):
 
 
 def test_a_classifier_is_re_created_only_for_an_asked_class_count(door, capsys, tmp_path, monkeypatch):
-    """A num_classes override against the file's classifier was a RuntimeError (a 'bug:' line) in the commands, and
-    timm's pretrained path re-created a classifier of its own class count without a word (eval.py --pretrained
-    then scored it)."""
+    """A num_classes override against the file's classifier is a mistake naming the classifier in every command (not
+    a RuntimeError's 'bug:' line), and a classifier of another class count is re-created only where asked and said
+    (timm's pretrained path would re-create it without a word, and eval.py --pretrained score it)."""
     root, state_dict = door
     from lipsformer.models.lipsformer_swin import released_state_dict
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # timm's download cache, planted: no network
@@ -292,8 +292,8 @@ def test_classes_json_has_one_name_per_output(door, capsys, tmp_path):
 
 # -- the certificate API's input ----------------------------------------------------------------------------------
 def test_the_certificate_api_names_what_is_wrong_with_its_input():
-    """0-255 pixels used to run into the AttLip solver's step cap (a SolverToleranceError blaming its tolerance), a
-    NaN pixel gave a NaN radius, a 3-D image or wrong channels a shape error from deep inside the model."""
+    """0-255 pixels, a NaN pixel, a 3-D image or wrong channels are each named as such: not the AttLip solver's step
+    cap (a SolverToleranceError blaming its tolerance), a NaN radius or a shape error from deep inside the model."""
     from accelerate import Accelerator
     from lipsformer.lipschitz.certify import (CertifyInputError, certify_dataset, normalization, pgd_l2,
                                               pixel_lipschitz, predict_certified)

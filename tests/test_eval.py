@@ -269,8 +269,8 @@ def named_weights(path: Path, names=None) -> Path:
 
 
 def test_eval_labels_a_val_folder_by_class_name_not_by_sorted_place(tmp_path, caplog):
-    # a folder lacking a class, or holding a subset in another order, used to be labelled by its
-    # sorted place: a digits model scoring 87% on nine classes printed 1.26%. Now each folder gets its name's label.
+    # a folder lacking a class, or holding a subset in another order, is labelled by each folder's name, not by its
+    # sorted place (which would score a digits model at 87% on nine classes as 1.26%)
     from lipsformer.engine.evaluate import evaluate_model
     names = ["zebra", "ant", "cat", "bee"]  # label order of the model: not sorted
     weights = named_weights(tmp_path / "w", names)
@@ -316,7 +316,7 @@ def test_eval_refuses_class_folders_it_cannot_match_in_one_line(tmp_path, capsys
     (["--batch-size", "0"], "--batch-size must be at least 1"),  # more of the same kind: these were tracebacks
     (["--workers", "-1"], "--workers must be 0"),
     (["--model-args", "[32]"], "--model-args must be a JSON object of model arguments"),
-    (["--predictions", f"{__file__}/p.csv"],  # was found after the pass
+    (["--predictions", f"{__file__}/p.csv"],  # found before the pass
      f"argument --predictions: {__file__}/p.csv: {__file__} is a file, not a folder"),
 ])
 def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys, args, message):

@@ -169,7 +169,7 @@ def test_a_folder_of_runs_evaluates_each_run_and_skips_one_still_training(zoo, c
     assert f"skipped {runs / 'lr_30'}: {reason}" in caplog.text
     assert out.startswith(f"3 evaluations on {zoo / 'val'} (image folder, 4 classes), sorted by top-1, 1 run(s) "
                           f"without weights yet skipped;")
-    # a run given by itself is one evaluation, and one without weights is refused, as before
+    # a run given by itself is one evaluation, and one without weights is refused
     code, _, err = run(capsys, "--checkpoint", runs / "lr_30", "--data-dir", zoo / "val")
     assert code == 2 and "is a training run without last.safetensors" in err
     # nothing finished: nothing to evaluate

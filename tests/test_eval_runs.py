@@ -58,8 +58,8 @@ def run(tmp_path_factory):
 
 
 def test_training_validation_labels_val_classes_by_name(tmp_path, capsys):
-    # a val/ lacking one of train/'s classes used to be numbered by its own sorted order, so every
-    # class after the gap was scored against the wrong label
+    # a val/ lacking one of train/'s classes is numbered by train/'s names, not by its own sorted order (which
+    # would score every class after the gap against the wrong label)
     from accelerate import Accelerator
     from conftest import config_model
     from lipsformer.engine.train import build_loaders
@@ -225,5 +225,5 @@ def test_predictions_name_their_classes_where_the_names_are_known(run, tmp_path,
         for row in rows:
             assert row["target_names"] == Path(row["path"]).parent.name == names[int(row["targets"])]
             assert all(row[f"top{i}_name"] == names[int(row[f"top{i}"])] for i in range(1, 5))
-    # ImageNet-v2 folders of a 4-class model without names: no names to give, the index columns as before
+    # ImageNet-v2 folders of a 4-class model without names: no names to give, the index columns alone
     assert list(tables["v2"][0]) == ["path", "targets"] + [c for i in range(1, 5) for c in (f"top{i}", f"prob{i}")]

@@ -306,8 +306,8 @@ def test_eval_convert_and_lipschitz_cli_accept_a_fine_tuned_run(tmp_path, data, 
 
 
 def test_eval_preprocesses_at_the_built_size_and_takes_validate_overrides(tmp_path, data, finetuned):
-    """A bare weight file with --model-args img_size 32 is scored on 32 px images (it used to get 224 px crops and
-    stop with a size error). --img-size builds and preprocesses at another size: 32 px CSwin weights at 64 px
+    """A bare weight file with --model-args img_size 32 is scored on 32 px images (not 224 px crops
+    stopping with a size error). --img-size builds and preprocesses at another size: 32 px CSwin weights at 64 px
     (LePE is a convolution, split size 1 divides every stage); --crop-pct / --interpolation override the config."""
     bare = tmp_path / "swin" / "model.safetensors"
     bare.parent.mkdir()

@@ -396,7 +396,7 @@ def test_command_json_is_strict_and_plot_marks_layers_without_a_finite_bound(tmp
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model-args", "[1]"], "--model-args must be a JSON object of model arguments"),  # was a TypeError traceback
+    (["--model-args", "[1]"], "--model-args must be a JSON object of model arguments"),  # not a TypeError traceback
     (["--json", f"{__file__}/b.json"],  # found before the bounds
      f"python -m lipsformer.lipschitz: argument --json: {__file__}/b.json: {__file__} is a file, not a folder"),
     (["--plot", f"{__file__}/b.png"],

@@ -365,7 +365,7 @@ def test_an_option_given_as_an_object_or_as_a_keyword_builds_the_same_model(name
 @pytest.mark.parametrize("name", sorted(CERTIFIED))
 def test_a_certifiable_preset_is_under_the_callers_object_and_keywords(name):
     """``*_cert(lipschitz=LipschitzOptions(...))`` takes the object's fields over the preset, as keywords do (the
-    preset used to replace the object's fields); fields the object leaves out keep the preset's."""
+    preset does not replace the object's fields); fields the object leaves out keep the preset's."""
     from lipsformer.layers.options import CERTIFIABLE
     options = dict(act="gelu", alpha_init=0.3, attlip_steps=(1, 3), init="xavier")
     by_object, by_keywords = both_routes(name, options)

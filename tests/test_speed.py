@@ -118,9 +118,9 @@ def test_channels_last_model_gives_the_same_outputs():
 
 
 def test_compiled_cpu_backward_has_no_racing_scatter_add(cold_compile):
-    """The backward of the relative-position-bias gather is a scatter-add. Inductor's CPU code for it was a
-    parallel loop of atomic adds, whose float sum depends on thread timing (a resumed compiled run then ended
-    with different bias tables, CI 2026-11-23); compile_model compiles CPU models in deterministic mode, which
+    """The backward of the relative-position-bias gather is a scatter-add. Inductor's default CPU code for it is
+    a parallel loop of atomic adds, whose float sum depends on thread timing (a resumed compiled run would end with
+    other bias tables than the uninterrupted one); compile_model compiles CPU models in deterministic mode, which
     lowers it to ATen's index_put_."""
     from torch._inductor.utils import run_and_get_code
     from lipsformer.models.lipsformer_swin import WindowAttention

@@ -45,16 +45,16 @@ def config(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    # a missing data folder (was an AssertionError after config.yaml was written)
+    # a missing data folder: refused before config.yaml is written
     (lambda t: ["--data-dir", t / "nope"], ["error: data_dir", "nope: no such folder"]),
     (lambda t: ["--data-dir", t / "data_no_val"], ["error: data_dir", "has no val/ folder"]),
-    # fewer classes than the data have (was an index error mid-epoch, files left behind)
+    # fewer classes than the data have: refused before an epoch starts
     (lambda t: ["--set", "num_classes=3"], ["num_classes is 3 but the training data have 4 classes",
                                             "set num_classes: 4"]),
-    # --resume at a folder that is neither a checkpoint nor a run (was a misleading load_state message)
+    # --resume at a folder that is neither a checkpoint nor a run
     (lambda t: ["--resume", t / "data"], ["error: --resume", "not a checkpoint folder (RUN/checkpoints/step_N)"]),
     (lambda t: ["--resume", t / "empty_run"], ["error: --resume", "that run folder holds no checkpoint"]),
-    # pretrained=local-dir:... (was 'names weights of local-dir:...')
+    # pretrained=local-dir:... points at init_checkpoint
     (lambda t: ["--set", "pretrained=local-dir:checkpoints/x"], ["set init_checkpoint: checkpoints/x"]),
     # options that would do nothing
     (lambda t: ["--set", "num_classes=-5"], ["num_classes must be at least 2"]),
