@@ -201,8 +201,9 @@ def test_the_resume_notice_names_what_cannot_carry_over():
 
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(two_processes, tmp_path):
-    """FSDP2 on 2 processes, preempted in epoch 1; resumed on 1 (its sharded checkpoint resharded), preempted
-    again; resumed on 2 to the end: every sample of the epoch once, and the uninterrupted DDP run's weights."""
+    """The loop under Accelerate's FSDP2 (forced on CPU, see tests/train_probe.py) on 2 processes, preempted in
+    epoch 1; resumed on 1 (its sharded checkpoint resharded), preempted again; resumed on 2 to the end: every sample
+    of the epoch once, and the uninterrupted DDP run's losses, accuracies, weights and EMA."""
     config, reference, _ = two_processes
     run = tmp_path / "run"
     args = ["--config", config, "--output-dir", run]
@@ -220,6 +221,11 @@ def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(tw
     assert_epoch_covered_once(records, epoch=0, steps=range(1, 4))
     assert_epoch_covered_once(records, epoch=1, steps=range(4, 7))
     assert lrs(run) == lrs(reference)
+    rows = [[r for r in read_metrics(d) if r["kind"] == "epoch"] for d in (reference, run)]
+    assert [r["epoch"] for r in rows[1]] == [1, 2]
+    for a, b in zip(*rows):  # epoch 2's loss is a mean over other processes' batches once resumed on 1
+        for key in ("top1", "ema_top1", "val_count") + (("train_loss",) if a["epoch"] == 1 else ()):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["epoch"], key)
     assert same_weights(reference, run, exact=False)
 
 
