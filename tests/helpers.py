@@ -121,27 +121,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script, *args, nodes=1, procs=2, cwd=ROOT, exitcode=0) -> str:
-    """Run ``script`` on ``nodes`` x ``procs`` CPU processes; several nodes are simulated on this host. The
-    processes must exit with ``exitcode`` (torchrun stops the others once one exits with another code than 0);
-    returns what they printed (stdout, then stderr)."""
+def torchrun(script, *args, procs=2, cwd=ROOT, exitcode=0) -> str:
+    """Run ``script`` on ``procs`` CPU processes. They must exit with ``exitcode`` (torchrun stops the others once
+    one exits with another code than 0); returns what they printed (stdout, then stderr)."""
     launcher = str(Path(PY).with_name("torchrun"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    port = free_port()
-    cmds = [[launcher, "--nnodes", str(nodes), "--node_rank", str(n), "--nproc_per_node", str(procs),
-             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
-            for n in range(nodes)]
-    running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
-               for c in cmds]
-    printed = ""
-    for proc in running:
-        out, err = proc.communicate(timeout=300)
-        printed += out + err
-        if exitcode == 0:
-            assert proc.returncode == 0, err[-3000:]
-        else:  # torchrun names the process that failed first, and its exit code
-            assert proc.returncode != 0 and f"exitcode  : {exitcode} " in err, err[-3000:]
-    return printed
+    proc = subprocess.run([launcher, "--nnodes", "1", "--nproc_per_node", str(procs), "--master_addr", "127.0.0.1",
+                           "--master_port", str(free_port()), str(script), *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    if exitcode == 0:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:  # torchrun names the process that failed first, and its exit code
+        assert proc.returncode != 0 and f"exitcode  : {exitcode} " in proc.stderr, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 # -- a command's main(argv) in this process, and a mistake it refuses ---------------------------------------------

@@ -293,7 +293,7 @@ def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(t
     """examples/slurm/train.sbatch on two "nodes" (torchrun, c10d rendezvous) gets USR1 as SLURM's
     --signal=B:USR1@120 sends it: the training stops after the step in progress with its checkpoint, the script
     requeues the job, and the requeued job ends with the uninterrupted run's weights, bit for bit (that run is on
-    2 processes of one torchrun, which the two-node run equals: test_two_processes_split_the_data...)."""
+    2 processes of one torchrun: two nodes of one process each equal it)."""
     import subprocess
     import time
     config, reference, _ = two_processes
