@@ -89,15 +89,18 @@ def read_metrics(run: Path):
 
 def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps: int, timeout: float = 240) -> None:
     """Train ``config`` once uninterrupted, once killed with SIGKILL mid-epoch 2 (after step 8 is on disk) and
-    resumed with ``--resume auto``: both end with the same weights and EMA, bit for bit."""
-    reference = tmp_path / "reference"
-    run_train("--config", str(config), "--output-dir", str(reference))
-
-    interrupted = tmp_path / "interrupted"
+    resumed with ``--resume auto``: both end with the same weights and EMA, bit for bit. The first two run side by
+    side, one thread each (so that every run sums in the same order)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    said = tmp_path / "reference.txt"
+    uninterrupted = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir",
+                                      str(reference)], cwd=ROOT, env=env, stdout=said.open("w"),
+                                     stderr=subprocess.STDOUT)
     proc = subprocess.Popen([PY, str(ROOT / "train.py"), "--config", str(config), "--output-dir", str(interrupted)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
-    while time.time() < deadline:  # kill mid-epoch 2, after step 8 is safely on disk
+    while time.time() < deadline and proc.poll() is None:  # kill mid-epoch 2, after step 8 is safely on disk
         ckpt = latest_checkpoint(interrupted)
         if ckpt is not None and int(ckpt.name.split("_")[1]) >= 8:
             break
@@ -106,7 +109,8 @@ def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps:
     proc.wait()
     step = int(latest_checkpoint(interrupted).name.split("_")[1])
     assert 8 <= step < total_steps, "the kill must land before the run finishes"
-    run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto")
+    assert uninterrupted.wait(timeout) == 0, said.read_text()[-3000:]
+    run_train("--config", str(config), "--output-dir", str(interrupted), "--resume", "auto", env=env)
     for name in ("last.safetensors", "last_ema.safetensors"):
         a, b = load_file(str(reference / name)), load_file(str(interrupted / name))
         assert a.keys() == b.keys()

@@ -226,10 +226,11 @@ def test_compiling_the_same_training_graph_again_loads_it_from_aotautograds_cach
 @pytest.mark.slow
 def test_killed_compiled_run_resumes_to_bit_identical_weights(tmp_path):
     """train.py with compile: true, killed mid-epoch 2 and resumed in a new process (which compiles again, from
-    inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit."""
+    inductor's cache), ends with the uninterrupted run's weights and EMA, bit for bit. One stage of one block: what
+    costs here is compiling each kernel, the first time on a fresh machine."""
     data = make_folder(tmp_path / "data", val_per_class=(2, 2, 2, 2))  # one val batch shape: one eval graph
     cfg = dict(TINY_RUN, data_dir=str(data), epochs=2, checkpoint_every_steps=1, compile=True,
-               model_kwargs=dict(TINY_RUN["model_kwargs"], depths=[1, 1], num_heads=[1, 2]))
+               model_kwargs=dict(TINY_RUN["model_kwargs"], depths=[1], num_heads=[1]))
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg))
     assert_killed_run_resumes_exactly(config, tmp_path, total_steps=12, timeout=600)
