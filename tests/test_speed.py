@@ -144,9 +144,10 @@ def test_compiled_cpu_backward_has_no_racing_scatter_add(cold_compile):
 
 def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
     """compile_memory_budget is read when the graph is compiled, at the first call after compile_model: at 0.5 a
-    compiled LipsFormer stage keeps less for backward than at the compiler's default (on Swin-T, 0.8 takes compiled
-    training memory from 1.59x to 0.88x of swin_tiny's, docs/speed.md). Caches off, so a cached graph of the other
-    budget cannot stand in."""
+    compiled LipsFormer MLP (its fused GELU included) keeps less for backward than at the compiler's default (on
+    Swin-T, 0.8 takes compiled training memory from 1.59x to 0.88x of swin_tiny's, docs/speed.md). Caches off, so a
+    cached graph of the other budget cannot stand in. An MLP rather than a block: compiling each kernel is the
+    test's cost on a fresh machine."""
     import timm
     from conftest import TINY
 
@@ -156,7 +157,7 @@ def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
 
     def saved_bytes(budget) -> int:
         torch._dynamo.reset()
-        stage = compile_model(model.stages[0], memory_budget=budget)
+        mlp = compile_model(model.stages[0].blocks[0].mlp, memory_budget=budget)
         total = 0
 
         def pack(t):
@@ -166,13 +167,13 @@ def test_compile_memory_budget_reaches_the_partitioner(cold_compile):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = stage(x)
+            y = mlp(x)
         y.square().mean().backward()
         return total
 
     with functorch_config.patch(activation_memory_budget=1.0):
         default, half = saved_bytes(None), saved_bytes(0.5)
-    assert 0 < half < 0.7 * default  # 0.44 MB against 1.06 MB when written
+    assert 0 < half < 0.7 * default  # 160 kB against 288 kB when written
 
 
 def test_compiled_cpu_training_computes_depthwise_weight_gradients_by_the_compiled_sums(monkeypatch, cold_compile):

@@ -63,9 +63,9 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     A model on the CPU is compiled with ``torch.use_deterministic_algorithms(True, warn_only=True)``
     (process-wide). Without it, inductor lowers the backward of the relative-position-bias gather
     (``table[index]``, a scatter-add) to a parallel OpenMP loop of atomic adds whose order, and so whose float
-    sum, depends on thread timing: a killed and resumed compiled run then sometimes ended with a different bias
-    table on two cores (the CI failure of 2026-11-23; reproduced with a cold inductor cache). With the flag the
-    scatter-add runs as ATen's ``index_put_``, as in eager mode. CUDA models are left as they are (Triton's atomic
+    sum, depends on thread timing: a killed and resumed compiled run could end with another bias table than the
+    uninterrupted one on two cores (seen with a cold inductor cache). With the flag the scatter-add runs as ATen's
+    ``index_put_``, as in eager mode. CUDA models are left as they are (Triton's atomic
     adds keep their speed; bit-exact resume is promised on the CPU only).
 
     A CPU model is also compiled without inductor's layout optimisation (``layout_optimization: False``, for this
