@@ -34,7 +34,6 @@ def test_throughput_prints_a_table_and_writes_json_against_the_baseline(tmp_path
     assert "lipsformer_swin_t" in printed and "per-FLOP" in printed
 
 
-@pytest.mark.slow
 def test_training_memory_targets_at_batch_16():
     """Bytes autograd saves in a training step (224 px, fp32, CPU): <= 1.1x swin_tiny's for both families,
     <= 0.6x with gradient checkpointing."""

@@ -283,7 +283,6 @@ def test_ema_of_fsdp_shards_matches_the_whole_model_ema(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank_0.ok", "rank_1.ok"]
 
 
-@pytest.mark.slow
 def test_two_processes_split_the_data_and_count_val_once(tmp_path):
     config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2, max_bad_fraction=0.1)
     broken = tmp_path / "data" / "train" / "class_1" / "0.jpg"  # read by one of the processes
