@@ -183,6 +183,13 @@ def test_a_missing_tracker_package_or_an_unknown_tracker_is_one_line_and_nothing
         refused(capsys, TRAIN.main, argv + ["log_with=aim"], tmp_path, "log_with aim needs aim", "pip install aim")
     refused(capsys, TRAIN.main, argv + ["log_with=wandbb"], tmp_path, "log_with must be one of",
             "got 'wandbb' (did you mean wandb")
+    refused(capsys, TRAIN.main, argv + ["log_with=none"], tmp_path, "got 'none'; [] for none")
+    refused(capsys, TRAIN.main, argv + ["log_with="], tmp_path,
+            "log_with must be a list, got null (an empty list is [])")
+    written = tmp_path / "comma.yaml"  # YAML takes a comma-separated string as one name
+    written.write_text(config.read_text() + "log_with: tensorboard,mlflow\n")
+    refused(capsys, TRAIN.main, ["--config", written], tmp_path,
+            "got 'tensorboard,mlflow': a list is written [tensorboard, mlflow]")
 
 
 def test_a_tracker_that_cannot_start_is_one_line_and_the_run_writes_none_of_its_files(tmp_path, capsys,
@@ -196,6 +203,22 @@ def test_a_tracker_that_cannot_start_is_one_line_and_the_run_writes_none_of_its_
     assert lines[0].startswith("error: log_with mlflow: its run did not start (") and "nosuchscheme" in lines[0]
     assert lines[0].endswith("; fix its settings or leave mlflow out of log_with"), lines[0]
     assert not [p for p in (tmp_path / "run").rglob("*")]  # TensorBoard starts last: no events either
+
+
+def test_a_trackers_own_error_is_said_whole_with_the_advice_it_ends_with(tmp_path, capsys, monkeypatch):
+    """MLflow 3 refuses a file store in a long line whose last words name the fix (MLFLOW_ALLOW_FILE_STORE=true)."""
+    from accelerate import tracking
+
+    class Refusing:
+        requires_logging_directory = False
+
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("The filesystem tracking backend is in maintenance mode. " + "Migrate. " * 40
+                               + "If it is required, set `ALLOW_IT=true` to opt out of this exception.")
+
+    monkeypatch.setitem(tracking.LOGGER_TYPE_TO_CLASS, "mlflow", Refusing)
+    code, _, err = call(capsys, TRAIN.main, ["--config", write_config(tmp_path, epochs=1, log_with=["mlflow"])])
+    assert code == 2 and "set `ALLOW_IT=true` to opt out of this exception.); fix its settings" in err, err
 
 
 # -- the best k -------------------------------------------------------------------------------------------------------

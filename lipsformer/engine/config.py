@@ -214,7 +214,7 @@ class TrainConfig:
             value = getattr(self, key)
             for v in value if isinstance(value, list) else [value]:
                 if v not in allowed:
-                    raise ConfigError(f"{key} must be one of {allowed}, got {v!r}{did_you_mean(v, allowed)}")
+                    raise ConfigError(f"{key} must be one of {allowed}, got {v!r}{_choice_hint(v, allowed, value)}")
         for key, allowed in RANGES.items():
             value = getattr(self, key)
             values = value if isinstance(value, (list, tuple)) else () if value is None else (value,)
@@ -390,7 +390,8 @@ def _check_type(key: str, value: Any, hint) -> Any:
         if isinstance(value, str) and args[0] is str:  # a list of names takes one name: log_with: wandb
             value = [value]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
+            got = "null (an empty list is [])" if value is None else repr(value)
+            raise ConfigError(f"{key} must be a list, got {got}")
         return [_check_type(key, v, args[0]) for v in value]
     if origin in (dict, Dict):
         if not isinstance(value, dict):
@@ -404,6 +405,17 @@ def _check_type(key: str, value: Any, hint) -> Any:
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise ConfigError(f"{key} must be of type {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
+
+
+def _choice_hint(v, allowed, value) -> str:
+    """What to write instead of the value ``v`` of a choice key (of a list of them when ``value`` is a list): the
+    list that a comma-separated string meant, ``[]`` for none, or the closest names."""
+    if isinstance(value, list):
+        parts = [p.strip() for p in str(v).split(",")]
+        if len(parts) > 1 and set(parts) <= set(allowed):
+            return f": a list is written [{', '.join(parts)}]"
+        return did_you_mean(v, allowed) + ("; [] for none" if str(v).lower() in ("none", "null", "") else "")
+    return did_you_mean(v, allowed)
 
 
 def _type_name(hint) -> str:

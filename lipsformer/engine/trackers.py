@@ -151,7 +151,8 @@ def _start(accelerator, cfg, folder, resumed: bool) -> None:
             if name not in record:
                 tracker.store_init_configuration(hparams(cfg))
         except Exception as e:  # noqa: BLE001 - the tracker's own error, said in one line
-            said = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            said = (str(e).strip().splitlines() or [type(e).__name__])[0]  # whole: its advice often comes last
+            said = said if len(said) <= 1000 else said[:1000].rsplit(" ", 1)[0] + " ..."
             again = (f"; it continues the run recorded in {folder.tracker_runs}: remove {name!r} there to start a "
                      f"new one" if name in record else "")
             raise TrackerError(f"log_with {name}: its run did not start ({type(e).__name__}: {said}){again}; fix its "
