@@ -15,7 +15,7 @@ from lipsformer.engine.checkpoint import latest_checkpoint
 from lipsformer.engine.config import ConfigError, TrainConfig, load_config
 from conftest import start_model
 from lipsformer.engine.finetune import eval_frozen
-from lipsformer.engine.train import build_optimizer, train
+from lipsformer.engine.train import build_optimizer, build_scheduler, train
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
 from conftest import TINY, family, load_script, reset_accelerate
@@ -136,6 +136,23 @@ def test_layer_decay_scales_lr_from_patch_embed_smallest_to_head_largest(tmp_pat
     # without layer_decay every group has the base lr
     plain = build_optimizer(config(tmp_path, data), model)
     assert {g["lr"] for g in plain.param_groups} == {1e-2}
+
+
+def test_logged_lr_with_layer_decay_is_the_mean_over_param_groups_as_timm_logs_it(tmp_path, data):
+    """timm's train.py logs the mean of the param groups' lrs; with layer_decay each group's is the schedule's times
+    its layer's scale, so the first group's (the patch embedding's, the smallest) is not the run's."""
+    cfg = config(tmp_path, data, layer_decay=0.5, epochs=2, eval_every_epochs=100)
+    train(cfg)
+    rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] in ("train", "epoch")]
+    assert [r["step"] for r in rows] == [1, 2, 2, 3, 4, 4]  # two updates per epoch
+    optimizer = build_optimizer(cfg, start_model(cfg)[0])
+    scheduler = build_scheduler(cfg, optimizer, 2)
+    for row in rows:
+        scheduler.step_update(row["step"])
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        assert row["lr"] == pytest.approx(sum(lrs) / len(lrs), rel=1e-12) and row["lr"] > lrs[0] * 1.5
+    summary = (tmp_path / "run" / "summary.csv").read_text().splitlines()
+    assert [float(line.split(",")[5]) for line in summary[1:]] == [r["lr"] for r in rows if r["kind"] == "epoch"]
 
 
 @pytest.mark.parametrize("freeze, freeze_stages, fixed, trained", [

@@ -223,13 +223,24 @@ def test_non_finite_loss_stops_and_last_good_checkpoint_loads(tmp_path, capsys):
     assert all(torch.isfinite(v).all() for v in weights.values())
 
 
-def test_non_finite_steps_can_be_skipped_and_counted(tmp_path):
+def test_non_finite_steps_can_be_skipped_and_counted(tmp_path, capsys):
+    """Skipped steps are counted; an epoch with no finite batch loss reports its training loss as null with the
+    reason (metrics.jsonl's step and epoch rows, an empty summary.csv cell, ``n/a`` on the console), not 0."""
     from lipsformer.engine.train import train
-    cfg = load_config(write_config(tmp_path), ["epochs=1", "lr=1e30", "on_nonfinite=skip", "mixup=0", "cutmix=0"])
+    cfg = load_config(write_config(tmp_path), ["epochs=2", "lr=1e30", "on_nonfinite=skip", "mixup=0", "cutmix=0"])
     summary = train(cfg)  # the first step blows the logits up; every later loss is non-finite and skipped
-    epoch = [r for r in read_metrics(Path(cfg.output_dir)) if r["kind"] == "epoch"][0]
-    assert summary["skipped_steps"] == epoch["skipped_steps"] == 5
-    assert summary["step"] == 6
+    rows = read_metrics(Path(cfg.output_dir))
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert summary["skipped_steps"] == epochs[1]["skipped_steps"] == 11 and epochs[0]["skipped_steps"] == 5
+    assert summary["step"] == 12
+    reason = "no finite batch loss in the epoch so far"
+    assert epochs[0]["train_loss"] > 0 and "train_loss_reason" not in epochs[0]  # its first batch was finite
+    assert (epochs[1]["train_loss"], epochs[1]["train_loss_reason"]) == (None, reason)
+    steps = [r for r in rows if r["kind"] == "train" and r["epoch"] == 2]
+    assert len(steps) == 6 and all((r["loss"], r["loss_reason"]) == (None, reason) for r in steps)
+    assert (Path(cfg.output_dir) / "summary.csv").read_text().splitlines()[2].split(",")[:2] == ["2", ""]
+    said = capsys.readouterr().out
+    assert "epoch 2/2 step 12 (6/6 batches): loss n/a, lr" in said and "loss 0.0000" not in said
 
 
 def test_each_rank_draws_different_samples_every_epoch(tmp_path):

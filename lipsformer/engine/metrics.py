@@ -3,6 +3,7 @@ them, the running sums of an epoch's training batches, the per-stage |alpha| sta
 from the rows."""
 import csv
 import io
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,16 @@ def summary_csv(rows: List[dict]) -> str:
     return text.getvalue()
 
 
+def logged_lr(optimizer) -> float:
+    """The learning rate a run logs: the mean over the optimizer's parameter groups, as timm's train.py logs it (with
+    ``layer_decay`` each group's lr is the schedule's times its layer's scale)."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    return sum(lrs) / len(lrs)
+
+
+NO_FINITE_LOSS = "no finite batch loss in the epoch so far"
+
+
 @dataclass
 class EpochMeter:
     """The running sums of one epoch's training batches; ``carried`` holds the sums of the batches before a
@@ -74,8 +85,20 @@ class EpochMeter:
     tally: Any = None  # the steps' device-side record (step.py)
 
     @property
-    def loss(self) -> float:  # this process's mean batch loss over the epoch so far
-        return (self.carried.get("loss_sum", 0.0) + self.loss_sum) / max(self.carried.get("loss_n", 0) + self.loss_n, 1)
+    def loss(self) -> float:  # this process's mean finite batch loss over the epoch so far; NaN when none was finite
+        n = self.carried.get("loss_n", 0) + self.loss_n
+        return (self.carried.get("loss_sum", 0.0) + self.loss_sum) / n if n else math.nan
+
+    def loss_figures(self, key: str) -> Dict[str, Any]:
+        """:attr:`loss` as a row's ``key``; with no finite batch loss in the epoch so far it is NaN (null in
+        ``metrics.jsonl``, an empty ``summary.csv`` cell) and ``KEY_reason`` says why."""
+        if math.isfinite(self.loss):
+            return {key: self.loss}
+        return {key: self.loss, f"{key}_reason": NO_FINITE_LOSS}
+
+    def loss_text(self) -> str:
+        """:attr:`loss` as the console shows it: four decimals, or ``n/a`` when no batch loss was finite."""
+        return f"{self.loss:.4f}" if math.isfinite(self.loss) else "n/a"
 
     def read(self, accelerator, cause: bool = False):
         """At a read step: ``tally``'s record (step.py's ``StepTally.read``), its loss sums copied here."""
@@ -126,7 +149,8 @@ def draw_curves(rows: List[dict], title: str):
     epochs = [r for r in rows if r["kind"] == "epoch"]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     fig.suptitle(title)
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss (epoch running mean)")
+    ax1.plot([r["step"] for r in train], [math.nan if r["loss"] is None else r["loss"] for r in train],
+             label="train loss (epoch running mean)")
     for key, label in (("val_loss", "val loss"), ("ema_val_loss", "EMA val loss")):
         pts = [(r["step"], r[key]) for r in epochs if r.get(key) is not None]
         if pts:

@@ -33,7 +33,7 @@ from .ema import ShardEma
 from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
 from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion, restore_kept
-from .metrics import EpochMeter, MetricsLog, alpha_statistics, plot_curves
+from .metrics import EpochMeter, MetricsLog, alpha_statistics, logged_lr, plot_curves
 from .preemption import Preemption, stop_if_preempted
 from .resume import RunFinished, begin, check_resumable, restore, resume_point, verified
 from .run_folder import RunFolder, RunLock, check_output
@@ -290,7 +290,7 @@ def _train(run: _Run) -> dict:
     cfg, state, accelerator = run.cfg, run.state, run.accelerator
     for epoch in range(state.epoch, cfg.epochs):  # epochs count from 1 wherever a user reads them (epoch + 1)
         row = dict(epoch=epoch + 1, **train_one_epoch(run, epoch))
-        row.update(alpha_statistics(accelerator.unwrap_model(run.model)), lr=run.optimizer.param_groups[0]["lr"])
+        row.update(alpha_statistics(accelerator.unwrap_model(run.model)), lr=logged_lr(run.optimizer))
         state.epoch, state.batch_in_epoch, state.epoch_sums = epoch + 1, 0, {}
         if (epoch + 1) % cfg.eval_every_epochs == 0 or epoch + 1 == cfg.epochs:
             row.update(evaluate_and_keep_best(run))
@@ -347,7 +347,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
     totals = meter.totals(accelerator)  # every process's counts and examples, said once by the main process
     check_unreadable(f"epoch {epoch + 1}", totals["failed"], totals["seen"], cfg.max_bad_fraction,
                      totals["failed_paths"], say=accelerator.is_main_process)
-    row = dict(train_loss=meter.loss, bad_samples=totals["failed"], train_samples=totals["seen"],
+    row = dict(**meter.loss_figures("train_loss"), bad_samples=totals["failed"], train_samples=totals["seen"],
                processes=accelerator.num_processes, skipped_steps=state.skipped_steps, seconds=totals["seconds"])
     if attlip_steps is not None:
         row["attlip_train_steps"] = attlip_steps
@@ -412,13 +412,13 @@ def _after_update(run: _Run, meter: EpochMeter, epoch: int, bar) -> None:
     if run.ema is not None:
         run.ema.update(run.model, state.step)
     if log:
-        lr = run.optimizer.param_groups[0]["lr"]
+        lr, loss = logged_lr(run.optimizer), meter.loss_text()
         speed = meter.images / max(time.time() - meter.t0, 1e-9)
-        bar.set_postfix(loss=f"{meter.loss:.4f}", lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
-        run.log("train", state.step, epoch=epoch + 1, loss=meter.loss, lr=lr, img_per_s=speed)
+        bar.set_postfix(loss=loss, lr=f"{lr:.2e}", img_s=f"{speed:.0f}")
+        run.log("train", state.step, epoch=epoch + 1, **meter.loss_figures("loss"), lr=lr, img_per_s=speed)
         if bar.disable and accelerator.is_main_process:  # a log file, not a terminal: one plain line
             accelerator.print(f"epoch {epoch + 1}/{cfg.epochs} step {state.step} ({state.batch_in_epoch}/"
-                              f"{len(run.train_loader)} batches): loss {meter.loss:.4f}, lr {lr:.2e}, "
+                              f"{len(run.train_loader)} batches): loss {loss}, lr {lr:.2e}, "
                               f"{speed:.0f} img/s", flush=True)
     if checkpoint:
         state.epoch_sums = meter.totals(accelerator)  # a resume from this checkpoint completes these sums
