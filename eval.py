@@ -17,10 +17,13 @@ from lipsformer.cli import ArgumentParser, command, json_value, path
 from lipsformer.data import EVAL_DATASETS
 from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
 from lipsformer.engine.evaluate_many import evaluate_many, format_table, row, several
+from lipsformer.engine.run_folder import run_file
 from lipsformer.lipschitz.certify import parse_eps
 from lipsformer.writer import output_file, write_csv, write_json
 
 TABLES = (".json", ".csv")  # what --output writes, by its extension
+FILES = {"--predictions": ((".csv",), "name a .csv file (one row per image)"),
+         "--output": (TABLES, "name a .json or .csv file (its extension says which is written)")}  # what each writes
 
 
 def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
@@ -105,6 +108,26 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def check_files(parser: ArgumentParser, args) -> None:
+    """Refuse (exit 2, before any work) a file flag's path of an extension it does not write (:data:`FILES`), one
+    that would replace a training run's own file or any weights (:func:`run_file`), and both flags naming one file."""
+    seen = {}
+    for flag, (suffixes, hint) in FILES.items():
+        name = getattr(args, flag[2:])
+        if name is None:
+            continue
+        taken = run_file(name)
+        if taken:
+            parser.error(f"{flag} {name} would overwrite {taken[0]}; name another file (e.g. "
+                         f"{taken[1] / ('eval' + suffixes[0])})")
+        if Path(name).suffix.lower() not in suffixes:
+            parser.error(f"{flag} {name}: {hint}")
+        same = Path(name).resolve()
+        if same in seen:
+            parser.error(f"{seen[same]} and {flag} both name {name}; give each its own file")
+        seen[same] = flag
+
+
 @command
 def main(argv=None) -> int:
     parser = build_parser()
@@ -115,8 +138,7 @@ def main(argv=None) -> int:
     if args.checkpoint and len(models) > 1:
         parser.error("--model takes one name with --checkpoint (each checkpoint is built as it); several names are "
                      "evaluated with --pretrained")
-    if args.output and Path(args.output).suffix.lower() not in TABLES:
-        parser.error(f"--output {args.output}: name a .json or .csv file (its extension says which is written)")
+    check_files(parser, args)
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         parser.error(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
     certify_eps = parse_eps(args.certify_eps, "--certify-eps")

@@ -331,6 +331,40 @@ def test_every_file_output_naming_a_folder_is_refused_before_any_work(base, caps
                 f"{base / 'a_file'} is a file, not a folder")
 
 
+def test_eval_outputs_that_would_replace_a_runs_own_files_are_refused_before_any_work(base, capsys):
+    """A training run's own files (run_folder.OUTPUTS, its checkpoints) and any weight file; a new file beside them
+    is written (make demo writes its run's eval.json)."""
+    run, argv = base / "run", ["--checkpoint", base / "run", "--data-dir", base / "data", "--workers", 0]
+    step = sorted(p.name for p in (run / "checkpoints").iterdir())[0]
+    for flag, own in [("--predictions", "metrics.jsonl"), ("--predictions", "summary.csv"),
+                      ("--output", "summary.csv"), ("--output", "classes.json"), ("--output", "config.yaml"),
+                      ("--output", "trackers.json"), ("--output", "last.safetensors")]:
+        refused(capsys, EVAL.main, [*argv, flag, run / own], base,
+                f"eval.py: {flag} {run / own} would overwrite training run {run}'s own {own}; name another file (e.g. "
+                f"{run / ('eval.csv' if flag == '--predictions' else 'eval.json')})")
+    manifest = run / "checkpoints" / step / "manifest.json"
+    refused(capsys, EVAL.main, [*argv, "--output", manifest], base,
+            f"--output {manifest} would overwrite a file in training run {run}'s checkpoints/; name another file")
+    weights = base / "w.safetensors"
+    shutil.copy(run / "last.safetensors", weights)
+    refused(capsys, EVAL.main, [*argv, "--output", weights], base,
+            f"eval.py: --output {weights} would overwrite weights; name another file (e.g. {base / 'eval.json'})")
+    weights.unlink()
+    code, out, err = call(capsys, EVAL.main, [*argv, "--output", run / "eval.json", "--predictions", run / "p.csv"])
+    assert code == 0 and f"wrote: {run / 'p.csv'}, {run / 'eval.json'}" in out + err, (out, err)
+    (run / "eval.json").unlink(), (run / "p.csv").unlink()
+
+
+def test_eval_predictions_other_than_csv_and_two_flags_naming_one_file_are_refused(base, capsys):
+    argv = ["--checkpoint", base / "run", "--data-dir", base / "data", "--workers", 0]
+    for name in ("p.json", "p.jsonl", "p"):
+        refused(capsys, EVAL.main, [*argv, "--predictions", base / name], base,
+                f"eval.py: --predictions {base / name}: name a .csv file (one row per image)")
+    refused(capsys, EVAL.main, [*argv, "--predictions", base / "x.csv", "--output", base / "data" / ".." / "x.csv"],
+            base, f"eval.py: --predictions and --output both name {base / 'data' / '..' / 'x.csv'}; give each its own "
+                  f"file")
+
+
 def test_an_output_on_a_read_only_file_system_is_refused_naming_it_before_any_work(base, capsys, tmp_path,
                                                                                   monkeypatch):
     from lipsformer import flops

@@ -31,7 +31,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from ..errors import Mistake, Stopped
 from ..writer import TMP_PREFIX, WriteFailed, check_target, remove, replacing, to_json, write_held
@@ -69,6 +69,23 @@ def read_metrics(path: Path) -> List[dict]:
     text = path.read_text()
     lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def run_file(path) -> Optional[Tuple[str, Path]]:
+    """What writing the file ``path`` would overwrite of a training run (a phrase: ``training run R's own
+    summary.csv``), with the folder where a new file may go instead; None when it overwrites nothing. In a folder that
+    is a run (:meth:`RunFolder.is_run`): its own files (:data:`OUTPUTS`, its lock) and anything in its own folders
+    (checkpoints, ``best/``, the TensorBoard folder); anywhere: an existing weight file (``*.safetensors``). A new file
+    beside a run's own (``eval.json``) overwrites nothing."""
+    path = Path(path).absolute()
+    for run in path.parents:
+        own = path.relative_to(run).parts[0]
+        if own in (*OUTPUTS, CHECKPOINTS, LOCK) and RunFolder(run).is_run():
+            return (f"training run {run}'s own {own}" if own == path.name else
+                    f"a file in training run {run}'s {own}/"), run
+    if path.suffix == ".safetensors" and path.exists():
+        return "weights", path.parent
+    return None
 
 
 def check_output(folder: "RunFolder") -> None:
