@@ -87,7 +87,7 @@ def read_metrics(run: Path):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps: int, timeout: float = 240) -> None:
+def assert_killed_run_resumes_exactly(config: Path, tmp_path: Path, total_steps: int, timeout: float = 600) -> None:
     """Train ``config`` once uninterrupted, once killed with SIGKILL mid-epoch 2 (after step 8 is on disk) and
     resumed with ``--resume auto``: both end with the same weights and EMA, bit for bit. The first two run side by
     side, one thread each (so that every run sums in the same order)."""
@@ -132,7 +132,7 @@ def torchrun(script, *args, procs=2, cwd=ROOT, exitcode=0) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([launcher, "--nnodes", "1", "--nproc_per_node", str(procs), "--master_addr", "127.0.0.1",
                            "--master_port", str(free_port()), str(script), *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
     if exitcode == 0:
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:  # torchrun names the process that failed first, and its exit code

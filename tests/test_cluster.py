@@ -97,7 +97,7 @@ def test_a_kill_during_the_preemption_checkpoint_leaves_the_previous_one_the_new
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(PROBE), "--signal-at-step", "2", "--kill-in-save", "2", "--",
                            "--config", str(config), "--output-dir", str(run)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (run / "checkpoints" / ".tmp-step_000000002").is_dir()
     assert latest_checkpoint(run).name == "step_000000001"
@@ -263,7 +263,7 @@ def test_slurm_launch_lines_parse(tmp_path, monkeypatch):
                             ("accelerate", dict(ACCELERATE_CONFIG=str(SLURM / "fsdp2_multinode.yaml")))):
         env = fake_slurm(tmp_path, FAKE_SLURM_ECHO="1", SLURM_SUBMIT_DIR=str(ROOT), **extra)
         proc = subprocess.run(["bash", str(SLURM / "train_multinode.sbatch"), "--config", "my config.yaml"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr
         echoed = json.loads(proc.stdout)
         bash, c, command = echoed["command"]
@@ -301,7 +301,7 @@ def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(t
     env = fake_slurm(tmp_path)
     command = ["bash", str(SLURM / "train.sbatch"), "--config", str(config), "--output-dir", str(run)]
     job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline, steps = time.time() + 300, []
+    deadline, steps = time.time() + 600, []
     while time.time() < deadline and job.poll() is None:
         steps = [r["step"] for r in read_metrics(run) if r["kind"] == "train"] if (run / "metrics.jsonl").exists() \
             else []
@@ -309,7 +309,7 @@ def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(t
             break
         time.sleep(0.05)
     job.send_signal(signal.SIGUSR1)
-    out, err = job.communicate(timeout=300)
+    out, err = job.communicate(timeout=600)
     assert job.returncode == 0, err[-3000:]
     assert (tmp_path / "slurm.log").read_text() == "requeue 42\n"
     stopped = latest_checkpoint(run)
@@ -317,7 +317,7 @@ def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(t
     assert max(steps) <= last == int(stopped.name.split("_")[1]) < 6, "stopped at the next step, mid-run"
     assert err.count("preempted: SIGUSR1 received") == 1
 
-    job = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # the requeued job
+    job = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # the requeued job
     assert job.returncode == 0, job.stderr[-3000:]
     assert (tmp_path / "slurm.log").read_text() == "requeue 42\n"  # done: not requeued again
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][len(range(1, last + 1)):][0] == last + 1

@@ -308,7 +308,7 @@ def test_a_mistake_under_torchrun_is_said_once_and_every_process_exits_with_its_
     for proc, line in ((every, "error: unknown config key(s): lrr (did you mean lr?); train.py --list-keys lists them"),
                        (one, f"error: rank 1 of 2: data_dir {tmp_path / 'data_1'}: no such folder (it should hold "
                              f"train/ and val/, one sub-folder per class)")):
-        said = proc.communicate(timeout=300)[0]
+        said = proc.communicate(timeout=600)[0]
         assert proc.returncode != 0 and [x for x in said.splitlines() if x.startswith("error:")] == [line], said
         assert re.findall(r"exitcode +: (-?\d+)", said) == ["2", "2"], said  # torchrun's table: each rank's code
         assert "bug:" not in said

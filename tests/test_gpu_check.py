@@ -103,7 +103,7 @@ def test_gpu_sh_installs_the_project_then_stops_in_one_line_without_cuda(tmp_pat
     site, out = tmp_path / "site", tmp_path / "out"
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--python", sys.executable, "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, LIPSFORMER_SITE=str(site)),
-                          timeout=300)
+                          timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "error: torch sees no CUDA device"
     assert (site / "lipsformer" / "models" / "lipsformer_swin.py").is_file()
@@ -113,7 +113,7 @@ def test_gpu_sh_installs_the_project_then_stops_in_one_line_without_cuda(tmp_pat
 def test_gpu_sh_refuses_an_unknown_step_in_one_line(tmp_path):
     import subprocess
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--out", str(tmp_path / "out"), "--only",
-                           "tests,bench"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                           "tests,bench"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --only takes steps among tests, matrix, base (comma-separated), got bench"]
