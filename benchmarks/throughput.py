@@ -160,8 +160,8 @@ def block_parts(model, x) -> list:
     out = []
     for b in blocks:
         if isinstance(b, LipsBlock):
-            parts = [("convs", b.convs), ("attention", lambda t, b=b: b.norm1(b._residual(b.res_attn, b.attn, t))),
-                     ("mlp", lambda t, b=b: b.norm2(b._residual(b.res_mlp, b.mlp, t)))]
+            parts = [("convs", b.convs), ("attention", lambda t, b=b: b._residual(b.res_attn, b.attn, b.norm1, t)),
+                     ("mlp", lambda t, b=b: b._residual(b.res_mlp, b.mlp, b.norm2, t))]
         elif isinstance(b, SwinTransformerBlock):
             parts = [("attention", lambda t, b=b: t + b.drop_path1(b._attn(b.norm1(t)))),
                      ("mlp", lambda t, b=b: t + b.drop_path2(b.mlp(b.norm2(t))))]

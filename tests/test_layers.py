@@ -9,6 +9,17 @@ from torch import nn
 
 from lipsformer.layers import (AttentionKernel, CenterNorm, ConvBlocks, WeightedResidual, dot_attention, init_weights,
                                l2_attention, scsa, largest_singular_value, window_partition, window_reverse)
+from lipsformer.layers.fused import use_fused_ops
+
+
+@pytest.fixture(autouse=True, params=["fused", "plain"])
+def fused_ops(request):
+    """Every test runs with the fused ops on and off (the plain composition of aten ops, as under torch.compile),
+    but for those that test the fused ops themselves (marked ``fused_only``)."""
+    if request.param == "plain" and request.node.get_closest_marker("fused_only"):
+        pytest.skip("tests the fused ops themselves")
+    with use_fused_ops(request.param == "fused"):
+        yield request.param
 
 
 # -- CenterNorm (eq. 2) -------------------------------------------------------------------------
@@ -35,34 +46,46 @@ def test_centernorm_jacobian_spectral_norm_is_d_over_d_minus_1(dim):
     assert torch.linalg.matrix_norm(jac, ord=2).item() == pytest.approx(dim / (dim - 1), rel=1e-12)
 
 
-def test_centernorm_backward_is_exact_and_keeps_what_autograd_keeps():
-    """The recorded CenterNorm (_CenterNorm, a shorter backward): float64 gradients of input, weight and bias against
-    finite differences and against autograd of eq. 2; one activation kept, as autograd keeps."""
+@pytest.mark.fused_only
+@pytest.mark.parametrize("residual", [False, True])
+def test_centernorm_backward_is_exact_and_keeps_what_autograd_keeps(residual):
+    """CenterNorm, alone and as ``CN(x + m * h)`` after a weighted residual with DropPath draws (one fused op
+    forward and one backward): float64 gradients of every input against finite differences and against autograd of
+    eq. 2; one activation kept, as autograd keeps; an input-gradient penalty (create_graph) differentiates exactly as
+    through the plain expression."""
+    from lipsformer.layers.fused import residual_center_norm
     norm = CenterNorm(6).double()
     with torch.no_grad():
         norm.weight.copy_(torch.randn(6))
         norm.bias.copy_(torch.randn(6))
     x = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
-    from lipsformer.layers.norm import _CenterNorm
-    assert torch.autograd.gradcheck(lambda t, w, b: _CenterNorm.apply(t, w, b, 6 / 5), (x, norm.weight, norm.bias))
-    # an input-gradient penalty (create_graph) differentiates exactly as through the plain expression
+    h = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True) if residual else None
+    mask = torch.tensor([1.0, 0.0], dtype=torch.float64) if residual else None
+
+    def fused(t, w, b):
+        return residual_center_norm(t, h, mask, 0.8, w, b, 6 / 5)
+
+    def plain(t, w=norm.weight, b=norm.bias):
+        s = t if h is None else t + h * (mask / 0.8).view(2, 1, 1, 1)
+        return w * 6 / 5 * (s - s.mean(-1, keepdim=True)) + b
+
+    assert torch.autograd.gradcheck(fused, (x, norm.weight, norm.bias))
     def penalty_grads(f):
         gx, = torch.autograd.grad(f(x).pow(2).sum(), x, create_graph=True)
         return torch.autograd.grad(gx.pow(2).sum(), (x, norm.weight))
-    plain_norm = lambda t: norm.weight * 6 / 5 * (t - t.mean(-1, keepdim=True)) + norm.bias  # noqa: E731
-    for got, want in zip(penalty_grads(lambda t: _CenterNorm.apply(t, norm.weight, norm.bias, 6 / 5)),
-                         penalty_grads(plain_norm)):
+    for got, want in zip(penalty_grads(lambda t: fused(t, norm.weight, norm.bias)), penalty_grads(plain)):
         torch.testing.assert_close(got, want)
-    out = norm(x)
-    assert type(out.grad_fn).__name__ == "_CenterNormBackward"
-    plain = norm.weight * 6 / 5 * (x - x.mean(-1, keepdim=True)) + norm.bias
-    torch.testing.assert_close(out, plain)
+    out = norm.residual(x, h, mask, 0.8) if residual else norm(x)
+    assert type(out.grad_fn).__name__ == "GeneratedBackwardFor_lipsformer_residual_center_norm_defaultBackward"
+    torch.testing.assert_close(out, plain(x))
     g = torch.randn_like(out)
-    inputs = (x, norm.weight, norm.bias)
-    for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(plain, inputs, g)):
+    inputs = tuple(t for t in (x, h, norm.weight, norm.bias) if t is not None)
+    for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(plain(x), inputs, g)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
-    assert len(_saved_storages(norm, x)[1] - params) == 1
+    params = {p.untyped_storage().data_ptr() for p in norm.parameters()} | (
+        {mask.untyped_storage().data_ptr()} if residual else set())
+    kept = _saved_storages(lambda: fused(x, norm.weight, norm.bias))[1] - params
+    assert len(kept) == 1 and x.untyped_storage().data_ptr() not in kept
 
 
 def test_centernorm_rejects_one_channel():
@@ -96,26 +119,31 @@ def test_scsa_equals_explicit_softmax_formula(fused, with_bias, nu):
     torch.testing.assert_close(out, _explicit_scsa(q, k, v, 10.0, bias, nu=nu))
 
 
+@pytest.mark.fused_only
 @pytest.mark.parametrize("scale", [1.0, 10.0, 0.3])
-def test_l2_normalize_backward_keeps_its_contiguous_output_and_has_exact_gradients(scale):
-    """The recorded l2_normalize (_L2Normalize): float64 gradients against finite differences and against autograd
-    of the plain expression; its output is contiguous from a transposed input, and backward keeps that output and
-    the row norms, not the input (so a projection that q and k are views of is not kept)."""
-    from lipsformer.layers.attention import _L2Normalize, l2_normalize
-    x = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
-    assert torch.autograd.gradcheck(lambda t: l2_normalize(t, 1e-12, scale), (x,))
-    gx, = torch.autograd.grad(l2_normalize(x, 1e-12, scale).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):  # the saved 1 / norm is not differentiable
-        gx.pow(2).sum().backward()
-    out = l2_normalize(x, 1e-12, scale)
-    assert type(out.grad_fn).__name__ == "_L2NormalizeBackward" and out.is_contiguous()
-    plain = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12) * scale
-    torch.testing.assert_close(out, plain)
-    g = torch.randn_like(out)
-    torch.testing.assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(plain, x, g)[0],
-                               rtol=1e-12, atol=1e-12)
-    _, kept = _saved_storages(lambda: _L2Normalize.apply(x, 1e-12, scale))
-    assert x.untyped_storage().data_ptr() not in kept and len(kept) == 2
+def test_qk_normalize_keeps_its_contiguous_outputs_and_has_exact_gradients(scale):
+    """SCSA's q and k normalised by one fused op: float64 gradients against finite differences and against autograd
+    of the plain expression; the outputs are contiguous from transposed inputs, and backward keeps those outputs and
+    the row norms, not the inputs (so the projection that q and k are views of is not kept). It is differentiable
+    once: a double backward says so."""
+    from lipsformer.layers.fused import l2_rows_plain, qk_normalize
+    q = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: qk_normalize(a, b, 1e-12, scale), (q, k))
+    gq, = torch.autograd.grad(qk_normalize(q, k, 1e-12, scale)[0].pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        gq.pow(2).sum().backward()
+    qn, kn = qk_normalize(q, k, 1e-12, scale)
+    assert qn.is_contiguous() and kn.is_contiguous()
+    plain = (l2_rows_plain(q, 1e-12, scale), l2_rows_plain(k, 1e-12, 1.0))
+    torch.testing.assert_close(plain[0], q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-12) * scale)
+    for a, b in zip((qn, kn), plain):
+        torch.testing.assert_close(a, b)
+    g = (torch.randn_like(qn), torch.randn_like(kn))
+    for got, want in zip(torch.autograd.grad((qn, kn), (q, k), g), torch.autograd.grad(plain, (q, k), g)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    _, kept = _saved_storages(lambda: qk_normalize(q, k, 1e-12, scale))
+    assert not {q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr()} & kept and len(kept) == 4
 
 
 def test_scsa_learnable_tau_gets_gradient_and_matches_fixed():
@@ -431,22 +459,25 @@ def _saved_storages(fn, *inputs):
     return out, seen
 
 
+@pytest.mark.fused_only
 def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_input():
-    from lipsformer.layers.gelu import gelu_linear, gelu_residual
+    from lipsformer.layers.fused import gelu_residual
+    from lipsformer.layers.gelu import gelu_linear
     u = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
     x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     s = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    s_sample = torch.randn(2, 1, 1, 5, dtype=torch.float64, requires_grad=True)  # alpha with a DropPath mask
+    mask = torch.tensor([0.0, 1.0], dtype=torch.float64)  # a DropPath draw, divided by keep 0.7
+    dropped = lambda x, u, s: gelu_residual(x, u, s, mask, 0.7)  # noqa: E731
     assert torch.autograd.gradcheck(gelu_linear, (u, w, b))
     assert torch.autograd.gradcheck(gelu_linear, (u, w, None))
     assert torch.autograd.gradcheck(gelu_residual, (x, u, s))
-    assert torch.autograd.gradcheck(gelu_residual, (x, u, s_sample))
+    assert torch.autograd.gradcheck(dropped, (x, u, s))
     assert torch.autograd.gradgradcheck(gelu_linear, (u, w, b))  # double backward (gradient penalties) is exact
-    assert torch.autograd.gradgradcheck(gelu_residual, (x, u, s_sample))
+    assert torch.autograd.gradgradcheck(dropped, (x, u, s))
     # batched gradients (autograd's legacy vmap: jacobian(vectorize=True)) run through the backward passes
-    for f in (lambda t: gelu_linear(t, w, b), lambda t: gelu_residual(x, t, s_sample)):
+    for f in (lambda t: gelu_linear(t, w, b), lambda t: dropped(x, t, s)):
         out = f(u)
         eye = torch.eye(out.numel(), dtype=out.dtype)[:7].view(7, *out.shape)
         batched, = torch.autograd.grad(out, u, eye, is_grads_batched=True, retain_graph=True)
@@ -454,6 +485,7 @@ def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_inp
             torch.testing.assert_close(batched[i], torch.autograd.grad(out, u, eye[i], retain_graph=True)[0])
     torch.testing.assert_close(gelu_linear(u, w, b), F.linear(F.gelu(u), w, b), rtol=0, atol=0)
     torch.testing.assert_close(gelu_residual(x, u, s), x + F.gelu(u) * s)
+    torch.testing.assert_close(dropped(x, u, s), x + F.gelu(u) * s * (mask / 0.7).view(2, 1, 1, 1))
     # under torch.func (the Lipschitz estimators' jvp / vjp) the plain ops run, with exact derivatives
     tangent = torch.randn_like(u)
     for fused, plain in ((lambda t: gelu_linear(t, w, b), lambda t: F.linear(F.gelu(t), w, b)),
@@ -521,7 +553,7 @@ def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backw
         return out, [p.grad.clone() for p in model.parameters()], total
 
     folded = run()
-    monkeypatch.setattr(LipsBlock, "_residual", staticmethod(lambda res, branch, x: res(x, branch(x))))
+    monkeypatch.setattr(LipsBlock, "_residual", staticmethod(lambda res, branch, norm, x: norm(res(x, branch(x)))))
     plain = run()
     torch.testing.assert_close(folded[0], plain[0], rtol=1e-12, atol=1e-12)
     for a, b in zip(folded[1], plain[1]):
@@ -529,13 +561,16 @@ def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backw
     assert folded[2] < plain[2]
 
 
+@pytest.mark.fused_only
 def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
-    """torch.compile decides itself what backward keeps; the custom functions would only slow its tracing."""
-    from lipsformer.layers.gelu import gelu_linear, gelu_residual
+    """torch.compile decides itself what backward keeps and fuses the plain ops itself; the custom functions would
+    only slow its tracing."""
+    from lipsformer.layers.fused import gelu_residual
+    from lipsformer.layers.gelu import gelu_linear
     u, x = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
     w, s = torch.randn(5, 4), torch.randn(4)
     assert type(gelu_linear(u, w).grad_fn).__name__ == "_FusedLinearBackward"
-    assert "Gelu" in type(gelu_residual(x, u, s).grad_fn).__name__
+    assert "gelu_residual" in type(gelu_residual(x, u, s).grad_fn).__name__
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert type(gelu_linear(u, w).grad_fn).__name__ == "MmBackward0"
     assert type(gelu_residual(x, u, s).grad_fn).__name__ == "AddcmulBackward0"

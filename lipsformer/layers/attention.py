@@ -12,45 +12,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .gelu import records_grad
+from .fused import l2_rows_plain, qk_normalize
 
 ATTENTIONS = ("scsa", "dot", "l2")
 
 
-class _L2Normalize(torch.autograd.Function):
-    """:func:`l2_normalize` keeping its (contiguous) output and the per-row ``1 / norm`` for backward instead of
-    its input: the attention's matrix products keep the same output, and the projection that ``x`` is a view of
-    is kept by nobody (three C-wide activations per block less, with the values' own copy)."""
-
-    @staticmethod
-    def forward(ctx, x, eps, scale):
-        r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-        torch.mul(x, r * scale, out=out)
-        ctx.save_for_backward(out, r)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    @once_differentiable  # the saved 1 / norm is not differentiable: a create_graph backward raises
-    def backward(ctx, grad):
-        out, r = ctx.saved_tensors
-        s = ctx.scale
-        # d(s x r)/dx g = s r (g - x_hat (x_hat . g)) = s r (g - out (out . g) / s^2), x_hat = x r = out / s:
-        # three passes over the activation (a product, addcmul, an in-place scaling) where the plain formula takes five
-        dot = (out * grad).sum(-1, keepdim=True)
-        return torch.addcmul(grad, out, dot, value=-1.0 / (s * s)).mul_(r * s), None, None
-
-
 def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    r"""Smoothed l2 row normalisation of LipsFormer eq. 6, times ``scale`` (a positive float):
-    :math:`s\,x / \sqrt{\|x\|^2 + \epsilon}`. Recorded for backward, it returns a contiguous tensor and keeps
-    that output (:class:`_L2Normalize`; outside torch.func and torch.compile, which see the plain ops)."""
-    if records_grad(x) and scale > 0:
-        return _L2Normalize.apply(x, eps, float(scale))
-    return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
+    r"""Smoothed l2 row normalisation of LipsFormer eq. 6, times ``scale``:
+    :math:`s\,x / \sqrt{\|x\|^2 + \epsilon}` (SCSA's q and k go through one fused op,
+    :func:`lipsformer.layers.fused.qk_normalize`)."""
+    return l2_rows_plain(x, eps, scale)
 
 
 def fused_mask(bias: torch.Tensor, align: int) -> torch.Tensor:
@@ -94,10 +66,9 @@ def scsa(q, k, v, tau, bias=None, nu: Optional[float] = None, eps: float = 1e-12
     the normalisation of q.
     """
     if isinstance(tau, torch.Tensor):  # learnable: SDPA's scale must be a float
-        q = l2_normalize(q, eps) * tau.to(q.dtype)
+        q, k = l2_normalize(q, eps) * tau.to(q.dtype), l2_normalize(k, eps)
     else:
-        q = l2_normalize(q, eps, float(tau))
-    k = l2_normalize(k, eps)
+        q, k = qk_normalize(q, k, eps, float(tau))
     if nu is not None:
         v = l2_normalize(v, eps, nu) if isinstance(nu, float) else l2_normalize(v, eps) * nu
     return _softmax_attention(q, k, v, 1.0, bias, fused)

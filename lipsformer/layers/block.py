@@ -80,14 +80,15 @@ class LipsBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.convs(x)
-        x = self.norm1(self._residual(self.res_attn, self.attn, x))
-        return self.norm2(self._residual(self.res_mlp, self.mlp, x))
+        x = self._residual(self.res_attn, self.attn, self.norm1, x)
+        return self._residual(self.res_mlp, self.mlp, self.norm2, x)
 
     @staticmethod
-    def _residual(res: nn.Module, branch: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``res(x, branch(x))``; a weighted residual's ``alpha`` is folded into the branch's last linear map when the
-        branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), so that backward keeps no copy of the
-        branch's output for alpha's gradient (two C-wide activations per block)."""
+    def _residual(res: nn.Module, branch: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(res(x, branch(x)))``; a weighted residual's ``alpha`` is folded into the branch's last linear map
+        when the branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), so that backward keeps no copy
+        of the branch's output for alpha's gradient (two C-wide activations per block), and the sum and a
+        CenterNorm after it are one fused op."""
         if isinstance(res, WeightedResidual) and isinstance(branch, ScaledOutput):
-            return res.add_scaled(x, branch(x, out_scale=res.alpha))
-        return res(x, branch(x))
+            return res.add_scaled(x, branch(x, out_scale=res.alpha), None if isinstance(norm, nn.Identity) else norm)
+        return norm(res(x, branch(x)))

@@ -15,28 +15,34 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
+from .fused import scale_rows, scale_rows_backward
+
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward(grad_out.to(u.dtype), u)
 
 
-def _folded(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[torch.Tensor]):
-    """``weight`` and ``bias`` with the per-output-channel ``scale`` multiplied in (both as given when it is None)."""
+def _folded(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+            input_scale: float = 1.0):
+    """``weight`` and ``bias`` with the per-output-channel ``scale`` multiplied in (both as given when it is None),
+    and the weight by ``input_scale``, by one fused op (:func:`lipsformer.layers.fused.scale_rows`)."""
     if scale is None:
-        return weight, bias
-    return weight * scale.unsqueeze(1), None if bias is None else bias * scale
+        return (weight, bias) if input_scale == 1.0 else (weight * input_scale, bias)
+    return scale_rows(weight, bias, scale, input_scale)
 
 
 class _FusedLinear(torch.autograd.Function):
-    """``F.linear(h, weight * scale[:, None], bias * scale)`` with ``h = GELU(u)`` or ``u``, keeping for backward
+    """``F.linear(h * c, weight * scale[:, None], bias * scale)`` with ``h = GELU(u)`` or ``u`` and a constant ``c``
+    (``input_scale``, folded into the weight), keeping for backward
     only ``u`` and the parameters: not the GELU's output (recomputed), not the scaled weight (recomputed), not the
-    output (the scale's gradient comes from the weight's: ``rowsum(W * grad_W') + b * grad_b'``)."""
+    output (the scale's gradient comes from the weight's: ``rowsum(W * grad_W') + b * grad_b'``, in the fused
+    backward of :func:`lipsformer.layers.fused.scale_rows`)."""
 
     @staticmethod
-    def forward(ctx, u, weight, bias, scale, gelu):
+    def forward(ctx, u, weight, bias, scale, gelu, input_scale):
         ctx.save_for_backward(u, weight, bias, scale)
-        ctx.gelu = gelu
-        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale))
+        ctx.gelu, ctx.input_scale = gelu, input_scale
+        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale, input_scale))
 
     @staticmethod
     def backward(ctx, grad):
@@ -44,40 +50,20 @@ class _FusedLinear(torch.autograd.Function):
         need_u, need_w, need_b, need_s = ctx.needs_input_grad[:4]
         grad_u = grad_w = grad_b = grad_s = None
         if need_u:
-            grad_h = grad @ _folded(weight, None, scale)[0].to(grad.dtype)
+            grad_h = grad @ _folded(weight, None, scale, ctx.input_scale)[0].to(grad.dtype)
             grad_u = _gelu_grad(grad_h, u) if ctx.gelu else grad_h.to(u.dtype)
         flat = grad.reshape(-1, grad.shape[-1])
         if need_w or need_s:
             h = (F.gelu(u) if ctx.gelu else u).to(grad.dtype)
-            folded_w = (flat.t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)  # the scaled weight's gradient
-            grad_w = folded_w if scale is None else folded_w * scale.unsqueeze(1)
-        if bias is not None and (need_b or need_s):
-            folded_b = flat.sum(0).to(bias.dtype)
-            grad_b = folded_b if scale is None else folded_b * scale
-        if need_s:
-            grad_s = (folded_w * weight).sum(1)
-            if bias is not None:
-                grad_s = grad_s + folded_b * bias
-            grad_s = grad_s.to(scale.dtype)
-        return grad_u, grad_w if need_w else None, grad_b if need_b else None, grad_s, None
-
-
-class _GeluResidual(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, u, scale):
-        ctx.save_for_backward(u, scale)
-        ctx.x_dtype = x.dtype
-        return torch.addcmul(x, F.gelu(u), scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        u, scale = ctx.saved_tensors
-        grad_x = grad.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        grad_u = _gelu_grad(grad * scale, u) if ctx.needs_input_grad[1] else None
-        grad_scale = None
-        if ctx.needs_input_grad[2]:
-            grad_scale = (grad * F.gelu(u)).sum_to_size(scale.shape).to(scale.dtype)
-        return grad_x, grad_u, grad_scale
+            grad_w = (flat.t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)  # the scaled weight's gradient
+        if bias is not None and (need_w or need_b or need_s):
+            grad_b = flat.sum(0).to(bias.dtype)
+        if scale is not None and (need_w or need_b or need_s):
+            grad_w, grad_b, grad_s = scale_rows_backward(grad_w, grad_b, weight, bias, scale, ctx.input_scale)
+        elif ctx.input_scale != 1.0 and grad_w is not None:
+            grad_w = grad_w * ctx.input_scale
+        return (grad_u, grad_w if need_w else None, grad_b if need_b else None, grad_s if need_s else None, None,
+                None)
 
 
 def records_grad(*tensors) -> bool:
@@ -95,12 +81,12 @@ def records_grad(*tensors) -> bool:
 
 @register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
 def fused_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 scale: Optional[torch.Tensor] = None, gelu: bool = False) -> torch.Tensor:
-    """``scale * F.linear(GELU(u) if gelu else u, weight, bias)`` (``scale`` per output channel, or None), saving
-    only ``u`` and the parameters for backward."""
+                 scale: Optional[torch.Tensor] = None, gelu: bool = False, input_scale: float = 1.0) -> torch.Tensor:
+    """``scale * F.linear(input_scale * (GELU(u) if gelu else u), weight, bias)`` (``scale`` per output channel, or
+    None; ``input_scale`` a constant, folded into the weight), saving only ``u`` and the parameters for backward."""
     if not records_grad(u, weight, bias, scale):
-        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale))
-    return _FusedLinear.apply(u, weight, bias, scale, gelu)
+        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale, input_scale))
+    return _FusedLinear.apply(u, weight, bias, scale, gelu, float(input_scale))
 
 
 @register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
@@ -108,12 +94,3 @@ def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(F.gelu(u), weight, bias)`` (times ``scale``), saving only ``u`` (and the parameters) for backward."""
     return fused_linear(u, weight, bias, scale, gelu=True)
-
-
-@register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
-def gelu_residual(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x + F.gelu(u) * scale`` (one ``addcmul``), ``scale`` broadcasting over ``u``, saving only ``u`` (and the
-    small ``scale``) for backward."""
-    if not records_grad(x, u, scale):
-        return torch.addcmul(x, F.gelu(u), scale)
-    return _GeluResidual.apply(x, u, scale)

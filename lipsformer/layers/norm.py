@@ -1,39 +1,12 @@
 """Normalisation layers: CenterNorm (LipsFormer eq. 2) and the ablation alternatives."""
+from typing import Optional
+
 import torch
 from torch import nn
 
-from .gelu import records_grad
+from .fused import residual_center_norm
 
 NORMS = ("center", "layer", "none")
-
-
-class _CenterNorm(torch.autograd.Function):
-    """:class:`CenterNorm`'s forward with a backward in four passes over the activation: autograd's, through the
-    mean and the broadcast affine map, takes nine (several times LayerNorm's cost at stage 1 of Swin-T). Keeps the
-    centred input, as autograd does. Under ``create_graph`` the input's gradient stays exact to any order (it does not
-    read the centred input: an input-gradient penalty is exact, tested), but the weight's gradient is not
-    differentiated with respect to the input (the saved centred input carries no graph)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, scale):
-        xc = x - x.mean(-1, keepdim=True)
-        ctx.save_for_backward(xc, weight)
-        ctx.scale = scale
-        return torch.addcmul(bias, xc, weight * scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        xc, weight = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
-        rows = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[0]:
-            grad_xc = grad * (weight * ctx.scale)
-            grad_x = grad_xc.sub_(grad_xc.mean(-1, keepdim=True))
-        if ctx.needs_input_grad[1]:
-            grad_w = (rows * xc.reshape(rows.shape)).sum(0) * ctx.scale
-        if ctx.needs_input_grad[2]:
-            grad_b = rows.sum(0)
-        return grad_x, grad_w, grad_b, None
 
 
 class CenterNorm(nn.Module):
@@ -43,7 +16,8 @@ class CenterNorm(nn.Module):
 
     Unlike LayerNorm it does not divide by the standard deviation, so it is Lipschitz with
     constant ``D/(D-1) * max|gamma|`` (``D/(D-1)`` at initialisation, gamma = 1, beta = 0).
-    Parameters are named ``weight`` (gamma) and ``bias`` (beta) as in the released code.
+    Parameters are named ``weight`` (gamma) and ``bias`` (beta) as in the released code. One fused op forward and
+    one backward (:mod:`lipsformer.layers.fused`), keeping the centred input for backward, as autograd does.
     """
 
     def __init__(self, dim: int):
@@ -56,10 +30,13 @@ class CenterNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if records_grad(x, self.weight, self.bias):
-            return _CenterNorm.apply(x, self.weight, self.bias, self.scale)
-        x = x - x.mean(-1, keepdim=True)
-        return torch.addcmul(self.bias, x, self.weight * self.scale)
+        return residual_center_norm(x, None, None, 1.0, self.weight, self.bias, self.scale)
+
+    def residual(self, x: torch.Tensor, h: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                 keep: float = 1.0) -> torch.Tensor:
+        """``CN(x + m * h)``, ``m = mask / keep`` per sample (a weighted residual's DropPath), as one fused op
+        (:func:`lipsformer.layers.fused.residual_center_norm`)."""
+        return residual_center_norm(x, h, mask, keep, self.weight, self.bias, self.scale)
 
     def extra_repr(self) -> str:
         return f"{self.dim}"

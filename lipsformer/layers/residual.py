@@ -6,7 +6,9 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .gelu import fused_linear, gelu_residual
+from .fused import drop_factor, gelu_residual
+from .gelu import fused_linear
+from .norm import CenterNorm
 
 RESIDUALS = ("add", "convex")
 
@@ -17,17 +19,19 @@ class ScaledOutput:
     ``f(x)``). :class:`lipsformer.layers.LipsBlock` gives it a weighted residual's ``alpha``."""
 
 
-def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``scale * linear(h)``, ``scale`` per output channel, as one linear map with the scale folded into its weight
-    and bias (:func:`lipsformer.layers.gelu.fused_linear`). Backward then keeps only ``h`` (which the linear map
-    keeps anyway) and the parameters: no copy of the output for the scale's gradient, which comes from the folded
-    map's own (``rowsum(W * grad_W') + b * grad_b'``). A module with its own forward (not ``nn.Linear``'s) or with
-    hooks is called and its output scaled."""
-    if scale is None:
-        return linear(h)
+def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tensor],
+                  input_scale: float = 1.0) -> torch.Tensor:
+    """``scale * linear(input_scale * h)``, ``scale`` per output channel, as one linear map with the scales folded
+    into its weight and bias (:func:`lipsformer.layers.gelu.fused_linear`). Backward then keeps only ``h`` (which
+    the linear map keeps anyway) and the parameters: no copy of the output for the scale's gradient, which comes
+    from the folded map's own (``rowsum(W * grad_W') + b * grad_b'``). A module with its own forward (not
+    ``nn.Linear``'s) or with hooks is called and its output scaled."""
     if type(linear).forward is not nn.Linear.forward or linear._forward_hooks or linear._forward_pre_hooks:
-        return linear(h) * scale
-    return fused_linear(h, linear.weight, linear.bias, scale)
+        out = linear(h if input_scale == 1.0 else h * input_scale)
+        return out if scale is None else out * scale
+    if scale is None and input_scale == 1.0:
+        return linear(h)
+    return fused_linear(h, linear.weight, linear.bias, scale, input_scale=input_scale)
 
 
 class WeightedResidual(nn.Module):
@@ -43,23 +47,36 @@ class WeightedResidual(nn.Module):
         self.alpha = nn.Parameter(torch.full((dim,), float(alpha_init)))
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
+    def drop_mask(self, x: torch.Tensor) -> Tuple[Optional[torch.Tensor], float]:
+        """DropPath's per-sample draw for a batch ``x`` and what it is divided by: ``(bernoulli(keep), keep)``, the
+        same random stream as timm's DropPath, in training with a drop rate; ``(None, 1.0)`` otherwise."""
+        if not (self.training and isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0):
+            return None, 1.0
+        keep = 1.0 - self.drop_path.drop_prob
+        return x.new_empty(x.shape[0]).bernoulli_(keep), keep if self.drop_path.scale_by_keep else 1.0
+
     def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx))``.
 
-        One ``addcmul`` pass: DropPath's per-sample mask (drawn by timm's DropPath, from the same random
-        stream) is folded into ``alpha``, and the GELU's output is recomputed in backward rather than kept.
+        One pass: DropPath's per-sample draw is folded into ``alpha``; with ``gelu`` one fused op
+        (:func:`lipsformer.layers.fused.gelu_residual`), whose backward recomputes the GELU rather than keep it.
         """
-        scale = self.alpha
-        if self.training and isinstance(self.drop_path, DropPath):
-            scale = scale * self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1)))
-        return gelu_residual(x, fx, scale) if gelu else torch.addcmul(x, fx, scale)
+        mask, keep = self.drop_mask(x)
+        if gelu:
+            return gelu_residual(x, fx, self.alpha, mask, keep)
+        factor = drop_factor(mask, keep, x)
+        return torch.addcmul(x, fx, self.alpha if factor is None else self.alpha * factor)
 
-    def add_scaled(self, x: torch.Tensor, scaled_fx: torch.Tensor) -> torch.Tensor:
-        """``x + DropPath(scaled_fx)`` for a branch output already multiplied by ``alpha`` (a :class:`ScaledOutput`
-        branch given ``out_scale=alpha``): the same sum as :meth:`forward`, with the same DropPath draws."""
-        if self.training and isinstance(self.drop_path, DropPath):
-            return torch.addcmul(x, scaled_fx, self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1))))
-        return x + scaled_fx
+    def add_scaled(self, x: torch.Tensor, scaled_fx: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """``norm(x + DropPath(scaled_fx))`` for a branch output already multiplied by ``alpha`` (a
+        :class:`ScaledOutput` branch given ``out_scale=alpha``): the same sum as :meth:`forward`, with the same
+        DropPath draws; a :class:`~lipsformer.layers.norm.CenterNorm` after it in the same fused op."""
+        mask, keep = self.drop_mask(x)
+        if isinstance(norm, CenterNorm):
+            return norm.residual(x, scaled_fx, mask, keep)
+        factor = drop_factor(mask, keep, x)
+        y = x + scaled_fx if factor is None else torch.addcmul(x, scaled_fx, factor)
+        return y if norm is None else norm(y)
 
 
 class ConvexResidual(nn.Module):

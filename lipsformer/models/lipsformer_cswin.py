@@ -77,16 +77,17 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
             windows = window_partition(part.reshape(B, Hp, Wp, -1), window)  # (Bw, N, P * Cb)
             Bw, N, _ = windows.shape
             q, k, v = self.kernel.split(windows.view(Bw, N, P, self.branch_heads, -1))
+            v_map = v.transpose(1, 2).reshape(Bw, window[0], window[1], -1).permute(0, 3, 1, 2)  # LePE's input
             if self.kernel.kim:
                 v = self.kernel.kim_values(q, self.qkv, self.branch_heads, slice(b * (C // nb), (b + 1) * (C // nb)))
             out = self.kernel(q, k, v).transpose(1, 2).reshape(Bw, N, -1)
-            v_map = windows.view(Bw, window[0], window[1], P, -1)[..., -1, :].permute(0, 3, 1, 2)
             out = out + lepe(v_map).flatten(2).transpose(1, 2)
-            outs.append(window_reverse(out / math.sqrt(self.branch_heads), window, Hp, Wp))
+            outs.append(window_reverse(out, window, Hp, Wp))
         x = outs[0] if nb == 1 else torch.cat(outs, dim=-1)
         if (Hp, Wp) != (H, W):
             x = x[:, :H, :W]
-        return self.proj_drop(scaled_linear(x, self.proj, out_scale))
+        # each branch divided by sqrt(its heads), folded into the projection's weight
+        return self.proj_drop(scaled_linear(x, self.proj, out_scale, 1.0 / math.sqrt(self.branch_heads)))
 
     def extra_repr(self) -> str:
         return f"windows={self.windows}, branch_heads={self.branch_heads}"

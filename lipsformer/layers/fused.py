@@ -1,0 +1,443 @@
+"""Fused ops for the passes LipsFormer adds to a transformer block, as ``torch.library`` custom ops: one op forward
+and one backward each, a Triton kernel on CUDA (:mod:`lipsformer.layers.triton_kernels`), the plain composition of
+aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``).
+
+- :func:`residual_center_norm`: ``CN(x + m * h)``, a weighted residual (its branch output ``h`` already scaled by
+  alpha, ``m`` the per-sample DropPath factor) with the CenterNorm after it; without ``h``, CenterNorm alone. It
+  keeps the centred sum for backward, as CenterNorm's autograd does.
+- :func:`gelu_residual`: ``x + m * alpha * GELU(u)``, the conv blocks' residuals, keeping only ``u``.
+- :func:`qk_normalize`: SCSA's cosine normalisation of q and k (q times the temperature), written contiguous, keeping
+  the outputs and the row norms.
+- :func:`scale_rows`: a linear map's weight and bias with a per-output-channel scale folded in (a weighted residual's
+  alpha, :func:`lipsformer.layers.gelu.fused_linear`).
+
+A DropPath factor is timm's: the per-sample draw ``bernoulli(keep)`` (0 or 1, the same random stream as
+``timm.layers.DropPath``) divided by ``keep``. Backward runs the fused backward op; under ``create_graph`` (a
+gradient penalty) or a ``torch.func`` transform (batched gradients) it computes the same formulas in aten ops, which
+autograd differentiates again (exactly, but for what a saved output hides: CenterNorm's weight gradient is not
+differentiated with respect to its input, and SCSA's normalisation is differentiable once).
+``LAUNCHES`` says how many CUDA kernels an op is (two backward ops reduce their per-block sums in a second one).
+:func:`fusable` decides where the ops run at all: eager mode, outside tracing, exporting, compiling and
+``torch.func`` transforms, where the plain composition runs (the compiler fuses it itself, the exporters need aten
+ops), and not when :func:`use_fused_ops` turned them off.
+"""
+import contextlib
+import os
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_ENABLED = [os.environ.get("LIPSFORMER_FUSED_OPS", "1") != "0"]
+# CUDA kernels each op launches (one unless listed)
+LAUNCHES = {"residual_center_norm_backward": 2, "gelu_residual_backward": 2}
+
+
+@contextlib.contextmanager
+def use_fused_ops(enabled: bool):
+    """Turn the fused ops on or off (process-wide) inside the block; ``LIPSFORMER_FUSED_OPS=0`` starts them off."""
+    was = _ENABLED[0]
+    _ENABLED[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED[0] = was
+
+
+def fusable(*tensors: Optional[Tensor]) -> bool:
+    """Whether the fused ops run for these tensors: turned on, eager mode on plain tensors (no tracer's proxies,
+    fake or functional tensors), not compiling or exporting, no ``torch.func`` transform, no ``torch.jit`` trace."""
+    if not _ENABLED[0] or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def _kernels(t: Tensor):
+    """The Triton kernels for a CUDA tensor (None elsewhere, or where Triton is not installed)."""
+    if t.device.type != "cuda":
+        return None
+    try:
+        from . import triton_kernels
+    except ImportError:  # a CUDA torch without Triton: the plain composition
+        return None
+    return triton_kernels
+
+
+def _math_backward() -> bool:
+    """Backward computes in aten ops (differentiable, batchable): a double backward (``create_graph``) or a
+    ``torch.func`` transform is on."""
+    return torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()
+
+
+def drop_factor(mask: Optional[Tensor], keep: float, x: Tensor) -> Optional[Tensor]:
+    """The per-sample DropPath factor ``mask / keep`` shaped to broadcast over ``x`` (B, ...), as timm's DropPath
+    computes it."""
+    if mask is None:
+        return None
+    return mask.div(keep).view((x.shape[0],) + (1,) * (x.dim() - 1))
+
+
+def _sum_dtype(t: Tensor) -> torch.dtype:
+    """Per-channel gradient sums of a backward op: float32, or the gradient's dtype where that is wider."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+# -- CN(x + m * h) ---------------------------------------------------------------------------------------------------
+def _residual_sum(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float) -> Tensor:
+    if h is None:
+        return x
+    factor = drop_factor(mask, keep, x)
+    return x + h if factor is None else torch.addcmul(x, h, factor)
+
+
+def residual_center_norm_plain(x, h, mask, keep, weight, bias, scale):
+    """``CN(x + m * h)`` in aten ops (what the op computes everywhere but CUDA)."""
+    s = _residual_sum(x, h, mask, keep)
+    z = s - s.mean(-1, keepdim=True)
+    return torch.addcmul(bias, z, weight * scale)
+
+
+@torch.library.custom_op("lipsformer::residual_center_norm", mutates_args=())
+def _rcn(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, weight: Tensor, bias: Tensor,
+         scale: float, save: bool) -> Tuple[Tensor, Tensor]:
+    """(the output, the centred sum where ``save``, else an empty tensor)."""
+    kernels = _kernels(x)
+    if kernels is not None:
+        return kernels.residual_center_norm(x, h, mask, keep, weight, bias, scale, save)
+    s = _residual_sum(x, h, mask, keep)
+    z = s - s.mean(-1, keepdim=True)
+    return torch.addcmul(bias, z, weight * scale), z if save else z.new_empty(0)
+
+
+def _rcn_dtypes(x, h, mask, weight, bias):
+    zdtype = x.dtype if h is None else torch.promote_types(x.dtype, h.dtype)
+    if mask is not None and h is not None:
+        zdtype = torch.promote_types(zdtype, mask.dtype)
+    return zdtype, torch.promote_types(torch.promote_types(zdtype, weight.dtype), bias.dtype)
+
+
+@_rcn.register_fake
+def _(x, h, mask, keep, weight, bias, scale, save):
+    zdtype, ydtype = _rcn_dtypes(x, h, mask, weight, bias)
+    return x.new_empty(x.shape, dtype=ydtype), x.new_empty(x.shape if save else (0,), dtype=zdtype)
+
+
+def _rcn_backward_math(grad, z, mask, keep, weight, scale):
+    grad_z = grad * (weight * scale)
+    grad_s = grad_z - grad_z.mean(-1, keepdim=True)
+    rows, flat_z = grad.reshape(-1, grad.shape[-1]), z.reshape(-1, z.shape[-1])
+    sums = torch.stack(((rows * flat_z).sum(0) * scale, rows.sum(0)))
+    factor = drop_factor(mask, keep, grad_s)
+    return grad_s, (grad_s * factor if factor is not None else None), sums
+
+
+@torch.library.custom_op("lipsformer::residual_center_norm_backward", mutates_args=())
+def _rcn_backward(grad: Tensor, z: Tensor, mask: Optional[Tensor], keep: float, weight: Tensor, scale: float
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(the gradient of the sum ``x + m * h``, that of ``h`` where a mask scales it (else an empty tensor), and the
+    weight's and bias's gradients stacked, (2, C), summed in float32 at least)."""
+    kernels = _kernels(grad)
+    if kernels is not None:
+        return kernels.residual_center_norm_backward(grad, z, mask, keep, weight, scale)
+    grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, keep, weight, scale)
+    return grad_s, grad_h if grad_h is not None else grad_s.new_empty(0), sums.to(_sum_dtype(grad))
+
+
+@_rcn_backward.register_fake
+def _(grad, z, mask, keep, weight, scale):
+    dtype = torch.promote_types(grad.dtype, weight.dtype)
+    grad_h = grad.new_empty(grad.shape if mask is not None else (0,), dtype=dtype)
+    return grad.new_empty(grad.shape, dtype=dtype), grad_h, grad.new_empty((2, grad.shape[-1]), dtype=_sum_dtype(grad))
+
+
+def _rcn_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
+    x, h, mask, keep, weight, bias, scale, save = inputs
+    ctx.save_for_backward(output[1], mask, weight)
+    ctx.keep, ctx.scale = keep, scale
+    ctx.dtypes = (x.dtype, None if h is None else h.dtype, bias.dtype)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rcn_grad(ctx, grad, _):
+    if grad is None:
+        return (None,) * 8
+    z, mask, weight = ctx.saved_tensors
+    x_dtype, h_dtype, b_dtype = ctx.dtypes
+    if _math_backward():
+        grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, ctx.keep, weight, ctx.scale)
+    else:
+        grad_s, grad_h, sums = _rcn_backward(grad, z, mask, ctx.keep, weight, ctx.scale)
+    grad_h = (grad_h if mask is not None else grad_s) if h_dtype is not None else None
+    return (grad_s.to(x_dtype), None if grad_h is None else grad_h.to(h_dtype), None, None,
+            sums[0].to(weight.dtype), sums[1].to(b_dtype), None, None)
+
+
+torch.library.register_autograd("lipsformer::residual_center_norm", _rcn_grad, setup_context=_rcn_setup)
+
+
+def residual_center_norm(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, weight: Tensor,
+                         bias: Tensor, scale: float) -> Tensor:
+    """``CN(x + m * h)`` over the last dimension, ``m = mask / keep`` per sample (``mask`` None: ``m = 1``; ``h``
+    None: CenterNorm of ``x``), CenterNorm's affine map ``weight * scale``, ``bias``."""
+    if not fusable(x, h, mask, weight, bias):
+        return residual_center_norm_plain(x, h, mask, keep, weight, bias, scale)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, h, weight, bias))
+    h = None if h is None else h.contiguous()
+    return _rcn(x.contiguous(), h, mask, float(keep), weight, bias, float(scale), save)[0]
+
+
+# -- x + m * alpha * GELU(u) -----------------------------------------------------------------------------------------
+def gelu_residual_plain(x, u, alpha, mask, keep):
+    factor = drop_factor(mask, keep, x)
+    return torch.addcmul(x, F.gelu(u), alpha if factor is None else alpha * factor)
+
+
+@torch.library.custom_op("lipsformer::gelu_residual", mutates_args=())
+def _gr(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float) -> Tensor:
+    kernels = _kernels(x)
+    if kernels is not None:
+        return kernels.gelu_residual(x, u, alpha, mask, keep)
+    return gelu_residual_plain(x, u, alpha, mask, keep)
+
+
+@_gr.register_fake
+def _(x, u, alpha, mask, keep):
+    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype))
+
+
+def _gr_backward_math(grad, u, alpha, mask, keep):
+    factor = drop_factor(mask, keep, grad)
+    grad_u = torch.ops.aten.gelu_backward(grad * (alpha if factor is None else alpha * factor), u)
+    g = grad if factor is None else grad * factor
+    return grad_u.to(u.dtype), (g * F.gelu(u)).reshape(-1, u.shape[-1]).sum(0)
+
+
+@torch.library.custom_op("lipsformer::gelu_residual_backward", mutates_args=())
+def _gr_backward(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float
+                 ) -> Tuple[Tensor, Tensor]:
+    """(the gradient of ``u``, alpha's summed in float32 at least)."""
+    kernels = _kernels(grad)
+    if kernels is not None:
+        return kernels.gelu_residual_backward(grad, u, alpha, mask, keep)
+    grad_u, grad_alpha = _gr_backward_math(grad, u, alpha, mask, keep)
+    return grad_u, grad_alpha.to(_sum_dtype(grad))
+
+
+@_gr_backward.register_fake
+def _(grad, u, alpha, mask, keep):
+    return u.new_empty(u.shape), u.new_empty(u.shape[-1:], dtype=_sum_dtype(grad))
+
+
+def _gr_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
+    x, u, alpha, mask, keep = inputs
+    ctx.save_for_backward(u, alpha, mask)
+    ctx.keep, ctx.x_dtype = keep, x.dtype
+
+
+def _gr_grad(ctx, grad):
+    if grad is None:
+        return (None,) * 5
+    u, alpha, mask = ctx.saved_tensors
+    backward = _gr_backward_math if _math_backward() else _gr_backward
+    grad_u, grad_alpha = backward(grad, u, alpha, mask, ctx.keep)
+    return grad.to(ctx.x_dtype), grad_u, grad_alpha.to(alpha.dtype), None, None
+
+
+torch.library.register_autograd("lipsformer::gelu_residual", _gr_grad, setup_context=_gr_setup)
+
+
+def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = None, keep: float = 1.0) -> Tensor:
+    """``x + m * alpha * GELU(u)``, ``alpha`` per channel (the last dimension), ``m = mask / keep`` per sample
+    (``mask`` None: 1); backward keeps ``u`` (and the small ``alpha`` and ``mask``) only."""
+    if not fusable(x, u, alpha, mask):
+        return gelu_residual_plain(x, u, alpha, mask, keep)
+    return _gr(x.contiguous(), u.contiguous(), alpha, mask, float(keep))
+
+
+# -- SCSA's q and k --------------------------------------------------------------------------------------------------
+def l2_rows_plain(x: Tensor, eps: float, scale: float) -> Tensor:
+    return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
+
+
+@torch.library.custom_op("lipsformer::qk_normalize", mutates_args=())
+def _qkn(q: Tensor, k: Tensor, q_scale: float, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q and k normalised, contiguous, and their rows' ``1 / norm``)."""
+    kernels = _kernels(q)
+    if kernels is not None:
+        return kernels.qk_normalize(q, k, q_scale, eps)
+    outs = []
+    for t, s in ((q, q_scale), (k, 1.0)):
+        r = torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps)
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # contiguous, whatever t's strides
+        torch.mul(t, r * s, out=out)
+        outs.append((out, r))
+    (qn, rq), (kn, rk) = outs
+    return qn, kn, rq, rk
+
+
+@_qkn.register_fake
+def _(q, k, q_scale, eps):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            q.new_empty(q.shape[:-1] + (1,)), k.new_empty(k.shape[:-1] + (1,)))
+
+
+def _qkn_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale):
+    grads = []
+    for g, out, r, s in ((grad_q, qn, rq, q_scale), (grad_k, kn, rk, 1.0)):
+        # d(s x r)/dx g = s r (g - out (out . g) / s^2): the output and 1 / norm are all it needs
+        dot = (out * g).sum(-1, keepdim=True)
+        grads.append(torch.addcmul(g, out, dot, value=-1.0 / (s * s)) * (r * s))
+    return grads[0], grads[1]
+
+
+@torch.library.custom_op("lipsformer::qk_normalize_backward", mutates_args=())
+def _qkn_backward(grad_q: Tensor, grad_k: Tensor, qn: Tensor, kn: Tensor, rq: Tensor, rk: Tensor, q_scale: float
+                  ) -> Tuple[Tensor, Tensor]:
+    kernels = _kernels(qn)
+    if kernels is not None:
+        return kernels.qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale)
+    return _qkn_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale)
+
+
+@_qkn_backward.register_fake
+def _(grad_q, grad_k, qn, kn, rq, rk, q_scale):
+    return torch.empty_like(qn), torch.empty_like(kn)
+
+
+def _qkn_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
+    q, k, q_scale, eps = inputs
+    qn, kn, rq, rk = output
+    ctx.save_for_backward(qn, kn, rq, rk)
+    ctx.q_scale = q_scale
+    ctx.mark_non_differentiable(rq, rk)
+
+
+class _DifferentiableOnce(torch.autograd.Function):
+    """``values`` (copies) as a function of ``inputs``, whose derivative raises: what a backward computed without a
+    graph returns under ``create_graph``."""
+
+    @staticmethod
+    def forward(ctx, values, *inputs):
+        return tuple(t.clone() for t in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("qk_normalize is differentiable once (it keeps 1 / norm, which carries no graph): a "
+                           "double backward through SCSA needs lipsformer.layers.fused.use_fused_ops(False)")
+
+
+def _qkn_grad(ctx, grad_q, grad_k, _rq, _rk):
+    qn, kn, rq, rk = ctx.saved_tensors
+    grad_q = torch.zeros_like(qn) if grad_q is None else grad_q
+    grad_k = torch.zeros_like(kn) if grad_k is None else grad_k
+    if torch._C._are_functorch_transforms_active():
+        gq, gk = _qkn_backward_math(grad_q, grad_k, qn, kn, rq, rk, ctx.q_scale)
+    else:
+        with torch.no_grad():
+            gq, gk = _qkn_backward(grad_q.contiguous(), grad_k.contiguous(), qn, kn, rq, rk, ctx.q_scale)
+        if torch.is_grad_enabled():  # create_graph: a second derivative would miss 1 / norm's
+            gq, gk = _DifferentiableOnce.apply((gq, gk), grad_q, grad_k)
+    return gq, gk, None, None
+
+
+torch.library.register_autograd("lipsformer::qk_normalize", _qkn_grad, setup_context=_qkn_setup)
+
+
+def qk_normalize(q: Tensor, k: Tensor, eps: float, q_scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """``(q_scale * q / sqrt(|q|^2 + eps), k / sqrt(|k|^2 + eps))`` per row, contiguous where fused."""
+    if not fusable(q, k) or q_scale <= 0:
+        return l2_rows_plain(q, eps, q_scale), l2_rows_plain(k, eps, 1.0)
+    qn, kn, _, _ = _qkn(q, k, float(q_scale), float(eps))
+    return qn, kn
+
+
+# -- a linear map's rows scaled --------------------------------------------------------------------------------------
+def _scaled_plain(weight, bias, scale, input_scale):
+    w = weight * scale.unsqueeze(1)
+    return w if input_scale == 1.0 else w * input_scale, bias * scale if bias is not None else None
+
+
+@torch.library.custom_op("lipsformer::scale_rows", mutates_args=())
+def _sr(weight: Tensor, bias: Optional[Tensor], scale: Tensor, input_scale: float) -> Tuple[Tensor, Tensor]:
+    """(``weight * scale[:, None] * input_scale``, ``bias * scale`` or an empty tensor without a bias)."""
+    kernels = _kernels(weight)
+    if kernels is not None:
+        return kernels.scale_rows(weight, bias, scale, input_scale)
+    w, b = _scaled_plain(weight, bias, scale, input_scale)
+    return w, b if b is not None else weight.new_empty(0)
+
+
+@_sr.register_fake
+def _(weight, bias, scale, input_scale):
+    return torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+
+
+def _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale):
+    grad_w = grad_w if input_scale == 1.0 else grad_w * input_scale
+    grad_s = (grad_w * weight).sum(1)
+    if bias is not None:
+        grad_s = grad_s + grad_b * bias
+    return grad_w * scale.unsqueeze(1), grad_b * scale if bias is not None else None, grad_s.to(scale.dtype)
+
+
+@torch.library.custom_op("lipsformer::scale_rows_backward", mutates_args=())
+def _sr_backward(grad_w: Tensor, grad_b: Optional[Tensor], weight: Tensor, bias: Optional[Tensor], scale: Tensor,
+                 input_scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """From the scaled map's gradients: the weight's, the bias's (an empty tensor without one) and the scale's
+    (``input_scale * rowsum(W * grad_W') + b * grad_b'``)."""
+    kernels = _kernels(grad_w)
+    if kernels is not None:
+        return kernels.scale_rows_backward(grad_w, grad_b, weight, bias, scale, input_scale)
+    gw, gb, gs = _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale)
+    return gw, gb if gb is not None else weight.new_empty(0), gs
+
+
+@_sr_backward.register_fake
+def _(grad_w, grad_b, weight, bias, scale, input_scale):
+    return (torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty(0),
+            torch.empty_like(scale))
+
+
+def scale_rows_backward(grad_w: Tensor, grad_b: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
+                        scale: Tensor, input_scale: float = 1.0) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """The gradients of :func:`scale_rows`'s weight, bias (None without one) and scale from those of its outputs,
+    by the fused backward op, or in aten ops where a double backward or a transform needs them."""
+    if bias is not None and grad_b is None:
+        grad_b = torch.zeros_like(bias)
+    if _math_backward() or not fusable(grad_w, grad_b, weight, bias, scale):
+        return _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale)
+    gw, gb, gs = _sr_backward(grad_w, grad_b, weight, bias, scale, float(input_scale))
+    return gw, gb if bias is not None else None, gs
+
+
+def _sr_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
+    weight, bias, scale, input_scale = inputs
+    ctx.save_for_backward(weight, bias, scale)
+    ctx.input_scale = input_scale
+
+
+def _sr_grad(ctx, grad_w, grad_b):
+    weight, bias, scale = ctx.saved_tensors
+    if grad_w is None:
+        grad_w = torch.zeros_like(weight)
+    return (*scale_rows_backward(grad_w, grad_b, weight, bias, scale, ctx.input_scale), None)
+
+
+torch.library.register_autograd("lipsformer::scale_rows", _sr_grad, setup_context=_sr_setup)
+
+
+def scale_rows(weight: Tensor, bias: Optional[Tensor], scale: Tensor, input_scale: float = 1.0
+               ) -> Tuple[Tensor, Optional[Tensor]]:
+    """``weight * scale[:, None] * input_scale`` and ``bias * scale``: a linear map's output scaled per channel
+    (and its input by a constant), folded into it."""
+    if not fusable(weight, bias, scale):
+        return _scaled_plain(weight, bias, scale, input_scale)
+    w, b = _sr(weight, bias, scale, float(input_scale))
+    return w, b if bias is not None else None

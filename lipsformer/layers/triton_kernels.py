@@ -1,0 +1,339 @@
+"""Triton kernels of :mod:`lipsformer.layers.fused`: each op one pass over its rows (channels last), in float32
+arithmetic whatever the tensors' dtypes, stored in the output's dtype. Imported on the first CUDA call; tests run
+them on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
+
+The backward kernels that produce per-channel gradients (CenterNorm's weight and bias, a residual's alpha) sum their
+block of rows in registers and write one row of partial sums per block; a second launch (``torch.sum``) adds those,
+in a fixed order, so a step's gradients are the same on every run.
+"""
+import torch
+import triton
+import triton.language as tl
+
+ROWS = 16  # rows a program of the elementwise kernels takes
+
+
+@triton.jit
+def _gelu(u):
+    return 0.5 * u * (1.0 + tl.math.erf(u * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_grad(u):
+    cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
+    return cdf + u * 0.3989422804014327 * tl.exp(-0.5 * u * u)
+
+
+@triton.jit
+def _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK: tl.constexpr):
+    """The DropPath factor of each row: its sample's draw (0 or 1) times 1 / keep."""
+    if HAS_MASK:
+        return tl.load(mask_ptr + rows // per_sample, mask=row_ok, other=0.0).to(tl.float32) * inv_keep
+    return tl.full(rows.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _rcn_fwd(x_ptr, h_ptr, mask_ptr, w_ptr, b_ptr, y_ptr, z_ptr, R, C, per_sample, inv_keep, scale,
+             HAS_H: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_ok, col_ok = rows < R, cols < C
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    s = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_H:
+        h = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        s += h * _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
+    mean = tl.sum(s, axis=1) / C
+    z = tl.where(ok, s - mean[:, None], 0.0)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (z * w[None, :] + b[None, :]).to(y_ptr.dtype.element_ty), mask=ok)
+    if SAVE:
+        tl.store(z_ptr + offs, z.to(z_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows_per_program, per_sample,
+             inv_keep, scale, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < C
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
+    sum_w = tl.zeros([BLOCK], tl.float32)
+    sum_b = tl.zeros([BLOCK], tl.float32)
+    first = pid * rows_per_program
+    for start in range(first, first + rows_per_program, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < R
+        ok = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        gz = g * w[None, :]
+        gs = tl.where(ok, gz - (tl.sum(gz, axis=1) / C)[:, None], 0.0)
+        tl.store(gs_ptr + offs, gs.to(gs_ptr.dtype.element_ty), mask=ok)
+        if HAS_MASK:
+            f = _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
+            tl.store(gh_ptr + offs, (gs * f[:, None]).to(gh_ptr.dtype.element_ty), mask=ok)
+        sum_w += tl.sum(g * z, axis=0)
+        sum_b += tl.sum(g, axis=0)
+    tl.store(part_ptr + pid * 2 * C + cols, sum_w * scale, mask=col_ok)
+    tl.store(part_ptr + pid * 2 * C + C + cols, sum_b, mask=col_ok)
+
+
+@triton.jit
+def _gr_fwd(x_ptr, u_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_MASK: tl.constexpr,
+            ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_ok, col_ok = rows < R, cols < C
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    f = _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
+    tl.store(y_ptr + offs, (x + _gelu(u) * a[None, :] * f[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, R, C, rows_per_program, per_sample, inv_keep,
+            HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < C
+    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    sum_a = tl.zeros([BLOCK], tl.float32)
+    first = pid * rows_per_program
+    for start in range(first, first + rows_per_program, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < R
+        ok = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        gf = g * _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
+        tl.store(gu_ptr + offs, (gf * a[None, :] * _gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
+        sum_a += tl.sum(tl.where(ok, gf * _gelu(u), 0.0), axis=0)
+    tl.store(part_ptr + pid * C + cols, sum_a, mask=col_ok)
+
+
+@triton.jit
+def _l2_rows(src, s0, s1, s2, s3, d1, d2, dst, r_ptr, R, D, scale, eps, rows, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Rows ``rows`` of a 4-d strided ``src`` (rows in (d0, d1, d2) order) normalised into contiguous ``dst``."""
+    cols = tl.arange(0, BLOCK)
+    row_ok, col_ok = rows < R, cols < D
+    ok = row_ok[:, None] & col_ok[None, :]
+    r64 = rows.to(tl.int64)
+    base = (r64 // (d1 * d2)) * s0 + ((r64 // d2) % d1) * s1 + (r64 % d2) * s2
+    x = tl.load(src + base[:, None] + cols[None, :] * s3, mask=ok, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
+    tl.store(dst + r64[:, None] * D + cols[None, :], (x * (r * scale)[:, None]).to(dst.dtype.element_ty), mask=ok)
+    tl.store(r_ptr + rows, r.to(r_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _qkn_fwd(q, qs0, qs1, qs2, qs3, k, ks0, ks1, ks2, ks3, d1, d2, qn, kn, rq, rk, R, D, q_scale, eps,
+             programs_q, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < programs_q:
+        _l2_rows(q, qs0, qs1, qs2, qs3, d1, d2, qn, rq, R, D, q_scale, eps, pid * ROWS + tl.arange(0, ROWS),
+                 ROWS, BLOCK)
+    else:
+        _l2_rows(k, ks0, ks1, ks2, ks3, d1, d2, kn, rk, R, D, 1.0, eps, (pid - programs_q) * ROWS
+                 + tl.arange(0, ROWS), ROWS, BLOCK)
+
+
+@triton.jit
+def _l2_rows_bwd(g_ptr, out_ptr, r_ptr, gx_ptr, R, D, scale, rows, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    row_ok, col_ok = rows < R, cols < D
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    dot = tl.sum(out * g, axis=1)
+    gx = (g - out * (dot / (scale * scale))[:, None]) * (r * scale)[:, None]
+    tl.store(gx_ptr + offs, gx.to(gx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _qkn_bwd(gq, gk, qn, kn, rq, rk, gxq, gxk, R, D, q_scale, programs_q, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < programs_q:
+        _l2_rows_bwd(gq, qn, rq, gxq, R, D, q_scale, pid * ROWS + tl.arange(0, ROWS), ROWS, BLOCK)
+    else:
+        _l2_rows_bwd(gk, kn, rk, gxk, R, D, 1.0, (pid - programs_q) * ROWS + tl.arange(0, ROWS), ROWS, BLOCK)
+
+
+@triton.jit
+def _sr_fwd(w_ptr, b_ptr, s_ptr, wo_ptr, bo_ptr, n_out, n_in, input_scale, HAS_B: tl.constexpr,
+            BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.load(s_ptr + row).to(tl.float32)
+    for start in range(0, n_in, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < n_in
+        w = tl.load(w_ptr + row * n_in + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(wo_ptr + row * n_in + cols, (w * s * input_scale).to(wo_ptr.dtype.element_ty), mask=ok)
+    if HAS_B:
+        tl.store(bo_ptr + row, (tl.load(b_ptr + row).to(tl.float32) * s).to(bo_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _sr_bwd(gw_ptr, gb_ptr, w_ptr, b_ptr, s_ptr, gwo_ptr, gbo_ptr, gso_ptr, n_out, n_in, input_scale,
+            HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.load(s_ptr + row).to(tl.float32)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_in, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < n_in
+        gw = tl.load(gw_ptr + row * n_in + cols, mask=ok, other=0.0).to(tl.float32) * input_scale
+        w = tl.load(w_ptr + row * n_in + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += gw * w
+        tl.store(gwo_ptr + row * n_in + cols, (gw * s).to(gwo_ptr.dtype.element_ty), mask=ok)
+    gs = tl.sum(acc, axis=0)
+    if HAS_B:
+        gb = tl.load(gb_ptr + row).to(tl.float32)
+        gs += gb * tl.load(b_ptr + row).to(tl.float32)
+        tl.store(gbo_ptr + row, (gb * s).to(gbo_ptr.dtype.element_ty))
+    tl.store(gso_ptr + row, gs.to(gso_ptr.dtype.element_ty))
+
+
+# -- launchers: the ops' CUDA implementations (CPU tensors under the interpreter) -----------------------------------
+def _block(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _programs(rows: int, device: torch.device) -> int:
+    """Programs of a reducing backward kernel: enough to fill the device, few enough that their partial sums stay
+    small."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(rows, ROWS), 4 * sms))
+
+
+def _mask_args(mask, keep: float, x: torch.Tensor):
+    if mask is None:
+        return x, 1.0, False  # any pointer: never read
+    inv_keep = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(keep, dtype=torch.float32))
+    return mask, inv_keep, True
+
+
+def _per_sample(x: torch.Tensor) -> int:
+    n = 1
+    for d in x.shape[1:-1]:
+        n *= d
+    return max(n, 1)
+
+
+def residual_center_norm(x, h, mask, keep, weight, bias, scale, save):
+    C = x.shape[-1]
+    R = x.numel() // C
+    zdtype = x.dtype if h is None else torch.promote_types(x.dtype, h.dtype)
+    if mask is not None and h is not None:
+        zdtype = torch.promote_types(zdtype, mask.dtype)
+    ydtype = torch.promote_types(torch.promote_types(zdtype, weight.dtype), bias.dtype)
+    y = torch.empty(x.shape, dtype=ydtype, device=x.device)
+    z = torch.empty(x.shape if save else (0,), dtype=zdtype, device=x.device)
+    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
+    _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, mask_ptr, weight, bias, y, z if save else y, R, C,
+                                      _per_sample(x), inv_keep, scale, HAS_H=h is not None,
+                                      HAS_MASK=has_mask and h is not None, SAVE=save, ROWS=ROWS, BLOCK=_block(C))
+    return y, z
+
+
+def residual_center_norm_backward(grad, z, mask, keep, weight, scale):
+    grad, C = grad.contiguous(), grad.shape[-1]
+    R = grad.numel() // C
+    dtype = torch.promote_types(grad.dtype, weight.dtype)
+    gs = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    gh = torch.empty(grad.shape if mask is not None else (0,), dtype=dtype, device=grad.device)
+    P = _programs(R, grad.device)
+    per_program = triton.cdiv(triton.cdiv(R, P), ROWS) * ROWS
+    P = triton.cdiv(R, per_program)
+    parts = torch.empty((P, 2, C), dtype=torch.float32, device=grad.device)
+    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
+    _rcn_bwd[(P,)](grad, z, mask_ptr, weight, gs, gh if mask is not None else gs, parts, R, C, per_program,
+                   _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=_block(C))
+    return gs, gh, parts.sum(0).to(torch.promote_types(grad.dtype, torch.float32))
+
+
+def gelu_residual(x, u, alpha, mask, keep):
+    C = x.shape[-1]
+    R = x.numel() // C
+    dtype = torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
+    block = min(_block(C), 128)
+    _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha, mask_ptr, y, R, C, _per_sample(x), inv_keep,
+                                                           HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
+    return y
+
+
+def gelu_residual_backward(grad, u, alpha, mask, keep):
+    grad, C = grad.contiguous(), grad.shape[-1]
+    R = grad.numel() // C
+    gu = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    P = _programs(R, grad.device)
+    per_program = triton.cdiv(triton.cdiv(R, P), ROWS) * ROWS
+    P = triton.cdiv(R, per_program)
+    block = min(_block(C), 128)
+    parts = torch.empty((P, C), dtype=torch.float32, device=grad.device)
+    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
+    _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
+                                         inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
+    return gu, parts.sum(0).to(torch.promote_types(grad.dtype, torch.float32))
+
+
+def qk_normalize(q, k, q_scale, eps):
+    *lead, D = q.shape
+    d0, d1, d2 = lead if len(lead) == 3 else (1, 1, max(1, q.numel() // D))
+    if len(lead) != 3:
+        q, k = q.reshape(1, 1, -1, D), k.reshape(1, 1, -1, D)
+    R = d0 * d1 * d2
+    qn = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kn = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rq = torch.empty(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
+    rk = torch.empty(k.shape[:-1] + (1,), dtype=k.dtype, device=k.device)
+    programs_q = triton.cdiv(R, ROWS)
+    _qkn_fwd[(2 * programs_q,)](q, *q.stride(), k, *k.stride(), d1, d2, qn, kn, rq, rk, R, D, q_scale, eps,
+                                programs_q, ROWS=ROWS, BLOCK=_block(D))
+    shape = tuple(lead) + (D,)
+    return qn.view(shape), kn.view(shape), rq.view(shape[:-1] + (1,)), rk.view(shape[:-1] + (1,))
+
+
+def qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale):
+    D = qn.shape[-1]
+    R = qn.numel() // D
+    gq, gk = torch.empty_like(qn), torch.empty_like(kn)
+    programs_q = triton.cdiv(R, ROWS)
+    _qkn_bwd[(2 * programs_q,)](grad_q.contiguous(), grad_k.contiguous(), qn, kn, rq, rk, gq, gk, R, D, q_scale,
+                                programs_q, ROWS=ROWS, BLOCK=_block(D))
+    return gq, gk
+
+
+def scale_rows(weight, bias, scale, input_scale=1.0):
+    n_out, n_in = weight.shape
+    wo = torch.empty_like(weight)
+    bo = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    b = bias if bias is not None else weight  # any pointer: never read
+    _sr_fwd[(n_out,)](weight, b, scale, wo, bo if bias is not None else wo, n_out, n_in, input_scale,
+                      HAS_B=bias is not None, BLOCK=min(_block(n_in), 1024))
+    return wo, bo
+
+
+def scale_rows_backward(grad_w, grad_b, weight, bias, scale, input_scale=1.0):
+    n_out, n_in = weight.shape
+    grad_w = grad_w.contiguous()
+    gw = torch.empty_like(weight)
+    gb = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    gs = torch.empty_like(scale)
+    has_b = bias is not None  # without one, any pointers: never read
+    _sr_bwd[(n_out,)](grad_w, grad_b if has_b else grad_w, weight, bias if has_b else weight, scale, gw,
+                      gb if has_b else gw, gs, n_out, n_in, input_scale, HAS_B=has_b, BLOCK=min(_block(n_in), 1024))
+    return gw, gb, gs

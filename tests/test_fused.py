@@ -1,0 +1,192 @@
+"""The fused ops (lipsformer.layers.fused): their Triton kernels, run on the CPU by Triton's interpreter, against the
+plain composition in float64, forward and backward, in float32 and bfloat16; the ops through autograd with those
+kernels in a training step of both families; one node each for torch.compile; the models the same with the fused
+ops on and off.
+
+Triton decides at its import whether it interprets (its own library functions are compiled or interpreted then),
+so the kernel tests run in a process of their own started with ``TRITON_INTERPRET=1``
+(:func:`test_the_kernels_under_the_interpreter`); in any other process they are skipped."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from conftest import TINY, family
+from lipsformer.layers import fused
+from lipsformer.layers.fused import use_fused_ops
+
+KERNELS = Path(fused.__file__).with_name("triton_kernels.py")
+TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_the_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETING:
+        pytest.skip("this process is the interpreter's")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "kernels and not interpreter"], capture_output=True, text=True, cwd=Path(__file__).parent,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """lipsformer/layers/triton_kernels.py as the interpreter runs it: its kernels take CPU tensors."""
+    if not INTERPRETING:
+        pytest.skip("the kernels run in a process started with TRITON_INTERPRET=1 (test_the_kernels_under_the_"
+                    "interpreter)")
+    spec = importlib.util.spec_from_file_location("lipsformer_triton_interpreted", KERNELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _close(got, want, dtype):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w.double(), **TOL[dtype])
+
+
+def _reference(op, *args):
+    """The plain composition (the op's CPU implementation) on float64 copies."""
+    return op(*(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual, dropped", [(False, False), (True, False), (True, True)])
+def test_residual_center_norm_kernels_match_the_plain_ops(interpreted, dtype, residual, dropped):
+    x = torch.randn(3, 4, 5, 24, dtype=dtype)
+    h = torch.randn_like(x) if residual else None
+    mask = torch.tensor([1.0, 0.0, 1.0], dtype=dtype) if dropped else None
+    w, b = torch.randn(24), torch.randn(24)
+    args = (x, h, mask, 0.7, w, b, 24 / 23, True)
+    y, z = interpreted.residual_center_norm(*args)
+    want = _reference(fused._rcn, *args)
+    assert y.dtype == torch.float32 and z.dtype == (dtype if not residual else x.dtype)
+    _close((y, z), want, dtype)
+    g = torch.randn_like(x)
+    got = interpreted.residual_center_norm_backward(g, z, mask, 0.7, w, 24 / 23)
+    want = _reference(fused._rcn_backward, g, want[1], mask, 0.7, w, 24 / 23)
+    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_gelu_residual_kernels_match_the_plain_ops(interpreted, dtype, dropped):
+    x, u = torch.randn(3, 4, 5, 200, dtype=dtype), torch.randn(3, 4, 5, 200, dtype=dtype)  # two column blocks
+    alpha = torch.randn(200)
+    mask = torch.tensor([0.0, 1.0, 1.0], dtype=dtype) if dropped else None
+    _close([interpreted.gelu_residual(x, u, alpha, mask, 0.6)], [_reference(fused._gr, x, u, alpha, mask, 0.6)],
+           dtype)
+    g = torch.randn_like(x)
+    _close(interpreted.gelu_residual_backward(g, u, alpha, mask, 0.6),
+           _reference(fused._gr_backward, g, u, alpha, mask, 0.6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_normalize_kernels_match_the_plain_ops_on_strided_views(interpreted, dtype):
+    qkv = torch.randn(2, 7, 3, 3, 8, dtype=dtype)  # (windows, tokens, q/k/v, heads, d), as the projection lays out
+    q, k = (t.transpose(1, 2) for t in qkv.unbind(2)[:2])
+    got = interpreted.qk_normalize(q, k, 10.0, 1e-12)
+    want = _reference(fused._qkn, q, k, 10.0, 1e-12)
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+    _close(got, want, dtype)
+    gq, gk = torch.randn(2, 3, 7, 8, dtype=dtype), torch.randn(2, 3, 7, 8, dtype=dtype)
+    _close(interpreted.qk_normalize_backward(gq, gk, *got, 10.0),  # both from the kernel's outputs
+           _reference(fused._qkn_backward, gq, gk, *got, 10.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, with_bias):
+    w, s = torch.randn(6, 1500, dtype=dtype), torch.randn(6, dtype=dtype)  # rows longer than a block
+    b = torch.randn(6, dtype=dtype) if with_bias else None
+    got = interpreted.scale_rows(w, b, s, 0.5)  # and the weight by 0.5 (a constant on the map's input)
+    want = _reference(fused._sr, w, b, s, 0.5)
+    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
+    gw, gb = torch.randn_like(w), torch.randn_like(b) if with_bias else None
+    got = interpreted.scale_rows_backward(gw, gb, w, b, s, 0.5)
+    want = _reference(fused._sr_backward, gw, gb, w, b, s, 0.5)
+    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, name, monkeypatch):
+    """Both families' training step (DropPath on) with every fused op running its Triton kernel: the loss and every
+    gradient as with the fused ops off, in float32; the kernels did run."""
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.3, init="xavier", **TINY[family(name)]).train()
+    x = torch.randn(4, 3, 32, 32)
+
+    def step():
+        model.zero_grad()
+        torch.manual_seed(5)
+        loss = model(x).square().mean()
+        loss.backward()
+        return [loss] + [p.grad.clone() for p in model.parameters()]
+
+    plain = step()  # the fused ops' CPU implementation: the plain composition forward
+    calls = []
+
+    def kernels(t):
+        calls.append(t.shape)
+        return interpreted
+
+    monkeypatch.setattr(fused, "_kernels", kernels)
+    through_kernels = step()
+    assert len(calls) > 10
+    for a, b in zip(through_kernels, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_sees_each_fused_op_as_one_node():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    x, h, w, b = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8), torch.randn(8)
+    q, k, mask = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4), torch.tensor([1.0, 0.0])
+    calls = {
+        "residual_center_norm": lambda: torch.ops.lipsformer.residual_center_norm(x, h, mask, 0.5, w, b, 8 / 7, False),
+        "gelu_residual": lambda: torch.ops.lipsformer.gelu_residual(x, h, w, mask, 0.5),
+        "qk_normalize": lambda: torch.ops.lipsformer.qk_normalize(q, k, 10.0, 1e-12),
+        "scale_rows": lambda: torch.ops.lipsformer.scale_rows(w.view(2, 4), b[:2], b[2:4], 1.0),
+    }
+    for name, call in calls.items():
+        torch._dynamo.reset()
+        seen.clear()
+        torch.compile(call, backend=backend, fullgraph=True)()
+        ops = [t for t in seen[0] if "getitem" not in t]
+        assert ops == [f"lipsformer.{name}"], (name, ops)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_models_compute_the_same_with_the_fused_ops_on_and_off(name):
+    """float64, DropPath drawing the same masks: logits, loss and every gradient to rounding; evaluation outputs bit
+    for bit (the CPU implementation is the plain composition)."""
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.4, **TINY[family(name)]).double()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+
+    def step():
+        model.train().zero_grad()
+        torch.manual_seed(2)
+        out = model(x)
+        out.square().mean().backward()
+        return [out] + [p.grad.clone() for p in model.parameters()]
+
+    on = step()
+    with use_fused_ops(False):
+        off = step()
+        evaluated = model.eval()(x)
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert torch.equal(model.eval()(x), evaluated)
