@@ -149,7 +149,8 @@ NOTICE = "no longer bit-exact: gradients are summed in another order"
 @pytest.mark.slow
 def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path, capsys):
     """2 -> 1 -> 2 processes, mid-epoch each time: the global batch, the schedule and the epoch's samples carry
-    over, each resume says it is no longer bit-exact, and the weights end as the uninterrupted run's to rounding."""
+    over, each resume says it is no longer bit-exact, and the weights and the epoch's training loss (every
+    process's batches, the ones before the resume included) end as the uninterrupted run's to rounding."""
     config, reference, before = two_processes
     run = tmp_path / "run"
     main = load_script("train.py").main
@@ -176,6 +177,9 @@ def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path,
     assert_epoch_covered_once([r for r in before if r["step"] <= 4] + records + after, epoch=1, steps=range(4, 7))
     assert lrs(run) == {s: lr for s, lr in lrs(reference).items() if s >= 5}  # the schedule's own steps
     assert same_weights(reference, run, exact=False)
+    epoch_2 = [[r["train_loss"] for r in read_metrics(d) if r["kind"] == "epoch" and r["epoch"] == 2]
+               for d in (reference, run)]
+    assert epoch_2[1] == [pytest.approx(epoch_2[0][0], rel=1e-5)], epoch_2
 
 
 def test_the_resume_notice_names_what_cannot_carry_over():
@@ -223,8 +227,8 @@ def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(tw
     assert lrs(run) == lrs(reference)
     rows = [[r for r in read_metrics(d) if r["kind"] == "epoch"] for d in (reference, run)]
     assert [r["epoch"] for r in rows[1]] == [1, 2]
-    for a, b in zip(*rows):  # epoch 2's loss is a mean over other processes' batches once resumed on 1
-        for key in ("top1", "ema_top1", "val_count") + (("train_loss",) if a["epoch"] == 1 else ()):
+    for a, b in zip(*rows):  # the training loss is the mean over every process's batches, carried over a resume
+        for key in ("top1", "ema_top1", "val_count", "train_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["epoch"], key)
     assert same_weights(reference, run, exact=False)
 

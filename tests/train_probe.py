@@ -10,6 +10,8 @@ and the optimizer step the batch belongs to (a data set with one image per class
 ``--signal-at-step K``: process 0 sends itself SIGUSR1 while its first batch of optimizer step K is in progress.
 ``--kill-in-save N``: the process sends itself SIGKILL in the middle of writing checkpoint N (its files written,
 not yet its manifest nor the rename), as a scheduler's SIGKILL would land when the grace time is too short.
+``--rank-loss``: process r's every batch loss is r + 1 (the criterion's own times 0, plus r + 1), so the loss a
+run logs tells whose losses it holds: the whole run's mean, or one process's.
 The exit code is train.py's.
 """
 import argparse
@@ -62,12 +64,22 @@ def killed_in_save(save_state, step: int):
     return save
 
 
+def rank_loss(build_criterion):
+    """``loop.build_criterion`` whose loss is ``r + 1`` on process r."""
+    def build(cfg):
+        mixup, criterion = build_criterion(cfg)
+        rank = PartialState().process_index
+        return mixup, lambda logits, targets: criterion(logits, targets) * 0 + (rank + 1)
+    return build
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--record")
     parser.add_argument("--signal-at-step", type=int, default=0)
     parser.add_argument("--kill-in-save", type=int, default=0)
+    parser.add_argument("--rank-loss", action="store_true")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.fsdp:
@@ -75,6 +87,8 @@ def main() -> None:
     if args.kill_in_save:
         from accelerate import Accelerator
         Accelerator.save_state = killed_in_save(Accelerator.save_state, args.kill_in_save)
+    if args.rank_loss:
+        loop.build_criterion = rank_loss(loop.build_criterion)
     records = []
     loop._train_step = probed_step(loop._train_step, records, args.signal_at_step)
     sys.argv = [str(ROOT / "train.py"), *[a for a in args.train_args if a != "--"]]
