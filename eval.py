@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lipsformer.cli import ArgumentParser, command, json_value, path
 from lipsformer.data import EVAL_DATASETS
-from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
+from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, percent, write_predictions
 from lipsformer.engine.evaluate_many import evaluate_many, format_table, row, several
 from lipsformer.engine.run_folder import run_file
 from lipsformer.lipschitz.certify import parse_eps
@@ -28,7 +28,7 @@ FILES = {"--predictions": ((".csv",), "name a .csv file (one row per image)"),
 
 def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
     """``clean X% | certified (L = ...) at eps: Y% ... | PGD-attacked at eps: Z% ...`` of one evaluation."""
-    parts = [f"clean {top1:.3f}%"]
+    parts = [f"clean {percent(top1)}"]
     if r["certified"]:
         why = f"; nothing certifies: {r['reason']}" if r["reason"] else ""
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified"].items())
@@ -161,9 +161,10 @@ def main(argv=None) -> int:
     if result["unreadable"]:
         excluded += f", {result['unreadable']} unreadable skipped"
     print(f"{result['model']} on {args.data_dir} ({result['data']}): "
-          f"top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
+          f"top-1 {percent(result['top1'])}  top-5 {percent(result['top5'])}  "
           f"({result['count']} of {result['images']} images scored{excluded}; {result['seconds']:.1f} s, "
-          f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))")
+          f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))"
+          + (f": {result['top1_reason']}" if result["top1"] is None else ""))
     if "robustness" in result:
         print(robustness_line(result["robustness"], result["top1"], args.attack_steps, args.attack_restarts))
     if args.predictions:

@@ -432,9 +432,8 @@ def _run_meta(run: RunFolder) -> dict:
     size, kwargs = cfg["img_size"], dict(cfg.get("model_kwargs") or {})
     pretrained = dict(num_classes=cfg["num_classes"], input_size=(kwargs.get("in_chans", 3), size, size),
                       crop_pct=cfg["crop_pct"], interpolation=cfg["interpolation"])
-    names = read_class_names(run.classes)
+    names = read_class_names(run.classes, cfg["num_classes"])  # one name per output (data/classes.py)
     if names is not None:
-        check_label_names(names, cfg["num_classes"], run.classes)
         pretrained["label_names"] = tuple(names)
     return dict(model=cfg["model"], model_args=dict(kwargs, num_classes=cfg["num_classes"], img_size=size),
                 pretrained_cfg=pretrained)

@@ -7,6 +7,7 @@ running code, so a damaged or unsafe checkpoint is named instead of crashing (or
 """
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -216,7 +217,9 @@ def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder:
     checkpointed state (``state.best_k``), and every file in ``best/`` it does not name is removed (one that dropped
     out, or one written after the checkpoint a run resumed from), so a resumed run keeps the files the uninterrupted
     one keeps. Every process calls it (the weights are gathered under FSDP); the main one writes. Returns whether
-    ``best.safetensors`` was written."""
+    ``best.safetensors`` was written. A NaN ``top1`` (no image scored) ranks nowhere."""
+    if not math.isfinite(top1):
+        return False
     epoch, better = state.epoch, top1 > state.best_top1
     ranked = sorted([*state.best_k, [epoch, top1]], key=lambda e: (-e[1], e[0]))[:cfg.keep_best]
     kept = [epoch, top1] in ranked

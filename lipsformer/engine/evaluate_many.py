@@ -5,7 +5,7 @@ folder of runs, or several ``--model`` names (or timm patterns such as ``'lipsfo
 Every evaluation is checked and built before the first is scored (names, files, the fit check of
 :mod:`lipsformer.weights`, the data's classes): a bad one ends the call in one line naming it, exit 2, with nothing
 written. They are scored on the same data with the same settings into one table, sorted by top-1 (descending; ties
-keep the order given), one row each (:func:`row`).
+keep the order given; one that scored no image has no accuracy and comes last), one row each (:func:`row`).
 
 **The data are read once where the preprocessing agrees.** Evaluations of the same resolved data config
 (:attr:`~.evaluate.Prepared.preprocessing`: input size and channels, crop, interpolation, mean, std) form a group
@@ -190,6 +190,8 @@ def row(result: dict) -> dict:
                use_ema=result["use_ema"], trained_input_size="x".join(map(str, trained)) if trained else "",
                adapted="; ".join(result["adapted"]), excluded=result["excluded"], unreadable=result["unreadable"],
                seconds=result["seconds"])
+    if result["top1"] is None:  # nothing scored: no accuracy, and why
+        out["top1_reason"] = result["top1_reason"]
     r = result.get("robustness")
     if r is not None:
         out["lipschitz"] = r["lipschitz"]
@@ -197,6 +199,12 @@ def row(result: dict) -> dict:
         out.update({f"attacked_{e:g}": a for e, a in r["attacked"].items()})
         out["certified_reason"] = r["reason"]
     return out
+
+
+def ranked(rows: Sequence[dict]) -> List[dict]:
+    """Table rows sorted by top-1, highest first; ties keep their order, and a row that scored no image (top-1
+    None: no accuracy) comes after every scored one, never ranked as a 0%."""
+    return sorted(rows, key=lambda r: (r["top1"] is None, -(r["top1"] or 0.0)))
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -273,7 +281,7 @@ def evaluate_many(checkpoints, models, data_dir, dataset: str = "imagenet", real
                            interpolation=cfg["interpolation"], mean=list(cfg["mean"]), std=list(cfg["std"]),
                            sources=[p.source for p in group], seconds=seconds))
         del nets
-    rows.sort(key=lambda r: (-r[1]["top1"], r[0]))  # ties keep the order given
-    return dict(results=[r for _, r in rows], skipped=todo.skipped, data_dir=str(data_dir), dataset=dataset,
+    rows.sort(key=lambda r: r[0])  # the order given, which ties keep
+    return dict(results=ranked([r for _, r in rows]), skipped=todo.skipped, data_dir=str(data_dir), dataset=dataset,
                 data=described, amp=amp, processes=accelerator.num_processes, passes=passes,
                 is_main_process=accelerator.is_main_process)

@@ -441,7 +441,7 @@ def evaluate_and_keep_best(run: _Run) -> dict:
             ema_metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
         row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"], ema_val_loss=ema_metrics["loss"])
         candidates["ema"] = ema_metrics["top1"]
-    which = max(candidates, key=candidates.get)
+    which = max(candidates, key=lambda k: candidates[k] if math.isfinite(candidates[k]) else -math.inf)
     weights = functools.partial(ema.applied, model) if which == "ema" else contextlib.nullcontext
     if keep_best(accelerator, model, weights, run.folder, state, candidates[which], run.cfg):
         row["best"] = which
