@@ -27,10 +27,10 @@ from .settings import read_yaml
 from .engine.config import ConfigError
 from .layers.attlip import form_mismatch
 from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
-from .writer import replacing
+from .writer import EXPORT_CONFIG, EXPORT_WEIGHTS, replacing
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
-HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
+HUB_CONFIG, HUB_WEIGHTS = EXPORT_CONFIG, EXPORT_WEIGHTS  # an export's files (writer.py: outputs never overwrite them)
 # what train.py's weight files record in their safetensors metadata (strings): the input size they were made at,
 # as JSON [C, H, W], so a copy of best.safetensors away from its run folder still says it
 INPUT_SIZE_KEY = "input_size"

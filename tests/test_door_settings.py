@@ -20,7 +20,7 @@ import yaml
 from conftest import ROOT, TINY, family, load_script
 from helpers import PY, TINY_RUN, call, make_folder, refused
 from lipsformer import cli
-from lipsformer.writer import output_figure, output_file
+from lipsformer.writer import output_figure, output_file, output_folder
 from lipsformer.engine.config import CHOICES, MODEL_ARGS, load_config, path_keys
 from lipsformer.models._base import ARGUMENTS
 
@@ -58,7 +58,7 @@ def commands() -> dict:
 
 COMMANDS = commands()
 # The argparse types of options naming a file or folder: each expands ~ and $VARIABLES.
-PATH_TYPES = (cli.path, output_file, output_figure)
+PATH_TYPES = (cli.path, cli.data_path, output_file, output_figure, output_folder)
 # String options that are not paths, each with what it holds; every other string option must have a PATH_TYPES type.
 NOT_PATHS = {
     "--model": "a model name", "--models": "model names", "--set": "KEY=VALUE items", "--tag": "a pretrained tag",
@@ -195,6 +195,8 @@ def _value(action, base: Path) -> list:
         return [str(list(action.choices)[0])]
     if action.nargs == "+":
         return ["0.1"]
+    if action.type is output_folder:
+        return [str(base / "new_folder")]
     if action.type in PATH_TYPES:
         return [str(base / "cfg.yaml")]
     return ["1"]

@@ -192,7 +192,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     folder). :class:`~.resume.RunFinished` where the checkpoint resumed from had finished the run (nothing to do,
     nothing written)."""
     trackers, folder = trackers or Trackers(cfg.log_with), RunFolder(cfg.output_dir)
-    check_output(folder)
+    check_output(folder, cfg.data_dir)  # the one check of every output (writer.py): not inside the data
     accelerator = create_accelerator(cfg)
     lock = lock or RunLock(folder.root)
     lock.check(accelerator)  # another run writes there: refused before any work
