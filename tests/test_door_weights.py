@@ -273,6 +273,19 @@ def test_a_classifier_is_re_created_only_for_an_asked_class_count(door, capsys, 
     assert all(torch.equal(v, state_dict[k]) for k, v in net.state_dict().items() if not k.startswith("head."))
 
 
+@pytest.mark.parametrize("form", [".safetensors", ".pth"])
+def test_a_truncated_file_is_named_damaged_before_the_model_name_is_asked_for(door, capsys, tmp_path, form):
+    """A weight file cut short, given without a model name (a bare file does not say which model it holds): every
+    command names the damage first, as passing the name would only lead to it."""
+    _, state_dict = door
+    path = write(tmp_path, "cut", state_dict, form)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for main, argv in ((EVAL.main, ["--checkpoint", path, "--data-dir", tmp_path, "--workers", 0]),
+                       (lipschitz, ["--checkpoint", path]), (convert.main, [path, "--out", tmp_path / "x"])):
+        line = refused(capsys, main, argv, tmp_path, f"cannot read {path}: truncated")
+        assert "model name" not in line, line
+
+
 # a run's classes.json as a hand might leave it, and what the one line says (data/classes.py's reader)
 CLASSES_DEFECTS = [
     ('["a", "b", "c"]', "classes.json names 3 classes, the classifier has 4 outputs"),
