@@ -216,7 +216,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     if cfg.lipschitz_target is not None:  # a bound no projection can keep: refused before anything is written
         check_keepable(model)
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
-    resume_from, damaged = verified(folder, resume, resume_from, model)
+    resume_from, damaged = verified(folder, resume, resume_from, model, cfg)  # a changed model is named
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader, classes = build_loaders(cfg, model, accelerator)
     check_classes(cfg, classes)
