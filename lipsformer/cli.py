@@ -26,7 +26,8 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
-from .errors import DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError
+from .errors import (DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError, hold_stop_signals,
+                     release_stop_signals)
 from .extras import MissingExtra
 from .settings import SettingError, expand_path, unique_pairs
 from .writer import Output, check_outputs, forget_written, output_figure, output_file, output_folder, written
@@ -177,24 +178,39 @@ def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
     command wrote (:func:`lipsformer.writer.written`), whatever the exit code. Afterwards the process group, if one
     was started, is destroyed while the interpreter is still whole
     (:func:`lipsformer.engine.processes.end_process_group`), except after a bug or Ctrl-C, where another process may
-    still be inside a collective."""
+    still be inside a collective.
+
+    Stopped by a signal (preempted: 75, interrupted: 130), the command ignores further stop signals while it shuts
+    down (:func:`lipsformer.errors.hold_stop_signals`), so a second SIGTERM or Ctrl-C keeps that exit code: run as
+    the program (``main()``, no ``argv``) until the process ends; called with an ``argv`` (in-process) until it
+    returns."""
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         forget_written()
+        as_program = (args[0] if args else kwargs.get("argv")) is None
         try:
             code = main(*args, **kwargs) or DONE
         except SystemExit:  # --help
             raise
         except BaseException as e:  # noqa: BLE001 - the boundary: every exception is told in one line or as a bug
+            if isinstance(e, (Preempted, KeyboardInterrupt)):
+                hold_stop_signals()
             code = report(e)
             if family(e) is None or code == INTERRUPTED:
                 _say_written()
+                _release(as_program)
                 return code
         _say_written()
         from .engine.processes import end_process_group
         end_process_group()
+        _release(as_program)
         return code
     return run
+
+
+def _release(as_program: bool) -> None:
+    if not as_program:  # an in-process caller goes on with its own handlers
+        release_stop_signals()
 
 
 def _say_written() -> None:
