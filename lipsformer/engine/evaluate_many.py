@@ -22,6 +22,7 @@ is evaluated, in the natural order of their names; anything else in it is left. 
 skipped with a note, as validate.py scores the checkpoints that exist; every other defect of a run is refused.
 """
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
@@ -76,6 +77,7 @@ class Plan:
 
     entries: List[Entry]
     skipped: List[Dict[str, str]]
+    merged: List[str] = dataclasses.field(default_factory=list)  # a line for each source named more than once
 
 
 def is_pattern(text: str) -> bool:
@@ -143,10 +145,13 @@ def plan(checkpoints: Optional[Sequence[str]], models: Optional[Sequence[str]], 
                 raise ModelArgsError(f"--model {name} matches no model with published weights; "
                                      f"timm.list_models({name!r}, pretrained=True) lists them")
             entries += [Entry(n) for n in found]
-    once: Dict[tuple, Entry] = {}  # each source once (a file named twice, a run also in a folder given)
+    once: Dict[tuple, List[Entry]] = {}  # each source once (a file named twice, a run also in a folder given)
     for e in entries:
-        once.setdefault((e.model, e.checkpoint and os.path.realpath(e.checkpoint)), e)
-    return Plan(list(once.values()), skipped)
+        once.setdefault((e.model, e.checkpoint and os.path.realpath(e.checkpoint)), []).append(e)
+    merged = [f"{same[0].name} is named {len(same)} times"
+              + (f" (as {', '.join(dict.fromkeys(e.name for e in same))})" if len({e.name for e in same}) > 1 else "")
+              + ": evaluated once, one row" for same in once.values() if len(same) > 1]
+    return Plan([same[0] for same in once.values()], skipped, merged)
 
 
 def _not_ready(run: Path, use_ema: bool) -> str:
@@ -246,6 +251,8 @@ def evaluate_many(checkpoints, models, data_dir, dataset: str = "imagenet", real
     if accelerator.is_main_process:  # after every check: a refused call is one line
         for skip in todo.skipped:
             _logger.warning(f"skipped {skip['source']}: {skip['reason']}")
+        for line in todo.merged:
+            _logger.warning(line)
         for p in prepared:
             for line in weights_fit(p.model).lines():  # what the weights did not bring as they are (adapted: ...)
                 accelerator.print(f"{p.source}: {line}")
