@@ -13,11 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from lipsformer.cli import ArgumentParser, command, json_value, path
+from lipsformer.cli import ArgumentParser, command, data_path, json_value, path
 from lipsformer.data import EVAL_DATASETS
-from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, write_predictions
+from lipsformer.engine.evaluate import DEFAULT_MAX_BAD_FRACTION, evaluate_model, percent, write_predictions
 from lipsformer.engine.evaluate_many import evaluate_many, format_table, row, several
-from lipsformer.engine.run_folder import run_file
 from lipsformer.lipschitz.certify import parse_eps
 from lipsformer.writer import output_file, write_csv, write_json
 
@@ -28,7 +27,7 @@ FILES = {"--predictions": ((".csv",), "name a .csv file (one row per image)"),
 
 def robustness_line(r: dict, top1: float, steps: int, restarts: int) -> str:
     """``clean X% | certified (L = ...) at eps: Y% ... | PGD-attacked at eps: Z% ...`` of one evaluation."""
-    parts = [f"clean {top1:.3f}%"]
+    parts = [f"clean {percent(top1)}"]
     if r["certified"]:
         why = f"; nothing certifies: {r['reason']}" if r["reason"] else ""
         accs = "  ".join(f"eps {e:g}: {a:.3f}%" for e, a in r["certified"].items())
@@ -59,7 +58,7 @@ def build_parser() -> ArgumentParser:
                              "sub-folders are runs or exports: each is evaluated); several are scored into one table "
                              "sorted by top-1")
     source.add_argument("--pretrained", action="store_true", help="the model's published weights (timm)")
-    parser.add_argument("--data-dir", type=path, required=True,
+    parser.add_argument("--data-dir", type=data_path, required=True,
                         help="imagenet / imagenet_real: the val folder (or its parent); imagenet_v2: folders 0..999")
     parser.add_argument("--dataset", default="imagenet", choices=EVAL_DATASETS)
     parser.add_argument("--real-labels", type=path, help="ReaL labels (real.json), for --dataset imagenet_real")
@@ -95,6 +94,7 @@ def build_parser() -> ArgumentParser:
                         help="accuracy under an l2 PGD attack of these radii in [0, 1] pixel space")
     parser.add_argument("--attack-steps", type=int, default=20, help="PGD steps per restart")
     parser.add_argument("--attack-restarts", type=int, default=3, help="PGD random restarts")
+    parser.examples = {"--output": "eval.json", "--predictions": "eval.csv"}  # a new file a refusal suggests
     # the flags a mode ignores (lipsformer.cli.Ignored)
     parser.ignored_unless("--real-labels", "is read only with --dataset imagenet_real",
                           lambda args: args.dataset == "imagenet_real")
@@ -109,23 +109,13 @@ def build_parser() -> ArgumentParser:
 
 
 def check_files(parser: ArgumentParser, args) -> None:
-    """Refuse (exit 2, before any work) a file flag's path of an extension it does not write (:data:`FILES`), one
-    that would replace a training run's own file or any weights (:func:`run_file`), and both flags naming one file."""
-    seen = {}
+    """Refuse (exit 2, before any work) a file flag's path of an extension it does not write (:data:`FILES`). What
+    any output may not overwrite (a run's own files, weights, the data, the other output) the parser's one check
+    refuses (:meth:`lipsformer.cli.ArgumentParser.check_outputs`)."""
     for flag, (suffixes, hint) in FILES.items():
         name = getattr(args, flag[2:])
-        if name is None:
-            continue
-        taken = run_file(name)
-        if taken:
-            parser.error(f"{flag} {name} would overwrite {taken[0]}; name another file (e.g. "
-                         f"{taken[1] / ('eval' + suffixes[0])})")
-        if Path(name).suffix.lower() not in suffixes:
+        if name is not None and Path(name).suffix.lower() not in suffixes:
             parser.error(f"{flag} {name}: {hint}")
-        same = Path(name).resolve()
-        if same in seen:
-            parser.error(f"{seen[same]} and {flag} both name {name}; give each its own file")
-        seen[same] = flag
 
 
 @command
@@ -161,9 +151,10 @@ def main(argv=None) -> int:
     if result["unreadable"]:
         excluded += f", {result['unreadable']} unreadable skipped"
     print(f"{result['model']} on {args.data_dir} ({result['data']}): "
-          f"top-1 {result['top1']:.3f}%  top-5 {result['top5']:.3f}%  "
+          f"top-1 {percent(result['top1'])}  top-5 {percent(result['top5'])}  "
           f"({result['count']} of {result['images']} images scored{excluded}; {result['seconds']:.1f} s, "
-          f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))")
+          f"{result['img_per_s']:.1f} img/s, {result['processes']} process(es))"
+          + (f": {result['top1_reason']}" if result["top1"] is None else ""))
     if "robustness" in result:
         print(robustness_line(result["robustness"], result["top1"], args.attack_steps, args.attack_restarts))
     if args.predictions:

@@ -10,7 +10,8 @@ job with --resume auto (examples/slurm/ does).
 """
 import sys
 
-from lipsformer.cli import ArgumentParser, command, is_main_process, path
+from lipsformer.cli import ArgumentParser, command, data_path, is_main_process, path
+from lipsformer.writer import output_folder
 from lipsformer.engine.config import describe_keys, load_config
 from lipsformer.engine.train import train
 
@@ -21,8 +22,9 @@ FLAG_KEYS = {"--data-dir": "data_dir", "--output-dir": "output_dir", "--lipschit
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="train.py", description=__doc__)
     parser.add_argument("--config", type=path, help="YAML recipe (configs/*.yaml)")
-    parser.add_argument("--data-dir", type=path, help="folder with train/ and val/ (sets data_dir)")
-    parser.add_argument("--output-dir", type=path, help="where checkpoints, metrics and curves go (sets output_dir)")
+    parser.add_argument("--data-dir", type=data_path, help="folder with train/ and val/ (sets data_dir)")
+    parser.add_argument("--output-dir", type=output_folder,
+                        help="where checkpoints, metrics and curves go (sets output_dir)")
     parser.add_argument("--resume", type=path,
                         help="'auto' (newest checkpoint in the output folder) or a checkpoint folder")
     parser.add_argument("--lipschitz-target", type=float,

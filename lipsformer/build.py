@@ -146,12 +146,13 @@ def _published(name: str, new_head: bool, model_args: dict) -> torch.nn.Module:
 def _from_file(path, name: Optional[str], use_ema: bool, new_head: bool, model_args: dict) -> torch.nn.Module:
     """The model with the weights at ``path`` (:func:`build_model`'s path source)."""
     file, meta = resolve_checkpoint(path, use_ema)
+    # read first: a damaged file is named as damaged before anything is asked of the user
+    state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
     if name and meta.get("model") and name != meta["model"]:
         raise CheckpointError(f"{path} was made by {meta['model']}, not {name}")
     name = name or meta.get("model")
     if not name:
         raise CheckpointError(f"{path} does not say which model it holds: pass the model name")
-    state_dict = read_checkpoint(file, use_ema=use_ema and file.suffix != ".safetensors")
     args = dict(meta.get("model_args") or {})
     args.update(model_args)
     form = state_dict_form(state_dict)

@@ -20,16 +20,20 @@ import sys
 import traceback
 import urllib.error
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Set, Tuple, Type
+from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Type
 
 import yaml
 from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
-from .errors import DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError
+from .errors import (DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError, hold_stop_signals,
+                     release_stop_signals)
 from .extras import MissingExtra
 from .settings import SettingError, expand_path, unique_pairs
-from .writer import forget_written, written
+from .writer import Output, check_outputs, forget_written, output_figure, output_file, output_folder, written
+
+# the argparse types of the options that name an output, and whether it is a folder (ArgumentParser.check_outputs)
+OUTPUT_TYPES = {output_file: False, output_figure: False, output_folder: True}
 
 # The one table of exit codes, shared by every command (README "Exit codes"; each command's --help).
 DONE, FAILED, MISTAKE, STOPPED, PREEMPTED, INTERRUPTED = 0, 1, 2, 3, 75, 130
@@ -174,24 +178,39 @@ def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
     command wrote (:func:`lipsformer.writer.written`), whatever the exit code. Afterwards the process group, if one
     was started, is destroyed while the interpreter is still whole
     (:func:`lipsformer.engine.processes.end_process_group`), except after a bug or Ctrl-C, where another process may
-    still be inside a collective."""
+    still be inside a collective.
+
+    Stopped by a signal (preempted: 75, interrupted: 130), the command ignores further stop signals while it shuts
+    down (:func:`lipsformer.errors.hold_stop_signals`), so a second SIGTERM or Ctrl-C keeps that exit code: run as
+    the program (``main()``, no ``argv``) until the process ends; called with an ``argv`` (in-process) until it
+    returns."""
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         forget_written()
+        as_program = (args[0] if args else kwargs.get("argv")) is None
         try:
             code = main(*args, **kwargs) or DONE
         except SystemExit:  # --help
             raise
         except BaseException as e:  # noqa: BLE001 - the boundary: every exception is told in one line or as a bug
+            if isinstance(e, (Preempted, KeyboardInterrupt)):
+                hold_stop_signals()
             code = report(e)
             if family(e) is None or code == INTERRUPTED:
                 _say_written()
+                _release(as_program)
                 return code
         _say_written()
         from .engine.processes import end_process_group
         end_process_group()
+        _release(as_program)
         return code
     return run
+
+
+def _release(as_program: bool) -> None:
+    if not as_program:  # an in-process caller goes on with its own handlers
+        release_stop_signals()
 
 
 def _say_written() -> None:
@@ -237,6 +256,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.ignored: List[Ignored] = []
         self.given: Set[str] = set()  # the dests of the options the last parse read from the command line
+        self.examples: Dict[str, str] = {}  # an output flag's example file name, for the line that refuses a path
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} ({self.prog} --help lists the options)")
@@ -260,7 +280,37 @@ class ArgumentParser(argparse.ArgumentParser):
         for row in self.ignored:
             if self.flag_dest(row.flag) in self.given and not row.acts(parsed):
                 raise UsageError(f"{self.prog}: {row.flag} {row.says}; drop {row.flag}")
+        self.check_outputs(parsed)
         return parsed
+
+    def paths(self, parsed: argparse.Namespace) -> Tuple[List[Output], List[Tuple[str, str]], List[Tuple[str, str]]]:
+        """What the parsed command line writes and reads, told by each option's type: the outputs (a type of
+        :data:`OUTPUT_TYPES`), the paths it reads (:func:`path`) and the input data (:func:`data_path`), each as
+        :func:`lipsformer.writer.check_outputs` takes it. An output's example name (for the line's suggestion) is
+        :attr:`examples`' for its flag, else the command's name with the output's suffix."""
+        stem = self.prog.split()[-1].rsplit(".", 1)[-1] if self.prog.startswith("python -m") else Path(self.prog).stem
+        outputs, reads, data = [], [], []
+        for action in self._actions:
+            values = getattr(parsed, action.dest, None)
+            if values is None or action.type not in (*OUTPUT_TYPES, path, data_path):
+                continue
+            label = max(action.option_strings, key=len) if action.option_strings else action.dest
+            for value in values if isinstance(values, list) else [values]:
+                if action.type in OUTPUT_TYPES:
+                    example = self.examples.get(label, stem + Path(value).suffix)
+                    outputs.append(Output(label, value, OUTPUT_TYPES[action.type], example))
+                else:
+                    (reads if action.type is path else data).append((label, value))
+        return outputs, reads, data
+
+    def check_outputs(self, parsed: argparse.Namespace) -> None:
+        """Every output the command line names passes the writers' one check (:func:`lipsformer.writer.check_outputs`:
+        nothing a run or an export owns, nothing inside the input data, no file the call reads, no two outputs on one
+        path), refused in one line before any work."""
+        try:
+            check_outputs(*self.paths(parsed))
+        except Mistake as e:
+            self.error(str(e))
 
 
 def positive_int(text: str) -> int:
@@ -280,6 +330,12 @@ def json_value(text: str):
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}; write e.g. '{{\"img_size\": 32}}'") from None
     except SettingError as e:
         raise argparse.ArgumentTypeError(f"{e}: {text}") from None
+
+
+def data_path(text: str) -> str:
+    """argparse type of a flag naming the input data (an image folder): :func:`path`; no output of the call may lie
+    inside it (:meth:`ArgumentParser.check_outputs`)."""
+    return path(text)
 
 
 def path(text: str) -> str:

@@ -16,6 +16,7 @@ from .build import build_model
 from .cli import ArgumentParser, command, json_value, path
 from .errors import UsageError
 from .weights import check_model_args, export, sha256_of, weights_fit
+from .writer import output_folder
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k
 
@@ -29,7 +30,7 @@ def build_parser() -> ArgumentParser:
                         help='model arguments the source was built with, e.g. \'{"img_size": 32}\'')
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights")
     parser.add_argument("--tag", default="converted", help="pretrained tag of the output folder's name")
-    parser.add_argument("--out", type=path, help="output folder (default: checkpoints/MODEL.TAG)")
+    parser.add_argument("--out", type=output_folder, help="output folder (default: checkpoints/MODEL.TAG)")
     return parser
 
 

@@ -34,6 +34,40 @@ class UsageError(Mistake, ValueError):
     """A command-line value that cannot be used (argparse's own errors included)."""
 
 
+# -- the exit code a stop promised ------------------------------------------------------------------------------------
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # a scheduler's (preemption, requeue) and Ctrl-C's
+_held: dict = {}  # while held: each stop signal's handler before it was held
+
+
+def hold_stop_signals() -> None:
+    """Ignore the signals that stop a command from now on: once it stops with the exit code a first one promised
+    (75 preempted, 130 interrupted), a second one, during the checkpoint's last steps or the shutdown, must not end it
+    with another (143 for SIGTERM's default, a traceback for Ctrl-C). The handlers they replace are kept for
+    :func:`release_stop_signals`. Python sets handlers on the main thread only; elsewhere nothing is held."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in STOP_SIGNALS:
+        sig = getattr(signal, name)
+        previous = signal.signal(sig, signal.SIG_IGN)
+        _held.setdefault(sig, previous)
+
+
+def stop_signals_held() -> dict:
+    """The handlers held signals had before (empty while none is held); a handler set up for a block that ends
+    while they are held (the loop's preemption watch) records its own predecessor here instead of restoring it."""
+    return _held
+
+
+def release_stop_signals() -> None:
+    """Give the held stop signals their handlers back (a command run in-process, whose caller goes on)."""
+    import signal
+    while _held:
+        sig, handler = _held.popitem()
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
 def did_you_mean(word: str, candidates: Sequence[str], n: int = 3) -> str:
     """`` (did you mean a, b?)`` with the candidates closest to ``word`` (difflib), or ``""`` when none is close."""
     import difflib

@@ -23,14 +23,13 @@ from timm.models import adapt_input_conv, get_pretrained_cfg, save_for_hf
 from .data.classes import read_class_names
 from .data.datasets import eval_data_config
 from .errors import Mistake, did_you_mean
-from .settings import read_yaml
-from .engine.config import ConfigError
+from .engine.config import ConfigError, read_run_config
 from .layers.attlip import form_mismatch
 from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
-from .writer import replacing
+from .writer import EXPORT_CONFIG, EXPORT_WEIGHTS, replacing
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).
-HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"
+HUB_CONFIG, HUB_WEIGHTS = EXPORT_CONFIG, EXPORT_WEIGHTS  # an export's files (writer.py: outputs never overwrite them)
 # what train.py's weight files record in their safetensors metadata (strings): the input size they were made at,
 # as JSON [C, H, W], so a copy of best.safetensors away from its run folder still says it
 INPUT_SIZE_KEY = "input_size"
@@ -390,7 +389,7 @@ def resolve_checkpoint(path, use_ema: bool = False) -> Tuple[Path, dict]:
         run = RunFolder(path)
         if run.is_run():
             file = run.weights(ema=use_ema)
-            if use_ema and not file.is_file() and not (read_yaml(run.config) or {}).get("ema_decay"):
+            if use_ema and not file.is_file() and not read_run_config(run.config).ema_decay:
                 raise CheckpointError(f"{path} was trained without an EMA (ema_decay is not set in its "
                                       f"{run.config.name}); drop --use-ema")
             if not file.is_file():
@@ -428,15 +427,14 @@ def _run_of(file: Path) -> Optional[RunFolder]:
 
 
 def _run_meta(run: RunFolder) -> dict:
-    cfg = read_yaml(run.config)
-    size, kwargs = cfg["img_size"], dict(cfg.get("model_kwargs") or {})
-    pretrained = dict(num_classes=cfg["num_classes"], input_size=(kwargs.get("in_chans", 3), size, size),
-                      crop_pct=cfg["crop_pct"], interpolation=cfg["interpolation"])
-    names = read_class_names(run.classes)
+    cfg = read_run_config(run.config)  # as strictly as a user's config: a key removed by hand is named
+    size, kwargs = cfg.img_size, dict(cfg.model_kwargs or {})
+    pretrained = dict(num_classes=cfg.num_classes, input_size=(kwargs.get("in_chans", 3), size, size),
+                      crop_pct=cfg.crop_pct, interpolation=cfg.interpolation)
+    names = read_class_names(run.classes, cfg.num_classes)  # one name per output (data/classes.py)
     if names is not None:
-        check_label_names(names, cfg["num_classes"], run.classes)
         pretrained["label_names"] = tuple(names)
-    return dict(model=cfg["model"], model_args=dict(kwargs, num_classes=cfg["num_classes"], img_size=size),
+    return dict(model=cfg.model, model_args=dict(kwargs, num_classes=cfg.num_classes, img_size=size),
                 pretrained_cfg=pretrained)
 
 

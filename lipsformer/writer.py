@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import Mistake, Stopped
 from .settings import expand_path
@@ -307,6 +307,17 @@ def check_target(path, folder: bool = False) -> Path:
     return path
 
 
+def output_folder(text: str) -> str:
+    """argparse type of an option naming a folder to write: ``~`` and ``$VARIABLES`` expanded, then
+    :func:`check_target` as a folder, said as that option's error."""
+    try:
+        text = expand_path(text, "")
+        check_target(text, folder=True)
+    except Mistake as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
+    return text
+
+
 def output_file(text: str) -> str:
     """argparse type of an option naming a file to write: ``~`` and ``$VARIABLES`` expanded
     (:func:`lipsformer.settings.expand_path`), then :func:`check_target`, said as that option's error."""
@@ -329,6 +340,95 @@ def output_figure(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text}: cannot draw a .{suffix} figure; name a "
                                          f"{', '.join('.' + f for f in FIGURE_FORMATS[:4])}, ... file")
     return output_file(text)
+
+
+# -- what a run folder and an export own ----------------------------------------------------------------------------
+# A train.py output folder's own names (lipsformer/engine/run_folder.py lays the folder out with them) and an export's
+# files (lipsformer/weights.py): every output of every command is checked against them (:func:`check_outputs`).
+CONFIG = "config.yaml"  # a folder holding it is a run
+CLASSES = "classes.json"
+METRICS = "metrics.jsonl"
+CURVES = "curves.png"
+LAST = "last.safetensors"
+LAST_EMA = "last_ema.safetensors"
+BEST = "best.safetensors"
+BEST_KEPT = "best"  # the folder of the keep_best best epochs' weights
+SUMMARY = "summary.csv"
+CHECKPOINTS = "checkpoints"
+TRACKER = "lipsformer"  # the TensorBoard folder
+TRACKER_RUNS = "trackers.json"
+LOCK = ".lock"
+OUTPUTS = (CONFIG, CLASSES, METRICS, SUMMARY, CURVES, LAST, LAST_EMA, BEST, BEST_KEPT, TRACKER,
+           TRACKER_RUNS)  # what a start writes beside checkpoints
+EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"  # an exported weight folder (timm's layout)
+
+
+def is_run(folder) -> bool:
+    """Whether ``folder`` is a train.py output folder."""
+    return (Path(folder) / CONFIG).is_file()
+
+
+def owner(path, folder: bool = False) -> Optional[Tuple[str, Path]]:
+    """What writing ``path`` (``folder``: a folder) would overwrite that a run or an export owns (a phrase:
+    ``training run R's own summary.csv``), with the folder where a new output may go instead; None when it
+    overwrites nothing. In a run folder: its own files and folders (:data:`OUTPUTS`, its checkpoints, its lock) and
+    anything inside them; in an export: its ``config.json`` and ``model.safetensors``; anywhere: an existing weight
+    file (``*.safetensors``). A new file beside a run's own (``eval.json``) overwrites nothing."""
+    path = Path(path).absolute()
+    for run in path.parents:
+        own = path.relative_to(run).parts[0]
+        if own in (*OUTPUTS, CHECKPOINTS, LOCK) and is_run(run):
+            return (f"training run {run}'s own {own}" if own == path.name else
+                    f"a file in training run {run}'s {own}/"), run
+    if path.name in (EXPORT_CONFIG, EXPORT_WEIGHTS) and all((path.parent / n).is_file()
+                                                            for n in (EXPORT_CONFIG, EXPORT_WEIGHTS)):
+        return f"exported weights {path.parent}'s own {path.name}", path.parent.parent
+    if path.suffix == ".safetensors" and path.is_file() and not folder:
+        return "weights", path.parent
+    return None
+
+
+class Output(NamedTuple):
+    """One output of a call, as :func:`check_outputs` takes it: how the line names it (``--json``, ``output_dir``),
+    its path, whether it is a folder, and a name for a new file where the line suggests one (``eval.json``)."""
+
+    label: str
+    path: str
+    folder: bool = False
+    example: str = ""
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_outputs(outputs: Sequence[Output], reads: Sequence[Tuple[str, str]] = (),
+                  data: Sequence[Tuple[str, str]] = ()) -> None:
+    """The one check every output of every command passes, before any work: a Mistake (exit 2) naming the output
+    when it would overwrite what a run or an export owns (:func:`owner`), when it lies inside the input data
+    (``data``: ``(label, folder)`` pairs, the folders a call reads as data: a file written there would be read as
+    data, a run folder there as a class), when it is a file the call reads (``reads``: ``(label, path)``; a folder
+    output may be a folder the call reads, as a resumed run's), or when two outputs of the call name one path."""
+    seen: Dict[Path, str] = {}
+    for out in outputs:
+        path = Path(out.path).absolute()
+        taken = owner(path, out.folder)
+        if taken:
+            kind = "folder" if out.folder else "file"
+            example = f" (e.g. {taken[1] / (out.example or 'output' + path.suffix)})" if not out.folder else ""
+            raise Mistake(f"{out.label} {out.path} would overwrite {taken[0]}; name another {kind}{example}")
+        resolved = path.resolve()
+        for label, folder in data:
+            if folder and _within(resolved, Path(folder).resolve()):
+                raise Mistake(f"{out.label} {out.path} is inside {label} {folder}, the input data: an output there "
+                              f"would be read as data; write it outside {folder}")
+        for label, read in reads:
+            if not out.folder and read and resolved == Path(read).resolve() and Path(read).is_file():
+                raise Mistake(f"{out.label} {out.path} is {label} {read}, which this call reads; name another file")
+        if resolved in seen:
+            raise Mistake(f"{seen[resolved]} and {out.label} both name {out.path}; give each its own "
+                          f"{'folder' if out.folder else 'file'}")
+        seen[resolved] = out.label
 
 
 # -- folders a command writes whole ---------------------------------------------------------------------------------

@@ -70,6 +70,15 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _stop_signals():
+    """The stop signals' handlers as the test found them: a run preempted in this process holds them ignored for
+    its shutdown (lipsformer.errors.hold_stop_signals), as the program does until it exits."""
+    yield
+    from lipsformer.errors import release_stop_signals
+    release_stop_signals()
+
+
+@pytest.fixture(autouse=True)
 def _threads():
     """Torch's thread count as the test found it: a benchmark's ``--threads 1`` run in this process would otherwise
     leave every later test on one thread."""

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,11 +87,25 @@ def test_preemption_signal_checkpoints_the_step_it_arrives_in_and_resumes_bit_id
         "error: global_batch 4 differs from the checkpoint's 8: ")
 
 
+@pytest.mark.parametrize("first, second, code", [("USR1", "TERM", 75), ("USR1", "INT", 75), ("INT", "INT", 130),
+                                                 ("INT", "TERM", 130)])
+def test_a_second_stop_signal_during_the_shutdown_keeps_the_promised_exit_code(tmp_path, first, second, code):
+    """train.py as the program, stopped by a preemption signal (exit 75) or Ctrl-C (130), then sent a second
+    SIGTERM or SIGINT after its line said how it ended, while it shuts down: the exit code stays the one said (not
+    143 for SIGTERM's default, nor a traceback for Ctrl-C)."""
+    config = write_config(tmp_path, epochs=1, checkpoint_every_steps=100)
+    proc = subprocess.run([sys.executable, str(PROBE), "--signal-at-step", "2", "--signal", first,
+                           "--signal-in-shutdown", second, "--", "--config", str(config)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == code and "Traceback" not in said, (proc.returncode, said[-2000:])
+    assert ("preempted: SIGUSR1 received" if code == 75 else "interrupted: training stopped at step") in said
+
+
 def test_a_kill_during_the_preemption_checkpoint_leaves_the_previous_one_the_newest_intact(tmp_path):
     """SIGUSR1 in step 2, then SIGKILL while step 2's checkpoint is being written (a grace time too short): the
     half-written folder is never taken for a checkpoint, step 1's stays the newest intact one, and --resume auto
     goes on from it, writing step 2 again."""
-    import subprocess
     import sys
     from lipsformer.engine import train as loop
     config = write_config(tmp_path, epochs=1, global_batch=8, checkpoint_every_steps=1)
@@ -149,7 +164,8 @@ NOTICE = "no longer bit-exact: gradients are summed in another order"
 @pytest.mark.slow
 def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path, capsys):
     """2 -> 1 -> 2 processes, mid-epoch each time: the global batch, the schedule and the epoch's samples carry
-    over, each resume says it is no longer bit-exact, and the weights end as the uninterrupted run's to rounding."""
+    over, each resume says it is no longer bit-exact, and the weights and the epoch's training loss (every
+    process's batches, the ones before the resume included) end as the uninterrupted run's to rounding."""
     config, reference, before = two_processes
     run = tmp_path / "run"
     main = load_script("train.py").main
@@ -176,6 +192,9 @@ def test_ddp_run_resumes_on_one_process_and_back_on_two(two_processes, tmp_path,
     assert_epoch_covered_once([r for r in before if r["step"] <= 4] + records + after, epoch=1, steps=range(4, 7))
     assert lrs(run) == {s: lr for s, lr in lrs(reference).items() if s >= 5}  # the schedule's own steps
     assert same_weights(reference, run, exact=False)
+    epoch_2 = [[r["train_loss"] for r in read_metrics(d) if r["kind"] == "epoch" and r["epoch"] == 2]
+               for d in (reference, run)]
+    assert epoch_2[1] == [pytest.approx(epoch_2[0][0], rel=1e-5)], epoch_2
 
 
 def test_the_resume_notice_names_what_cannot_carry_over():
@@ -223,8 +242,8 @@ def test_fsdp2_sharded_checkpoints_reshard_from_two_processes_to_one_and_back(tw
     assert lrs(run) == lrs(reference)
     rows = [[r for r in read_metrics(d) if r["kind"] == "epoch"] for d in (reference, run)]
     assert [r["epoch"] for r in rows[1]] == [1, 2]
-    for a, b in zip(*rows):  # epoch 2's loss is a mean over other processes' batches once resumed on 1
-        for key in ("top1", "ema_top1", "val_count") + (("train_loss",) if a["epoch"] == 1 else ()):
+    for a, b in zip(*rows):  # the training loss is the mean over every process's batches, carried over a resume
+        for key in ("top1", "ema_top1", "val_count", "train_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["epoch"], key)
     assert same_weights(reference, run, exact=False)
 
@@ -252,7 +271,6 @@ def test_slurm_launch_lines_parse(tmp_path, monkeypatch):
     """Both launchers the script can build, from the multi-node script: torchrun's line by torchrun's parser,
     accelerate launch's by Accelerate's, with the FSDP2 config; the launcher passes SIGUSR1 on."""
     import shlex
-    import subprocess
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
     from torch.distributed.run import get_args_parser
@@ -294,7 +312,6 @@ def test_two_node_slurm_job_preempted_mid_epoch_is_requeued_and_ends_identical(t
     --signal=B:USR1@120 sends it: the training stops after the step in progress with its checkpoint, the script
     requeues the job, and the requeued job ends with the uninterrupted run's weights, bit for bit (that run is on
     2 processes of one torchrun: two nodes of one process each equal it)."""
-    import subprocess
     import time
     config, reference, _ = two_processes
     run = tmp_path / "run"

@@ -5,7 +5,9 @@ blocks is parsed by the tool it names: train.py's argv by ``train.build_parser()
 ``python benchmarks/X.py`` by theirs (parsed, then stopped before any work), ``make`` targets found in the
 Makefile, ``pip`` extras in pyproject.toml, the SLURM scripts' arguments by train.py's parser. Every repository
 file a command names exists. Python blocks compile, and run unless listed in NOT_RUN, on tiny models (TINY_MODEL,
-the one substitution). A command no rule handles fails the test unless ALLOWED lists it with a reason."""
+the one substitution). A launch of train.py (torchrun, accelerate launch) also splits its global batch over the
+processes it starts, as the run does first; the README's torchrun line runs as written. A command no rule handles
+fails the test unless ALLOWED lists it with a reason."""
 import argparse
 import contextlib
 import importlib.util
@@ -190,12 +192,22 @@ def load_script(relative: str):
     return module
 
 
-def check_train(argv: list):
+def check_train(argv: list, processes: int = 1):
+    """train.py's ``argv`` parsed and its config loaded, and its global batch split over the ``processes`` the
+    launch starts, as the run does before its first step (None, or what is wrong)."""
     try:
-        train_config(argv)
+        _, cfg = train_config(argv)
+        if cfg is not None:
+            cfg.accumulation_steps(processes)
     except Exception as e:  # noqa: BLE001 - the doc's problem, one line
         return f"train.py: {type(e).__name__}: {e}"
     return None
+
+
+def launched(nnodes: str, nproc_per_node: str) -> int:
+    """The processes a torchrun line starts (nodes x processes per node), where the line says it (else 1)."""
+    nodes = nnodes.split(":")[-1]
+    return int(nodes) * int(nproc_per_node) if nodes.isdigit() and str(nproc_per_node).isdigit() else 1
 
 
 def train_config(argv: list):
@@ -206,9 +218,9 @@ def train_config(argv: list):
     return args, None if args.list_keys else script.config_from_args(args)
 
 
-def check_script(script: str, argv: list):
+def check_script(script: str, argv: list, processes: int = 1):
     if script == "train.py":
-        return check_train(argv)
+        return check_train(argv, processes)
     if script == "eval.py":
         try:
             load_script("eval.py").build_parser().parse_args(argv)
@@ -275,7 +287,7 @@ def check_command(command: str, inline: bool = False):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 args = launch_command_parser().parse_args(rest[1:])
-            problem = check_script(args.training_script, args.training_script_args)
+            problem = check_script(args.training_script, args.training_script_args, args.num_processes or 1)
         except SystemExit:
             problem = "accelerate launch: its parser refused the options"
     elif head == "torchrun":
@@ -283,7 +295,8 @@ def check_command(command: str, inline: bool = False):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 args = get_args_parser().parse_args(rest)
-            problem = check_script(args.training_script, args.training_script_args)
+            problem = check_script(args.training_script, args.training_script_args,
+                                   launched(args.nnodes, args.nproc_per_node))
         except SystemExit:
             problem = "torchrun: its parser refused the options"
     elif head == "make":
@@ -558,6 +571,10 @@ def test_the_fresh_shell_check_catches_what_a_new_user_would_hit():
     ("python train.py --config configs/demo_digits.yaml --set lrr=1e-3", "lrr"),
     ("accelerate launch train.py --config configs/demo_digits.yaml --set epochs=zero", "epochs"),
     ("torchrun --nproc_per_node 2 eval.py --checkpoint x --data-dir y --no-such-flag", "no-such-flag"),
+    ("torchrun --nproc_per_node 2 train.py --config configs/demo_digits.yaml",  # 64 over 2 processes of 64
+     "global_batch 64 is not a multiple of batch_size 64 x 2 processes"),
+    ("accelerate launch --num_processes 4 train.py --config configs/demo_digits.yaml --set batch_size=32",
+     "global_batch 64 is not a multiple of batch_size 32 x 4 processes"),
     ("python eval.py --checkpoint x --data-dir y --dataset imagenet_v3", "imagenet_v3"),
     ("python -m lipsformer.lipschitz --model lipsformer_swin_t --no-such-flag", "exit 2"),
     ("python -m lipsformer.no_such_module", "no such lipsformer module"),
@@ -588,3 +605,44 @@ def test_the_checker_passes_good_commands_and_catches_dead_links(tmp_path):
     finally:
         ROOT = saved
     assert len(problems) == 2 and "other.md#gone" in problems[0] and "missing.md" in problems[1], problems
+
+
+@pytest.mark.slow
+def test_the_readme_torchrun_line_trains_as_written(tmp_path):
+    """The README's torchrun line (docs/cluster.md shows the same), run as written in a fresh folder holding the
+    digits the README's command above it writes: two processes train. SIGUSR1 to both (as SLURM's --signal does)
+    once training has started: they go on to the first log step (10), checkpoint it and exit 75."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from lipsformer.data.digits import write_digits_folder
+    readme = [c for where, c in doc_commands() if where.startswith("README.md") and c.startswith("torchrun ")]
+    assert len(readme) == 1 and readme[0] in [c for where, c in doc_commands() if where.startswith("docs/cluster.md")]
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "train.py").symlink_to(ROOT / "train.py")
+    write_digits_folder(tmp_path / "output" / "digits")  # python -m lipsformer.data.digits output/digits
+    tokens = shlex.split(readme[0], comments=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]))
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("torchrun")), *tokens[1:]], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said, deadline = [], time.time() + 400
+    try:
+        for line in proc.stdout:
+            said.append(line)
+            if line.startswith("weights: "):  # said once both processes are in the loop (and watch for signals)
+                for worker in psutil.Process(proc.pid).children(recursive=True):
+                    worker.send_signal(signal.SIGUSR1)
+                break
+            assert time.time() < deadline, "".join(said[-20:])
+        said += proc.stdout.readlines()
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    text = "".join(said)
+    assert proc.returncode != 0 and "exitcode  : 75" in text and "preempted: SIGUSR1 received" in text, text[-3000:]
+    assert "global_batch" not in text and sorted(p.name for p in (tmp_path / "output" / "ddp" / "checkpoints")
+                                                 .iterdir()) == ["step_000000010"], text[-3000:]

@@ -9,6 +9,7 @@ import importlib
 import math
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import yaml
 from conftest import ROOT, TINY, family, load_script
 from helpers import PY, TINY_RUN, call, make_folder, refused
 from lipsformer import cli
-from lipsformer.writer import output_figure, output_file
+from lipsformer.writer import output_figure, output_file, output_folder
 from lipsformer.engine.config import CHOICES, MODEL_ARGS, load_config, path_keys
 from lipsformer.models._base import ARGUMENTS
 
@@ -58,7 +59,7 @@ def commands() -> dict:
 
 COMMANDS = commands()
 # The argparse types of options naming a file or folder: each expands ~ and $VARIABLES.
-PATH_TYPES = (cli.path, output_file, output_figure)
+PATH_TYPES = (cli.path, cli.data_path, output_file, output_figure, output_folder)
 # String options that are not paths, each with what it holds; every other string option must have a PATH_TYPES type.
 NOT_PATHS = {
     "--model": "a model name", "--models": "model names", "--set": "KEY=VALUE items", "--tag": "a pretrained tag",
@@ -136,6 +137,33 @@ def test_a_run_folders_config_with_a_key_twice_is_refused_where_it_is_read_back(
     refused(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--output-dir", run, "--resume", run], base, said)
 
 
+def test_a_run_folders_config_edited_by_hand_is_one_line_naming_the_file_and_the_key(base, capsys):
+    """A run's config.yaml is read back as strictly as a user's config: each key that says what the weights are
+    (engine.config.WEIGHTS_KEYS) removed, and a key of the wrong type, are one line naming the file and the key in
+    eval.py, the Lipschitz command and convert; exit 2, nothing written."""
+    from lipsformer import convert
+    from lipsformer.engine.config import WEIGHTS_KEYS
+    from lipsformer.lipschitz.__main__ import main as lipschitz
+    from safetensors.torch import save_file
+    from lipsformer.engine.config import TrainConfig
+    run = base / "edited_run"
+    run.mkdir()
+    TrainConfig(**dict(RUN, data_dir=str(base / "data"), output_dir=str(run))).save(run / "config.yaml")
+    model = timm.create_model(RUN["model"], num_classes=RUN["num_classes"], img_size=RUN["img_size"],
+                              **RUN["model_kwargs"])
+    save_file(model.state_dict(), str(run / "last.safetensors"))
+    written = yaml.safe_load((run / "config.yaml").read_text())
+    cases = [({k: v for k, v in written.items() if k != key}, [f"{run / 'config.yaml'} has no {key}"])
+             for key in WEIGHTS_KEYS]
+    cases.append((dict(written, img_size="big"), [f"{run / 'config.yaml'}: ", "img_size"]))
+    for config, said in cases:
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        refused(capsys, EVAL.main, ["--checkpoint", run, "--data-dir", base / "data", "--workers", 0], base, *said)
+        refused(capsys, lipschitz, ["--checkpoint", run], base, *said)
+        refused(capsys, convert.main, [run, "--out", base / "converted"], base, *said)
+    shutil.rmtree(run)
+
+
 def test_a_choice_yaml_reads_as_a_boolean_is_the_word_in_a_file_as_in_set(tmp_path):
     words = {key: "no" for key, choices in CHOICES.items() if "no" in choices}  # YAML 1.1: no is false
     assert "mixed_precision" in words
@@ -195,6 +223,8 @@ def _value(action, base: Path) -> list:
         return [str(list(action.choices)[0])]
     if action.nargs == "+":
         return ["0.1"]
+    if action.type is output_folder:
+        return [str(base / "new_folder")]
     if action.type in PATH_TYPES:
         return [str(base / "cfg.yaml")]
     return ["1"]

@@ -273,14 +273,46 @@ def test_a_classifier_is_re_created_only_for_an_asked_class_count(door, capsys, 
     assert all(torch.equal(v, state_dict[k]) for k, v in net.state_dict().items() if not k.startswith("head."))
 
 
-def test_classes_json_has_one_name_per_output(door, capsys, tmp_path):
+@pytest.mark.parametrize("form", [".safetensors", ".pth"])
+def test_a_truncated_file_is_named_damaged_before_the_model_name_is_asked_for(door, capsys, tmp_path, form):
+    """A weight file cut short, given without a model name (a bare file does not say which model it holds): every
+    command names the damage first, as passing the name would only lead to it."""
+    _, state_dict = door
+    path = write(tmp_path, "cut", state_dict, form)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for main, argv in ((EVAL.main, ["--checkpoint", path, "--data-dir", tmp_path, "--workers", 0]),
+                       (lipschitz, ["--checkpoint", path]), (convert.main, [path, "--out", tmp_path / "x"])):
+        line = refused(capsys, main, argv, tmp_path, f"cannot read {path}: truncated")
+        assert "model name" not in line, line
+
+
+# a run's classes.json as a hand might leave it, and what the one line says (data/classes.py's reader)
+CLASSES_DEFECTS = [
+    ('["a", "b", "c"]', "classes.json names 3 classes, the classifier has 4 outputs"),
+    ('{"a": 0}', "classes.json must be a JSON list of class names (strings, in label order), not a JSON object"),
+    ('["a", "b", "c", ', "cannot read the class names file"),
+    ('["a", null, "c", "d"]', "classes.json: entry 1 is null (null); each entry is a class name"),
+    ('["a", 2, "c", "d"]', "classes.json: entry 1 is 2 (number)"),
+    ('["a", "", "c", "d"]', 'classes.json: entry 1 is "" (string)'),
+    ('["a", "b", "a", "d"]', "classes.json: 'a' is both entry 0 and entry 2; each class has one name"),
+]
+
+
+@pytest.mark.parametrize("text, message", CLASSES_DEFECTS)
+def test_classes_json_is_one_distinct_name_per_output(door, capsys, tmp_path, text, message):
+    """Every command that reads a run's classes.json refuses a defective one in one line naming the file and the
+    entry: eval.py, the toolkit, convert."""
     root, state_dict = door
     run = write(tmp_path, "run", state_dict, "run", root / "cfg.yaml")
-    write_class_names(run / "classes.json", ["a", "b", "c"])
+    (run / "classes.json").write_text(text)
     for main, extra in ((EVAL.main, ["--data-dir", root / "data", "--workers", 0]), (lipschitz, []),
                         (convert.main, ["--out", tmp_path / "x"])):
         argv = [run] + extra if main is convert.main else ["--checkpoint", run] + extra
-        refused(capsys, main, argv, tmp_path, f"{run / 'classes.json'} names 3 classes, the classifier has 4 outputs")
+        refused(capsys, main, argv, tmp_path, str(run), message)
+
+
+def test_an_exports_label_names_are_one_per_output(door, capsys, tmp_path):
+    root, state_dict = door
     folder = export(build_model(MODEL, write(tmp_path, "w", state_dict, ".safetensors"), **ARGS).model,
                     tmp_path / "export")
     config = json.loads((folder / "config.json").read_text())

@@ -331,6 +331,78 @@ def test_every_file_output_naming_a_folder_is_refused_before_any_work(base, caps
                 f"{base / 'a_file'} is a file, not a folder")
 
 
+def _commands(base: Path) -> dict:
+    """Every command: its ``main``, its parser, a call that would run (an output flag is added to it) and what the
+    call reads as data (the folder outputs must stay out of) and as a file (``READ``, which no output may be)."""
+    from lipsformer import convert, flops
+    from lipsformer.data import digits, mnist
+    from lipsformer.lipschitz import __main__ as toolkit
+    read = base / "read.pth"  # a weight file the call reads
+    return {
+        "train.py": (TRAIN.main, TRAIN.build_parser(), ["--config", base / "cfg.yaml", "--data-dir", base / "data"],
+                     "--data-dir", None),
+        "eval.py": (EVAL.main, EVAL.build_parser(), ["--checkpoint", base / "run", "--data-dir", base / "data",
+                                                      "--workers", 0], "--data-dir", None),
+        "lipschitz": (toolkit.main, toolkit.build_parser(), ["--model", "lipsformer_swin_t", "--checkpoint", read],
+                      None, read),
+        "flops": (flops.main, flops.build_parser(), ["--models", "lipsformer_swin_t", "--no-flops"], None, None),
+        "convert": (convert.main, convert.build_parser(), [read, "--model", "lipsformer_swin_t"], None, read),
+        "digits": (digits.main, digits.build_parser(), [], None, None),
+        "mnist": (mnist.main, mnist.build_parser(), [], None, None),
+    }
+
+
+
+def test_every_output_of_every_command_passes_the_one_check_of_outputs(base, capsys):
+    """Found from the parsers (an output is an option of an output type: cli.OUTPUT_TYPES), for every command:
+    each output that would overwrite what a training run owns is refused, one inside the input data is refused, one
+    that is a file the call reads is refused, and two outputs of one call on one path are refused: one line, exit 2,
+    nothing written. (Every option that names a path has a path type: tests/test_door_settings.py.)"""
+    from lipsformer import cli
+    shutil.copy(base / "run" / "last.safetensors", base / "read.pth")
+    found = []
+    for name, (main, parser, argv, data, read) in _commands(base).items():
+        outputs = [a for a in parser._actions if a.type in cli.OUTPUT_TYPES]
+        for action in outputs:
+            flag = max(action.option_strings, key=len) if action.option_strings else None
+            found.append((name, flag or action.dest))
+            folder = cli.OUTPUT_TYPES[action.type]
+
+            def given(value):
+                return [*argv, *([flag] if flag else []), value]
+            owned = base / "run" / ("best" if folder else "curves.png" if action.type is writer.output_figure
+                                    else "summary.csv")
+            refused(capsys, main, given(owned), base, "would overwrite training run", "'s own ")
+            if folder:
+                refused(capsys, main, given(base / "run" / "checkpoints" / "new"), base,
+                        "would overwrite a file in training run")
+            if data:
+                inside = base / "data" / "val" / ("out" if folder else "out" + (Path(owned).suffix or ".json"))
+                refused(capsys, main, given(inside), base, f"is inside {data} {base / 'data'}, the input data")
+            if read and action.type is writer.output_file:  # a figure's name is a figure's (it cannot be a .pth)
+                refused(capsys, main, given(read), base, f"is --checkpoint {read}, which this call reads")
+    assert sorted(found) == [("convert", "--out"), ("digits", "root"), ("eval.py", "--output"),
+                             ("eval.py", "--predictions"), ("flops", "--json"), ("lipschitz", "--json"),
+                             ("lipschitz", "--plot"), ("mnist", "root"), ("train.py", "--output-dir")]
+    main, _, argv, _, read = _commands(base)["lipschitz"]
+    refused(capsys, main, [*argv, "--json", base / "same.png", "--plot", base / "same.png"], base,
+            f"--json and --plot both name {base / 'same.png'}; give each its own file")
+    main, _, argv, _, _ = _commands(base)["eval.py"]
+    refused(capsys, main, [*argv, "--predictions", base / "x.csv", "--output", base / "x.csv"], base,
+            f"--predictions and --output both name {base / 'x.csv'}")
+    (base / "read.pth").unlink()
+
+
+def test_a_training_output_folder_inside_its_data_is_refused_before_any_work(base, capsys):
+    """output_dir inside data_dir, from the config or --set: the run's folder would become a class of its own data
+    (a preempted run could then not resume). One line, exit 2, nothing written."""
+    for inside in (base / "data" / "train" / "run", base / "data"):
+        refused(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--set", f"output_dir={inside}"], base,
+                f"output_dir {inside} is inside data_dir {base / 'data'}, the input data")
+    refused(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--set", f"output_dir={base / 'run' / 'best'}"],
+            base, "output_dir", "would overwrite training run")
+
+
 def test_eval_outputs_that_would_replace_a_runs_own_files_are_refused_before_any_work(base, capsys):
     """A training run's own files (run_folder.OUTPUTS, its checkpoints) and any weight file; a new file beside them
     is written (make demo writes its run's eval.json)."""

@@ -116,6 +116,76 @@ def test_real_bad_inputs_name_the_problem(tmp_path):
 def test_score_counts_a_prediction_right_when_it_is_in_the_list():
     classes = torch.tensor([[1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [9, 8, 7, 6, 5]])
     assert score(classes, [[1], [], [5, 10]]) == dict(top1=50.0, top5=100.0, count=2)
+    nothing = score(classes, [[], [], []])  # no accuracy, and why: never a 0% that ranks as a score
+    assert (nothing["top1"], nothing["top5"], nothing["count"]) == (None, None, 0) and nothing["top1_reason"]
+
+
+# real.json as it may come (images 1 .. 3 of a 12-class model), and what the one line says
+REAL_DEFECTS = [
+    ('{"1": [2]}', "must be a JSON list of label lists"),
+    ("[[1], [2], ", "cannot read the ReaL labels file"),
+    ("[[1], 2, [3]]", "entry 1 (image 2) is 2 (number); each entry is the list of that image's labels"),
+    ("[[1], [null], [3]]", "image 2's labels [null] hold null (null); a label is a class index"),
+    ("[[1], [true], [3]]", "image 2's labels [true] hold true (boolean)"),
+    ("[[1], [2.0], [3]]", "image 2's labels [2.0] hold 2.0 (number)"),
+    ('[[1], ["2"], [3]]', 'hold "2" (string)'),
+    ("[[1], [-1], [3]]", "image 2's label is class -1, which no output of the classifier is (the model's 12 "
+                         "classes are 0 .. 11)"),
+    ("[[1], [3, 12], [3]]", "image 2's label is class 12, which no output"),
+    ("[[1], [2]]", "is image 3, but"),
+    ("[[], [], []]", "gives none of the 3 images under"),
+]
+
+
+def test_real_labels_are_refused_in_one_line_unless_each_is_a_class_of_the_head(tmp_path, capsys):
+    """eval.py --dataset imagenet_real with a labels file of the wrong types, a label outside the classifier's
+    classes (-1 included), fewer lists than images, or no label for any image (nothing would be scored, and a 0%
+    top-1 would rank as a result): one line naming the file and the entry, exit 2, nothing written."""
+    from helpers import refused
+    export(timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"]), tmp_path / "weights")
+    for i in range(1, 4):
+        write_image(tmp_path / "val" / f"ILSVRC2012_val_{i:08d}.JPEG", i)
+    real = tmp_path / "real.json"
+    argv = ["--checkpoint", tmp_path / "weights", "--data-dir", tmp_path / "val", "--dataset", "imagenet_real",
+            "--real-labels", real, "--workers", 0, "--output", tmp_path / "r.json"]
+    for text, message in REAL_DEFECTS:
+        real.write_text(text)
+        refused(capsys, load_script("eval.py").main, argv, tmp_path, str(real), message)
+    real.write_text("[[1], [], [3, 11]]")  # the same call with labels that fit: scored
+    assert load_script("eval.py").main([str(a) for a in argv]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["count"] == 2
+
+
+def test_an_evaluation_that_scores_no_image_has_no_accuracy_and_ranks_last(tmp_path, capsys):
+    """ReaL labels whose labelled images are all unreadable (--max-bad-fraction 1 lets the pass finish; the readable
+    ones have no labels): top-1 and top-5 are null with the reason in the JSON, ``n/a`` on the console, empty in a
+    table's CSV, and such a row comes after every scored one, never ranked as a 0%."""
+    from helpers import call
+    export(timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"]), tmp_path / "weights")
+    for i in range(1, 4):
+        write_image(tmp_path / "val" / f"ILSVRC2012_val_{i:08d}.JPEG", i)
+    (tmp_path / "val" / "ILSVRC2012_val_00000002.JPEG").write_bytes(b"not an image")
+    (tmp_path / "real.json").write_text("[[], [2], []]")
+    argv = ["--checkpoint", tmp_path / "weights", "--data-dir", tmp_path / "val", "--dataset", "imagenet_real",
+            "--real-labels", tmp_path / "real.json", "--workers", 0, "--max-bad-fraction", 1, "--output"]
+    main = load_script("eval.py").main
+    code, out, err = call(capsys, main, argv + [tmp_path / "r.json"])
+    assert code == 0, err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["top1"], result["top5"], result["count"]) == (None, None, 0)
+    assert result["top1_reason"] == "no image was scored: none had both a label and a readable file"
+    assert "top-1 n/a  top-5 n/a  (0 of 3 images scored" in out
+    code, out, err = call(capsys, main, argv + [tmp_path / "t.csv", "--checkpoint", tmp_path / "weights",
+                                                tmp_path / "weights" / "model.safetensors"])
+    rows = list(csv.DictReader((tmp_path / "t.csv").open()))
+    assert code == 0 and [r["top1"] for r in rows] == ["", ""] and rows[0]["top1_reason"], err
+
+
+def test_a_table_ranks_rows_without_accuracy_after_every_scored_one():
+    from lipsformer.engine.evaluate_many import ranked
+    rows = [dict(top1=None, source="a"), dict(top1=0.0, source="b"), dict(top1=50.0, source="c"),
+            dict(top1=None, source="d"), dict(top1=50.0, source="e")]
+    assert [r["source"] for r in ranked(rows)] == ["c", "e", "b", "a", "d"]  # ties keep the order given
 
 
 # -- eval.py, one and two processes -------------------------------------------------------------------

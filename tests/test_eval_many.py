@@ -179,6 +179,20 @@ def test_a_folder_of_runs_evaluates_each_run_and_skips_one_still_training(zoo, c
             f"no run in {only} has its weights yet: {only / 'a'}: no last.safetensors yet")
 
 
+def test_a_source_named_more_than_once_is_evaluated_once_and_said(tmp_path):
+    """A run given twice (once by another spelling) and again inside the folder of runs given: one row, and a line
+    saying so, rather than a silent merge."""
+    from lipsformer.engine.evaluate_many import plan
+    runs = tmp_path / "sweep"
+    a_run(runs / "a", "cat")
+    a_run(runs / "b", "ant")
+    (runs / "x").mkdir()
+    got = plan([str(runs / "a"), str(runs), str(runs / "x" / ".." / "a")], None)
+    assert [Path(e.checkpoint).name for e in got.entries] == ["a", "b"]
+    assert got.merged == [f"{runs / 'a'} is named 3 times (as {runs / 'a'}, {runs / 'x' / '..' / 'a'}): evaluated "
+                          f"once, one row"]
+
+
 # -- several published models --------------------------------------------------------------------------------------
 def evalmany_swin(pretrained: bool = False, **kwargs):
     """A tiny LipsFormer-Swin whose published weights are local files (registered by the fixture below)."""

@@ -10,7 +10,7 @@ from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 from lipsformer.weights import CheckpointError
 
-from conftest import TINY, family
+from conftest import ROOT, TINY, family
 from helpers import CERTIFIED
 
 MODELS = sorted(PAPER)
@@ -273,19 +273,46 @@ def test_checkpoint_for_another_configuration_is_refused(tmp_path):
         tiny("lipsformer_swin_t", conv_blocks="C", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
 
 
-@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+# docs/weights.md: every registered model but the certifiable ones traces as one graph and exports; the other sizes of
+# a family build the same modules at these tiny sizes, so they are checked in the slow run
+ONE_GRAPH = [n for n in timm.list_models("lipsformer*") if not n.endswith("_cert")]
+
+
+def test_the_docs_say_which_models_trace_as_one_graph():
+    text = " ".join((ROOT / "docs" / "weights.md").read_text().split())
+    assert "Every registered model of both families but the certifiable `*_cert` ones traces as one graph" in text
+    assert sorted(set(timm.list_models("lipsformer*")) - set(ONE_GRAPH)) == sorted(CERTIFIED)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("lipsformer_swin_t", "lipsformer_cswin_t")
+                                               else pytest.mark.slow) for n in ONE_GRAPH])
 def test_models_trace_in_one_graph_and_export_with_equal_outputs(name):
-    """torch.compile sees each family as a single graph (no breaks), and torch.export gives the same logits."""
+    """torch.compile sees each registered model (at tiny sizes) as a single graph (no breaks), and torch.export gives
+    the same logits. A family's other sizes build the same modules as its _t here: one graph in eval mode is their
+    check."""
     model = tiny(name).eval()
     x = torch.randn(2, 3, 32, 32)
     explained = torch._dynamo.explain(model)(x)
     assert (explained.graph_break_count, explained.graph_count) == (0, 1)
+    if name not in ("lipsformer_swin_t", "lipsformer_cswin_t"):
+        return
     exported = torch.export.export(model, (x,))
     with torch.no_grad():
         assert torch.allclose(exported.module()(x), model(x), atol=1e-6)
     # training mode too: DropPath and the GELUs (plain ops under the compiler) trace without breaks
     explained = torch._dynamo.explain(tiny(name, drop_path_rate=0.1).train())(x)
     assert (explained.graph_break_count, explained.graph_count) == (0, 1)
+
+
+@pytest.mark.parametrize("name", sorted(CERTIFIED))
+def test_the_certifiable_models_do_not_export(name):
+    """What docs/weights.md says of the ``*_cert`` models: the AttLip solve's stopping test is read on the host, a
+    data-dependent guard torch.export refuses. (Their graph breaks under torch.compile are too slow to trace for
+    the suite.)"""
+    from torch._dynamo.exc import UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    with pytest.raises((GuardOnDataDependentSymNode, UserError)):
+        torch.export.export(tiny(name).eval(), (torch.randn(2, 3, 32, 32),))
 
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])

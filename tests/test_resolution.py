@@ -119,6 +119,16 @@ def test_cswin_split_error_names_the_sizes_that_divide():
 
 
 @pytest.mark.parametrize("name", [SWIN, CSWIN])
+def test_timms_dynamic_img_size_is_strict_img_size_false(name):
+    """timm's Swin takes ``dynamic_img_size=True`` for "any input size" (its strict_img_size=False): so do both
+    families, through timm.create_model, whatever strict_img_size says."""
+    for strict in (True, False):
+        model = timm.create_model(name, dynamic_img_size=True, strict_img_size=strict, **TINY[family(name)])
+        assert model(torch.randn(1, 3, 40, 56)).shape == (1, 1000)
+    assert timm.create_model(name, dynamic_img_size=False, **TINY[family(name)]).patch_embed.strict_img_size
+
+
+@pytest.mark.parametrize("name", [SWIN, CSWIN])
 def test_strict_img_size_false_pads_any_size_and_matches_the_strict_model_where_it_divides(name):
     strict = perturbed(name)
     loose = tiny(name, strict_img_size=False)

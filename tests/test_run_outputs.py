@@ -245,7 +245,9 @@ class _Main:
         return model.state_dict()
 
 
-def test_ties_keep_the_earlier_epoch_and_a_file_that_drops_out_is_removed(tmp_path):
+def test_ties_keep_the_earlier_epoch_and_a_file_that_drops_out_is_removed(tmp_path, caplog):
+    """A file that drops out of the ranking is removed; one removed for another reason than a better epoch (written
+    after the checkpoint resumed from, or cut by a keep_best lowered on resume) is named in a warning."""
     import contextlib
     import torch
     model = torch.nn.Linear(2, 2)
@@ -255,14 +257,25 @@ def test_ties_keep_the_earlier_epoch_and_a_file_that_drops_out_is_removed(tmp_pa
     stale.parent.mkdir()
     stale.write_bytes(b"x")
     best = []
-    for epoch, top1 in enumerate([50.0, 60.0, 60.0, 40.0, 70.0, 60.0], start=1):
-        state.epoch = epoch
-        best.append(keep_best(_Main, model, contextlib.nullcontext, folder, state, top1, cfg))
+    with caplog.at_level("WARNING"):
+        for epoch, top1 in enumerate([50.0, 60.0, 60.0, 40.0, 70.0, 60.0], start=1):
+            state.epoch = epoch
+            best.append(keep_best(_Main, model, contextlib.nullcontext, folder, state, top1, cfg))
     assert best == [True, True, False, False, True, False]  # best.safetensors: strictly better only
     assert state.best_k == [[5, 70.0], [2, 60.0]]
     assert [p.name for p in folder.kept_files()] == ["epoch_002_top1_60.00.safetensors",
                                                        "epoch_005_top1_70.00.safetensors"]
+    assert [r.getMessage() for r in caplog.records] == [  # a better epoch's removal is the ranking's own: unsaid
+        f"keep_best: removed {stale}, which the ranking of the checkpoint this run resumed from does not name "
+        f"(written after that checkpoint)"]
+    caplog.clear()
     state.epoch = 7
+    with caplog.at_level("WARNING"):
+        keep_best(_Main, model, contextlib.nullcontext, folder, state, 10.0, load_config(None, ["keep_best=1"]))
+    assert state.best_k == [[5, 70.0]] and [p.name for p in folder.kept_files()] == ["epoch_005_top1_70.00.safetensors"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"keep_best is 1, lower than the 2 best the run kept before: removed {folder.best_kept(2, 60.0)}"]
+    state.epoch = 8
     keep_best(_Main, model, contextlib.nullcontext, folder, state, 10.0, load_config(None, ["keep_best=0"]))
     assert state.best_k == [] and folder.kept_files() == []
 

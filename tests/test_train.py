@@ -294,12 +294,19 @@ def test_ema_of_fsdp_shards_matches_the_whole_model_ema(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank_0.ok", "rank_1.ok"]
 
 
-def test_two_processes_split_the_data_and_count_val_once(tmp_path):
-    config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2, max_bad_fraction=0.1)
+def test_two_processes_split_the_data_count_val_once_and_log_the_whole_runs_loss(tmp_path):
+    """train.py on 2 processes whose batch losses differ (process r's are r + 1: tests/train_probe.py
+    ``--rank-loss``): every logged training loss is the mean over both processes' batches, 1.5, not the main
+    process's 1.0; the counts are every process's."""
+    config = write_config(tmp_path, epochs=1, global_batch=4, batch_size=2, max_bad_fraction=0.1, log_every_steps=2)
     broken = tmp_path / "data" / "train" / "class_1" / "0.jpg"  # read by one of the processes
     broken.write_bytes(b"not an image")
     run = tmp_path / "run"
-    said = torchrun(ROOT / "train.py", "--config", config)
+    said = torchrun(ROOT / "tests" / "train_probe.py", "--rank-loss", "--", "--config", config)
+    rows = read_metrics(run)
+    losses = [r["loss"] for r in rows if r["kind"] == "train"] + [r["train_loss"] for r in rows if r["kind"] == "epoch"]
+    assert len(losses) == 4 and losses == [pytest.approx(1.5)] * 4, losses
+    assert "loss 1.5000" in said  # the plain progress line
     # one line per event across processes, per-process facts gathered (the other process printed its own
     # "done:" and "1 of 24 images could not be read, e.g. []")
     assert said.count("done: ") == 1

@@ -145,8 +145,8 @@ def test_resumed_runs_log_one_whole_row_per_epoch(tmp_path, capsys, caplog, monk
 
 def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, capsys, config):
     """--resume with another epochs (or lr, ...) would keep the checkpoint's schedule, another num_classes cannot
-    continue its model: refused, naming the key and the way to train further. --resume RUN resumes from that run's
-    newest checkpoint."""
+    continue its model, nor can another model_kwargs: refused, naming the key and the way to train further. --resume
+    RUN resumes from that run's newest checkpoint."""
     run = tmp_path / "run"
     assert train_cli(capsys, "--config", config, "--set", "epochs=1")[0] == 0
     before = snapshot(run)
@@ -155,6 +155,14 @@ def test_resume_refuses_a_changed_schedule_and_takes_a_run_folder(tmp_path, caps
         code, _, err = train_cli(capsys, "--config", config, "--resume", "auto", "--set", *sets)
         key, value = change.split("=")
         assert_one_line(code, err, 2, f"--resume: {key} is {yaml.safe_load(value)!r} here but",
+                        f"init_checkpoint: {run}")
+        assert snapshot(run) == before
+    # a model setting changed: its checkpoints do not fit the model built, and the line names the setting, not
+    # "no intact checkpoint" as if the files were damaged
+    for resume in ("auto", run / "checkpoints" / "step_000000006"):
+        code, _, err = train_cli(capsys, "--config", config, "--resume", resume, "--set", "epochs=1",
+                                 "model_kwargs.embed_dim=32")
+        assert_one_line(code, err, 2, "--resume: model_kwargs.embed_dim is 32 here but 16 in",
                         f"init_checkpoint: {run}")
         assert snapshot(run) == before
     code, out, err = train_cli(capsys, "--config", config, "--set", "epochs=1", "--resume", run)

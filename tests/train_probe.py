@@ -10,6 +10,11 @@ and the optimizer step the batch belongs to (a data set with one image per class
 ``--signal-at-step K``: process 0 sends itself SIGUSR1 while its first batch of optimizer step K is in progress.
 ``--kill-in-save N``: the process sends itself SIGKILL in the middle of writing checkpoint N (its files written,
 not yet its manifest nor the rename), as a scheduler's SIGKILL would land when the grace time is too short.
+``--signal NAME``: the signal ``--signal-at-step`` sends (USR1; INT is Ctrl-C).
+``--signal-in-shutdown NAME``: the process sends itself that signal once the command has said how it ended (in its
+``wrote:`` line, :func:`lipsformer.cli._say_written`): a second signal during the shutdown.
+``--rank-loss``: process r's every batch loss is r + 1 (the criterion's own times 0, plus r + 1), so the loss a
+run logs tells whose losses it holds: the whole run's mean, or one process's.
 The exit code is train.py's.
 """
 import argparse
@@ -39,14 +44,14 @@ def fsdp2_accelerator(create_accelerator):
     return create
 
 
-def probed_step(train_step, records: list, signal_at_step: int = 0):
+def probed_step(train_step, records: list, signal_at_step: int = 0, sig: int = signal.SIGUSR1):
     """``loop._train_step`` that appends ``(epoch, step, targets)`` to ``records`` and, on process 0, sends
-    SIGUSR1 to its own process at the first batch of step ``signal_at_step``."""
+    ``sig`` (SIGUSR1) to its own process at the first batch of step ``signal_at_step``."""
     def step(run, meter, images, targets, epoch):
         update = run.state.step + 1
         if update == signal_at_step and run.accelerator.is_main_process \
                 and not any(r["step"] == update for r in records):
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), sig)
         records.append(dict(epoch=epoch, step=update, targets=targets.tolist()))
         return train_step(run, meter, images, targets, epoch)
     return step
@@ -62,12 +67,24 @@ def killed_in_save(save_state, step: int):
     return save
 
 
+def rank_loss(build_criterion):
+    """``loop.build_criterion`` whose loss is ``r + 1`` on process r."""
+    def build(cfg):
+        mixup, criterion = build_criterion(cfg)
+        rank = PartialState().process_index
+        return mixup, lambda logits, targets: criterion(logits, targets) * 0 + (rank + 1)
+    return build
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--record")
     parser.add_argument("--signal-at-step", type=int, default=0)
     parser.add_argument("--kill-in-save", type=int, default=0)
+    parser.add_argument("--rank-loss", action="store_true")
+    parser.add_argument("--signal", default="USR1")
+    parser.add_argument("--signal-in-shutdown")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.fsdp:
@@ -75,8 +92,20 @@ def main() -> None:
     if args.kill_in_save:
         from accelerate import Accelerator
         Accelerator.save_state = killed_in_save(Accelerator.save_state, args.kill_in_save)
+    if args.rank_loss:
+        loop.build_criterion = rank_loss(loop.build_criterion)
+    if args.signal_in_shutdown:
+        from lipsformer import cli
+        say = cli._say_written
+        second = getattr(signal, "SIG" + args.signal_in_shutdown)
+
+        def said_then_signalled():
+            say()
+            os.kill(os.getpid(), second)
+        cli._say_written = said_then_signalled
     records = []
-    loop._train_step = probed_step(loop._train_step, records, args.signal_at_step)
+    loop._train_step = probed_step(loop._train_step, records, args.signal_at_step,
+                                   getattr(signal, "SIG" + args.signal))
     sys.argv = [str(ROOT / "train.py"), *[a for a in args.train_args if a != "--"]]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")

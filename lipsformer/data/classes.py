@@ -98,12 +98,79 @@ def write_class_names(path, names: Sequence[str]) -> None:
     write_json(path, [str(c) for c in names], indent=None)
 
 
-def read_class_names(path) -> Optional[List[str]]:
-    """The names in a ``classes.json`` (None when there is none)."""
+# -- the files that name classes or give labels: one reader, one set of rules -------------------------------------
+class LabelFileError(ClassMismatch):
+    """A class-names or labels file that cannot be used as it is (unreadable, of the wrong types, a class out of
+    range, a count that does not match): its line names the file, the entry and the rule."""
+
+
+def _json_list(path, what: str, form: str) -> list:
+    """The JSON list in ``path`` (``what``: how a line names the file; ``form``: what its entries must be)."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise LabelFileError(f"cannot read {what} {path}: {cause}") from None
+    if not isinstance(value, list):
+        raise LabelFileError(f"{path} must be a JSON list of {form}, not a {_kind(value)}")
+    return value
+
+
+def _kind(value) -> str:
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "JSON object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _class_index(value) -> bool:
+    return type(value) is int  # a JSON true is no class index, nor 1.0
+
+
+def check_class_range(path, where: str, label: int, num_classes: Optional[int]) -> None:
+    """A LabelFileError unless ``label`` is a class of a head of ``num_classes`` outputs (0 .. num_classes - 1; no
+    class is negative, whatever the head)."""
+    if label < 0 or (num_classes is not None and label >= num_classes):
+        head = f"the model's {num_classes} classes are 0 .. {num_classes - 1}" if num_classes is not None else \
+            "class indices start at 0"
+        raise LabelFileError(f"{path}: {where} is class {label}, which no output of the classifier is ({head})")
+
+
+def read_class_names(path, num_classes: Optional[int] = None) -> Optional[List[str]]:
+    """The names in a ``classes.json`` (None when there is none): a JSON list of distinct, non-empty strings, one
+    per output of a head of ``num_classes`` outputs when it is given (a LabelFileError naming the entry
+    otherwise)."""
     path = Path(path)
     if not path.is_file():
         return None
-    names = json.loads(path.read_text())
-    if not isinstance(names, list):
-        raise ClassMismatch(f"{path} must be a JSON list of class names")
-    return [str(c) for c in names]
+    names = _json_list(path, "the class names file", "class names (strings, in label order)")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise LabelFileError(f"{path}: entry {i} is {json.dumps(name)} ({_kind(name)}); each entry is a class "
+                                 f"name, a non-empty string")
+    seen = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise LabelFileError(f"{path}: {name!r} is both entry {seen[name]} and entry {i}; each class has one "
+                                 f"name")
+        seen[name] = i
+    if num_classes is not None and len(names) != num_classes:
+        raise LabelFileError(f"{path} names {len(names)} classes, the classifier has {num_classes} outputs: it "
+                             f"needs one name per output, in label order")
+    return names
+
+
+def read_label_lists(path, num_classes: Optional[int] = None, what: str = "the labels file") -> List[List[int]]:
+    """A labels file as ReaL's ``real.json`` is: a JSON list with, per image, the list of its labels (class indices,
+    empty for an image that has none). The rules of :func:`read_class_names`: every entry of the right type, every
+    label a class of the head (``num_classes``, when given); a LabelFileError naming the entry otherwise."""
+    rows = _json_list(path, what, "label lists (one per image, in file-name order)")
+    for i, row in enumerate(rows):
+        if not isinstance(row, list):
+            raise LabelFileError(f"{path}: entry {i} (image {i + 1}) is {json.dumps(row)} ({_kind(row)}); each "
+                                 f"entry is the list of that image's labels, e.g. [417] or []")
+        for label in row:
+            if not _class_index(label):
+                raise LabelFileError(f"{path}: image {i + 1}'s labels {json.dumps(row)} hold {json.dumps(label)} "
+                                     f"({_kind(label)}); a label is a class index, a whole number")
+            check_class_range(path, f"image {i + 1}'s label", label, num_classes)
+    return rows

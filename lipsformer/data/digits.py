@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..cli import ArgumentParser, command, path, positive_int
+from ..cli import ArgumentParser, command, positive_int
 from ..errors import Mistake
-from ..writer import mark, replacing, written, written_as
+from ..writer import mark, output_folder, replacing, written, written_as
 
 
 def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
@@ -44,7 +44,7 @@ def write_digits_folder(root, size: int = 32, val_every: int = 5) -> Path:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.data.digits", description=__doc__)
-    parser.add_argument("root", type=path, help="the folder to write (train/ and val/ inside)")
+    parser.add_argument("root", type=output_folder, help="the folder to write (train/ and val/ inside)")
     parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels")
     return parser
 

@@ -5,7 +5,6 @@ Every sample is ``(path, labels)``: the labels an image may be given and be righ
 (such images are left out of the score). The images are listed and read by :mod:`.scanner`, as in training: the
 same files are images, the same folders are skipped, a class folder without an image is refused.
 """
-import json
 import logging
 import re
 from pathlib import Path
@@ -15,7 +14,7 @@ from timm.data import ImageNetInfo
 from torch.utils.data import Dataset
 
 from .augment import apply_transform
-from .classes import ClassMismatch, class_mapping, model_class_names
+from .classes import ClassMismatch, LabelFileError, class_mapping, model_class_names, read_label_lists
 from .scanner import read_image, scan_classes, scan_images
 
 EVAL_DATASETS = ("imagenet", "imagenet_real", "imagenet_v2")
@@ -67,10 +66,12 @@ def imagenet_v2_samples(folder, num_classes: Optional[int] = None) -> Samples:
     return Samples([(path, (int(scan.classes[target]),)) for path, target in scan.samples], scan.notes)
 
 
-def imagenet_real_samples(folder, real_labels) -> Samples:
+def imagenet_real_samples(folder, real_labels, num_classes: Optional[int] = None) -> Samples:
     """The val images (flat or in synset folders) with their ReaL label lists, matched by file name:
-    ``ILSVRC2012_val_00000001.JPEG`` takes the first list of the JSON file."""
-    labels = read_real_labels(real_labels)
+    ``ILSVRC2012_val_00000001.JPEG`` takes the first list of the JSON file (read by
+    :func:`~.classes.read_label_lists`: every label a class of a head of ``num_classes`` outputs). Labels that give
+    none of the images a label are refused: they would score nothing."""
+    labels = read_real_labels(real_labels, num_classes)
     scan = scan_images(folder)
     samples, seen = Samples(notes=scan.notes), {}
     for path in map(Path, (p for p, _ in scan.samples)):
@@ -87,18 +88,16 @@ def imagenet_real_samples(folder, real_labels) -> Samples:
         samples.append((str(path), tuple(labels[index])))
     if not samples:
         raise FileNotFoundError(f"no images under {folder}")
+    if not any(labels for _, labels in samples):
+        raise LabelFileError(f"{real_labels} gives none of the {len(samples)} images under {folder} a label (an "
+                             f"image without ReaL labels is left out of the score), so nothing would be scored: "
+                             f"check that it is ReaL's real.json and the folder ImageNet val")
     return samples
 
 
-def read_real_labels(path) -> List[List[int]]:
-    try:
-        labels = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the ReaL labels file {path}: {e}") from None
-    if not isinstance(labels, list) or not all(
-            isinstance(row, list) and all(isinstance(c, int) for c in row) for row in labels):
-        raise ValueError(f"{path} must be a JSON list of label lists (one per val image, in file-name order)")
-    return labels
+def read_real_labels(path, num_classes: Optional[int] = None) -> List[List[int]]:
+    """ReaL's ``real.json``: one label list per val image (:func:`~.classes.read_label_lists`)."""
+    return read_label_lists(path, num_classes, what="the ReaL labels file")
 
 
 def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, model=None) -> Samples:
@@ -111,11 +110,7 @@ def eval_samples(dataset: str, data_dir, real_labels: Optional[str] = None, mode
         if not real_labels:
             raise ValueError("imagenet_real needs --real-labels real.json "
                              "(github.com/google-research/reassessed-imagenet)")
-        samples = imagenet_real_samples(val_folder(data_dir), real_labels)
-        top = max((max(labels) for _, labels in samples if labels), default=-1)
-        if num_classes is not None and top >= num_classes:
-            raise ClassMismatch(f"{real_labels} names class {top}, but the model has {num_classes} classes")
-        return samples
+        return imagenet_real_samples(val_folder(data_dir), real_labels, num_classes)
     if dataset == "imagenet_v2":
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"no data folder {data_dir}")

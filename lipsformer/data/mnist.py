@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..cli import ArgumentParser, command, path
+from ..cli import ArgumentParser, command
 from ..extras import require
-from ..writer import mark, replacing, written, written_as
+from ..writer import mark, output_folder, replacing, written, written_as
 
 SIZE = 28
 
@@ -51,7 +51,7 @@ def write_mnist_folder(root, val_every: int = 5) -> Path:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.data.mnist", description=__doc__)
-    parser.add_argument("root", type=path, help="output folder (train/ and val/ are written in it)")
+    parser.add_argument("root", type=output_folder, help="output folder (train/ and val/ are written in it)")
     return parser
 
 

@@ -7,6 +7,7 @@ running code, so a damaged or unsafe checkpoint is named instead of crashing (or
 """
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -215,8 +216,12 @@ def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder:
     first among equal ones, as best.safetensors keeps the first; 0 keeps none). The ranking is part of the
     checkpointed state (``state.best_k``), and every file in ``best/`` it does not name is removed (one that dropped
     out, or one written after the checkpoint a run resumed from), so a resumed run keeps the files the uninterrupted
-    one keeps. Every process calls it (the weights are gathered under FSDP); the main one writes. Returns whether
-    ``best.safetensors`` was written."""
+    one keeps; a file removed for another reason than the new epoch's place (written after that checkpoint, or cut by
+    a ``keep_best`` lowered on resume) is said in a warning naming it. Every process calls it (the weights are
+    gathered under FSDP); the main one writes. Returns whether ``best.safetensors`` was written. A NaN ``top1`` (no
+    image scored) ranks nowhere."""
+    if not math.isfinite(top1):
+        return False
     epoch, better = state.epoch, top1 > state.best_top1
     ranked = sorted([*state.best_k, [epoch, top1]], key=lambda e: (-e[1], e[0]))[:cfg.keep_best]
     kept = [epoch, top1] in ranked
@@ -227,10 +232,18 @@ def keep_best(accelerator, model, weights: Callable[[], ContextManager], folder:
                 save_weights(accelerator, tensors, folder.best, cfg)
             if kept:
                 save_weights(accelerator, tensors, folder.best_kept(epoch, top1), cfg)
+    before = {folder.best_kept(e, s): [e, s] for e, s in state.best_k}
+    lowered = len(state.best_k) > cfg.keep_best  # a resume lowered keep_best: the earlier ranking is cut
     state.best_top1, state.best_k = max(state.best_top1, top1), ranked
     if accelerator.is_main_process:
         named = {folder.best_kept(e, s) for e, s in ranked}
         for path in folder.kept_files():
             if path not in named:
                 remove(path)
+                if path not in before:  # not in the ranking the run resumed with: say so, it was no choice of ours
+                    _logger.warning(f"keep_best: removed {path}, which the ranking of the checkpoint this run "
+                                    f"resumed from does not name (written after that checkpoint)")
+                elif lowered:
+                    _logger.warning(f"keep_best is {cfg.keep_best}, lower than the {len(before)} best the run kept "
+                                    f"before: removed {path}")
     return better

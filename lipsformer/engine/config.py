@@ -555,3 +555,29 @@ def load_config(path=None, overrides: Optional[List[str]] = None, flags: Optiona
     if unknown:
         raise _unknown(unknown)
     return TrainConfig(**{k: _check_type(k, v, _HINTS[k]) for k, v in data.items()})
+
+
+# The keys of a run's config.yaml that say what its weights are (weights.py reads them to build the model, its input
+# size and its preprocessing): a run writes every key, so one of these missing was removed by hand.
+WEIGHTS_KEYS = ("model", "model_kwargs", "num_classes", "img_size", "crop_pct", "interpolation", "ema_decay")
+
+
+def read_run_config(path, needed: Tuple[str, ...] = WEIGHTS_KEYS) -> TrainConfig:
+    """A run's ``config.yaml``, as train.py wrote it, read with the strictness of a user's config (:func:`load_config`:
+    a key given twice, an unknown key, a wrong type or range), each refusal a ConfigError naming the file; a key of
+    ``needed`` that is missing is one too, rather than a default that would describe other weights."""
+    path = Path(path)
+    loaded = read_yaml(path)
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: a run's config must be a mapping of keys to values (train.py writes every key)")
+    missing = [key for key in needed if key not in loaded]
+    if missing:
+        raise ConfigError(f"{path} has no {', '.join(missing)}: a run's config.yaml holds every key the run was "
+                          f"started with (train.py writes them all); put {'it' if len(missing) == 1 else 'them'} "
+                          f"back as the run had {'it' if len(missing) == 1 else 'them'}")
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        if str(path) in str(e):
+            raise
+        raise ConfigError(f"{path}: {e}") from None

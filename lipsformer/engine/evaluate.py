@@ -122,11 +122,15 @@ def predict_each(models: Sequence[torch.nn.Module], loader, accelerator, k: int 
             for i in range(len(models))]
 
 
+NOTHING_SCORED = "no image was scored: none had both a label and a readable file"
+
+
 def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
     """Top-1 / top-5 (%) of ranked predictions against each sample's allowed labels.
 
     A prediction is right when it is in the sample's list; samples with an empty list are left out
-    (ReaL). ``count`` is the number of samples scored.
+    (ReaL). ``count`` is the number of samples scored. With none scored there is no accuracy: top-1 and top-5 are
+    None (null) and ``top1_reason`` / ``top5_reason`` say why, never a 0% that ranks as a score.
     """
     correct1 = correct5 = count = 0
     for ranked, labels in zip(classes.tolist(), label_sets):
@@ -136,7 +140,14 @@ def score(classes: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict:
         count += 1
         correct1 += ranked[0] in labels
         correct5 += any(c in labels for c in ranked[:TOPK])
-    return dict(top1=100.0 * correct1 / max(count, 1), top5=100.0 * correct5 / max(count, 1), count=count)
+    if not count:
+        return dict(top1=None, top5=None, count=0, top1_reason=NOTHING_SCORED, top5_reason=NOTHING_SCORED)
+    return dict(top1=100.0 * correct1 / count, top5=100.0 * correct5 / count, count=count)
+
+
+def percent(value: Optional[float]) -> str:
+    """An accuracy as eval.py prints it: ``82.700%``, or ``n/a`` where nothing was scored."""
+    return "n/a" if value is None else f"{value:.3f}%"
 
 
 def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
@@ -144,7 +155,9 @@ def evaluate(model, loader, accelerator, max_bad_fraction: float = 1.0) -> dict:
     validation) over its readable images; ``unreadable`` counts the others, under the same rule as training
     batches (:func:`check_unreadable`)."""
     pred = predict(model, loader, accelerator, desc="validation", losses=True)
-    result = dict(score(pred.classes, [[t] for t in pred.keys.tolist()]),
+    scored = {k: float("nan") if v is None else v  # nothing scored: NaN, null with a reason in metrics.jsonl
+              for k, v in score(pred.classes, [[t] for t in pred.keys.tolist()]).items() if not k.endswith("_reason")}
+    result = dict(scored,
                   loss=pred.loss.double().mean().item() if pred.loss is not None and pred.loss.numel()
                   else float("nan"))
     check_unreadable("validation", pred.unreadable, result["count"] + pred.unreadable, max_bad_fraction,

@@ -5,7 +5,7 @@ folder of runs, or several ``--model`` names (or timm patterns such as ``'lipsfo
 Every evaluation is checked and built before the first is scored (names, files, the fit check of
 :mod:`lipsformer.weights`, the data's classes): a bad one ends the call in one line naming it, exit 2, with nothing
 written. They are scored on the same data with the same settings into one table, sorted by top-1 (descending; ties
-keep the order given), one row each (:func:`row`).
+keep the order given; one that scored no image has no accuracy and comes last), one row each (:func:`row`).
 
 **The data are read once where the preprocessing agrees.** Evaluations of the same resolved data config
 (:attr:`~.evaluate.Prepared.preprocessing`: input size and channels, crop, interpolation, mean, std) form a group
@@ -22,6 +22,7 @@ is evaluated, in the natural order of their names; anything else in it is left. 
 skipped with a note, as validate.py scores the checkpoints that exist; every other defect of a run is refused.
 """
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
@@ -76,6 +77,7 @@ class Plan:
 
     entries: List[Entry]
     skipped: List[Dict[str, str]]
+    merged: List[str] = dataclasses.field(default_factory=list)  # a line for each source named more than once
 
 
 def is_pattern(text: str) -> bool:
@@ -143,10 +145,13 @@ def plan(checkpoints: Optional[Sequence[str]], models: Optional[Sequence[str]], 
                 raise ModelArgsError(f"--model {name} matches no model with published weights; "
                                      f"timm.list_models({name!r}, pretrained=True) lists them")
             entries += [Entry(n) for n in found]
-    once: Dict[tuple, Entry] = {}  # each source once (a file named twice, a run also in a folder given)
+    once: Dict[tuple, List[Entry]] = {}  # each source once (a file named twice, a run also in a folder given)
     for e in entries:
-        once.setdefault((e.model, e.checkpoint and os.path.realpath(e.checkpoint)), e)
-    return Plan(list(once.values()), skipped)
+        once.setdefault((e.model, e.checkpoint and os.path.realpath(e.checkpoint)), []).append(e)
+    merged = [f"{same[0].name} is named {len(same)} times"
+              + (f" (as {', '.join(dict.fromkeys(e.name for e in same))})" if len({e.name for e in same}) > 1 else "")
+              + ": evaluated once, one row" for same in once.values() if len(same) > 1]
+    return Plan([same[0] for same in once.values()], skipped, merged)
 
 
 def _not_ready(run: Path, use_ema: bool) -> str:
@@ -190,6 +195,8 @@ def row(result: dict) -> dict:
                use_ema=result["use_ema"], trained_input_size="x".join(map(str, trained)) if trained else "",
                adapted="; ".join(result["adapted"]), excluded=result["excluded"], unreadable=result["unreadable"],
                seconds=result["seconds"])
+    if result["top1"] is None:  # nothing scored: no accuracy, and why
+        out["top1_reason"] = result["top1_reason"]
     r = result.get("robustness")
     if r is not None:
         out["lipschitz"] = r["lipschitz"]
@@ -197,6 +204,12 @@ def row(result: dict) -> dict:
         out.update({f"attacked_{e:g}": a for e, a in r["attacked"].items()})
         out["certified_reason"] = r["reason"]
     return out
+
+
+def ranked(rows: Sequence[dict]) -> List[dict]:
+    """Table rows sorted by top-1, highest first; ties keep their order, and a row that scored no image (top-1
+    None: no accuracy) comes after every scored one, never ranked as a 0%."""
+    return sorted(rows, key=lambda r: (r["top1"] is None, -(r["top1"] or 0.0)))
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -238,6 +251,8 @@ def evaluate_many(checkpoints, models, data_dir, dataset: str = "imagenet", real
     if accelerator.is_main_process:  # after every check: a refused call is one line
         for skip in todo.skipped:
             _logger.warning(f"skipped {skip['source']}: {skip['reason']}")
+        for line in todo.merged:
+            _logger.warning(line)
         for p in prepared:
             for line in weights_fit(p.model).lines():  # what the weights did not bring as they are (adapted: ...)
                 accelerator.print(f"{p.source}: {line}")
@@ -273,7 +288,7 @@ def evaluate_many(checkpoints, models, data_dir, dataset: str = "imagenet", real
                            interpolation=cfg["interpolation"], mean=list(cfg["mean"]), std=list(cfg["std"]),
                            sources=[p.source for p in group], seconds=seconds))
         del nets
-    rows.sort(key=lambda r: (-r[1]["top1"], r[0]))  # ties keep the order given
-    return dict(results=[r for _, r in rows], skipped=todo.skipped, data_dir=str(data_dir), dataset=dataset,
+    rows.sort(key=lambda r: r[0])  # the order given, which ties keep
+    return dict(results=ranked([r for _, r in rows]), skipped=todo.skipped, data_dir=str(data_dir), dataset=dataset,
                 data=described, amp=amp, processes=accelerator.num_processes, passes=passes,
                 is_main_process=accelerator.is_main_process)

@@ -73,11 +73,12 @@ class EpochMeter:
     """The running sums of one epoch's training batches; ``carried`` holds the sums of the batches before a
     mid-epoch resume (checkpointed as ``TrainState.epoch_sums``), so a resumed epoch's row counts the whole epoch.
     Counts the host knows (samples, unreadable images) are kept here; the losses are summed on the device by
-    ``tally`` (step.py's StepTally) and copied here at each read step."""
+    ``tally`` (step.py's StepTally) and copied here at each read step, summed over every process there, so the loss
+    a run logs is the whole run's, as timm's train.py reduces it at its log steps."""
 
     failed: List[str] = field(default_factory=list)  # paths of images that could not be read
     seen: int = 0  # samples in this process's batches
-    loss_sum: float = 0.0  # this process's finite batch losses, as of the last read
+    loss_sum: float = 0.0  # every process's finite batch losses, as of the last read
     loss_n: int = 0
     images: int = 0  # over all processes, for the speed shown
     t0: float = field(default_factory=time.time)
@@ -85,7 +86,7 @@ class EpochMeter:
     tally: Any = None  # the steps' device-side record (step.py)
 
     @property
-    def loss(self) -> float:  # this process's mean finite batch loss over the epoch so far; NaN when none was finite
+    def loss(self) -> float:  # the mean finite batch loss of every process over the epoch so far; NaN: none finite
         n = self.carried.get("loss_n", 0) + self.loss_n
         return (self.carried.get("loss_sum", 0.0) + self.loss_sum) / n if n else math.nan
 
@@ -108,7 +109,8 @@ class EpochMeter:
 
     def totals(self, accelerator) -> Dict[str, Any]:
         """The epoch so far, carried part included: samples and unreadable ones over all processes (a collective
-        call), this process's loss sums, wall seconds, and a few unreadable paths of any process for messages."""
+        call), every process's loss sums (as of the last read), wall seconds, and a few unreadable paths of any
+        process for messages."""
         counts = accelerator.reduce(torch.tensor([float(len(self.failed)), float(self.seen)],
                                                  device=accelerator.device), "sum")
         c = self.carried

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import Preempted
+from ..errors import Preempted, hold_stop_signals, stop_signals_held
 from .checkpoint import save_checkpoint
 from .metrics import EpochMeter
 
@@ -40,8 +40,12 @@ class Preemption:
         try:
             yield self
         finally:
+            held = stop_signals_held()
             for sig, handler in previous.items():
-                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+                if sig in held:  # stopping: the signal stays ignored; its handler before this block comes back later
+                    held[sig] = handler
+                else:
+                    signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def stop_if_preempted(run, meter: Optional[EpochMeter] = None) -> None:
@@ -57,6 +61,7 @@ def stop_if_preempted(run, meter: Optional[EpochMeter] = None) -> None:
     if meter is not None:  # mid-epoch: the resumed run completes the epoch's sums
         state.epoch_sums = meter.totals(accelerator)
     run.last_good = save_checkpoint(accelerator, run.model, run.folder.root, state, run.cfg.keep_last)
+    hold_stop_signals()  # from here the exit code is 75, whatever signal comes next
     accelerator.end_training()
     raise Preempted(f"{signal.Signals(received).name} received: every process finished step {state.step} and "
                     f"checkpoint {run.last_good} is written (epoch {state.epoch + 1}, {state.samples_in_epoch} of its "

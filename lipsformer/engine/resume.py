@@ -90,20 +90,50 @@ def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
                 f"schedule)")
 
 
-def verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path],
-             model) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+def verified(folder: RunFolder, resume: Optional[str], resume_from: Optional[Path], model,
+             cfg: Optional[TrainConfig] = None) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
     """``resume_from`` once verified; with ``--resume auto`` the newest intact checkpoint, and ``(folder, what was
-    wrong)`` for each newer one (:func:`begin`, which sets them aside once the run holds the folder)."""
+    wrong)`` for each newer one (:func:`begin`, which sets them aside once the run holds the folder). When the
+    checkpoints do not fit the model because ``cfg`` builds another one than the run's ``config.yaml`` (a changed
+    ``model_kwargs`` key, ``img_size``), the settings that differ are named (:func:`changed_model`), not the
+    checkpoints as damaged."""
     if resume_from is None:
         return None, []
     if resume != "auto":
-        verify_checkpoint(resume_from, model)
+        try:
+            verify_checkpoint(resume_from, model)
+        except CheckpointError as e:
+            changed_model(cfg, resume_from, [str(e)])
+            raise
         return resume_from, []
     intact, problems = intact_checkpoint(folder.root, model)
     if intact is None:
+        changed_model(cfg, resume_from, [why for _, why in problems])
         raise CheckpointError(f"--resume auto: no intact checkpoint in {folder.checkpoints}: "
                               + "; ".join(f"{damaged.name}: {why}" for damaged, why in problems))
     return intact, problems
+
+
+MODEL_SETTINGS = ("img_size",)  # beside model_kwargs: settings that build the model (model, num_classes: BUILDS_MODEL)
+
+
+def changed_model(cfg: Optional[TrainConfig], checkpoint: Path, problems: List[str]) -> None:
+    """A ConfigError naming the settings that build the model and differ from the run's ``config.yaml``, when
+    ``problems`` (what verifying the checkpoints found) include weights that do not fit the model: the first cause,
+    where "damaged" would send the user after the files. Nothing when the model's settings are the run's."""
+    saved_config = RunFolder(checkpoint.parent.parent).config
+    if cfg is None or not saved_config.is_file() or not any("does not fit this run's model" in p for p in problems):
+        return
+    saved = read_yaml(saved_config) or {}
+    ours, theirs = dict(cfg.model_kwargs or {}), dict(saved.get("model_kwargs") or {})
+    differ = [f"model_kwargs.{k} is {ours.get(k, '(unset)')!r} here but {theirs.get(k, '(unset)')!r}"
+              for k in sorted(set(ours) | set(theirs), key=str) if ours.get(k) != theirs.get(k)]
+    differ += [f"{k} is {getattr(cfg, k)!r} here but {saved[k]!r}" for k in MODEL_SETTINGS
+               if k in saved and saved[k] != getattr(cfg, k)]
+    if differ:
+        raise ConfigError(f"--resume: {'; '.join(differ)} in {saved_config}, so the model built here does not fit "
+                          f"the run's checkpoints ({problems[0]}). Resume with the run's own values, or start a new "
+                          f"run from its weights with init_checkpoint: {saved_config.parent}")
 
 
 def begin(folder: RunFolder, resume_from: Optional[Path], damaged: List[Tuple[Path, str]], state: TrainState,

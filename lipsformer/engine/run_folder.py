@@ -20,7 +20,9 @@ reads finished runs from it::
       attempt-N/             the outputs of an earlier start that left no checkpoint, moved aside by the next start
       .lock                  held by the run writing the folder (:class:`RunLock`): its pid, host and start time
 
-Every file is written through :mod:`lipsformer.writer` (a temporary name, then a rename).
+Every file is written through :mod:`lipsformer.writer` (a temporary name, then a rename). The names above are
+defined there, on the writers' floor, whose one check of outputs (:func:`lipsformer.writer.check_outputs`) keeps every
+command's outputs off them.
 """
 import contextlib
 import datetime
@@ -31,29 +33,16 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 from ..errors import Mistake, Stopped
-from ..writer import TMP_PREFIX, WriteFailed, check_target, remove, replacing, to_json, write_held
+from ..writer import (BEST, BEST_KEPT, CHECKPOINTS, CLASSES, CONFIG, CURVES, LAST, LAST_EMA, LOCK, METRICS, OUTPUTS,
+                      SUMMARY, TMP_PREFIX, TRACKER_RUNS, Output, WriteFailed, check_outputs, check_target,
+                      is_run, remove, replacing, to_json, write_held)
 from .config import ConfigError
 
-CONFIG = "config.yaml"
-CLASSES = "classes.json"
-METRICS = "metrics.jsonl"
-CURVES = "curves.png"
-LAST = "last.safetensors"
-LAST_EMA = "last_ema.safetensors"
-BEST = "best.safetensors"
-BEST_KEPT = "best"  # the folder of the keep_best best epochs' weights
-SUMMARY = "summary.csv"
-CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # inside each checkpoint folder
-TRACKER = "lipsformer"  # the TensorBoard folder
-TRACKER_RUNS = "trackers.json"
-LOCK = ".lock"
 ATTEMPT = "attempt-{}"
-OUTPUTS = (CONFIG, CLASSES, METRICS, SUMMARY, CURVES, LAST, LAST_EMA, BEST, BEST_KEPT, TRACKER,
-           TRACKER_RUNS)  # what a start writes beside checkpoints
 DAMAGED_PREFIX = ".damaged-"  # a checkpoint that failed verification, set aside (kept for inspection)
 
 _CHECKPOINT = re.compile(r"^step_(\d{9})$")
@@ -71,30 +60,20 @@ def read_metrics(path: Path) -> List[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def run_file(path) -> Optional[Tuple[str, Path]]:
-    """What writing the file ``path`` would overwrite of a training run (a phrase: ``training run R's own
-    summary.csv``), with the folder where a new file may go instead; None when it overwrites nothing. In a folder that
-    is a run (:meth:`RunFolder.is_run`): its own files (:data:`OUTPUTS`, its lock) and anything in its own folders
-    (checkpoints, ``best/``, the TensorBoard folder); anywhere: an existing weight file (``*.safetensors``). A new file
-    beside a run's own (``eval.json``) overwrites nothing."""
-    path = Path(path).absolute()
-    for run in path.parents:
-        own = path.relative_to(run).parts[0]
-        if own in (*OUTPUTS, CHECKPOINTS, LOCK) and RunFolder(run).is_run():
-            return (f"training run {run}'s own {own}" if own == path.name else
-                    f"a file in training run {run}'s {own}/"), run
-    if path.suffix == ".safetensors" and path.exists():
-        return "weights", path.parent
-    return None
-
-
-def check_output(folder: "RunFolder") -> None:
+def check_output(folder: "RunFolder", data_dir=None) -> None:
     """A ConfigError unless ``output_dir`` is (or can become) a folder this user can write in
-    (:func:`~lipsformer.writer.check_target`)."""
+    (:func:`~lipsformer.writer.check_target`) and passes the writers' one check of outputs
+    (:func:`~lipsformer.writer.check_outputs`): not inside ``data_dir`` (the run's own folder would become a class of
+    its data), nor a folder a run owns (another run's checkpoints/ or best/)."""
     try:
         check_target(folder.root, folder=True)
     except Mistake as e:
         raise ConfigError(f"output_dir {e}; choose another output_dir") from None
+    try:
+        check_outputs([Output("output_dir", str(folder.root), folder=True)], data=[("data_dir", data_dir)] * bool(
+            data_dir))
+    except Mistake as e:
+        raise ConfigError(str(e)) from None
 
 
 class RunFolder:
@@ -185,7 +164,7 @@ class RunFolder:
         return sorted(p for p in self.checkpoints.iterdir() if p.is_dir() and _CHECKPOINT.match(p.name))
 
     def is_run(self) -> bool:
-        return self.config.is_file()
+        return is_run(self.root)
 
     def clear_temporaries(self) -> None:
         """Remove what a killed writer left half-written (``.tmp-*`` files and checkpoint folders): called by the

@@ -41,7 +41,7 @@ def fused(optimizer_class, sharded: bool = False) -> dict:
 class Read(NamedTuple):
     """What one read of a :class:`StepTally` gives."""
 
-    loss_sum: float  # this process's finite batch losses of the epoch so far
+    loss_sum: float  # every process's finite batch losses of the epoch so far (this run's part of it)
     loss_n: int
     updates: int  # optimizer updates since the previous read
     skipped: List[int]  # which of them were skipped (0: the first since the previous read)
@@ -93,15 +93,20 @@ class StepTally:
         self.updates += 1
 
     def read(self, accelerator, cause: bool = False) -> Read:
-        """The record on the host: one transfer (and under fp16, one reduction of the loss flags over the processes).
+        """The record on the host, the loss sums over every process: one transfer, and on several processes one
+        reduction (the sums, with fp16's loss flags), as timm's train.py reduces its loss at log steps.
         ``cause``: name the first skipped update's cause (one more reduction, of this process's loss flags, when an
         update was skipped). Every process must call it at the same step, alike. The flags start again afterwards."""
         n = self.updates
         loss_bad = self.loss_bad[:n]
-        if self.scaled and accelerator.num_processes > 1:
-            loss_bad = accelerator.reduce(loss_bad.float(), "max") > 0
+        sums = torch.stack([self.loss_sum, self.loss_n.double()])
+        if accelerator.num_processes > 1:  # one collective: the sums, and fp16's flags (a sum > 0: some process's)
+            reduced = accelerator.reduce(torch.cat([sums, loss_bad.double()]) if self.scaled else sums, "sum")
+            sums = reduced[:2]
+            if self.scaled:
+                loss_bad = reduced[2:] > 0
         skipped = loss_bad if self.scaled else self.grad_bad[:n]
-        values = torch.cat([self.loss_sum.view(1), self.loss_n.double().view(1), skipped.double()]).tolist()
+        values = torch.cat([sums, skipped.double()]).tolist()
         skipped = [i for i, bad in enumerate(values[2:]) if bad]
         what = ""
         if skipped and cause:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List
 
 from ..errors import Mistake, Preempted
 from ..extras import MissingExtra, require
-from ..writer import to_json, write_json
+from ..writer import TRACKER, to_json, write_json
 
 _logger = logging.getLogger(__name__)
 
@@ -92,8 +92,6 @@ def _tensorboard(root):
     events file (Accelerate's writes a second events file and a YAML file in a folder per start)."""
     from accelerate.tracking import TensorBoardTracker
     from torch.utils.tensorboard.summary import hparams as hparams_summaries
-
-    from .run_folder import TRACKER
 
     class TensorBoard(TensorBoardTracker):
         def store_init_configuration(self, values: dict) -> None:

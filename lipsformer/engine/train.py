@@ -192,7 +192,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     folder). :class:`~.resume.RunFinished` where the checkpoint resumed from had finished the run (nothing to do,
     nothing written)."""
     trackers, folder = trackers or Trackers(cfg.log_with), RunFolder(cfg.output_dir)
-    check_output(folder)
+    check_output(folder, cfg.data_dir)  # the one check of every output (writer.py): not inside the data
     accelerator = create_accelerator(cfg)
     lock = lock or RunLock(folder.root)
     lock.check(accelerator)  # another run writes there: refused before any work
@@ -216,7 +216,7 @@ def _start(cfg: TrainConfig, resume: Optional[str], lock: Optional[RunLock] = No
     if cfg.lipschitz_target is not None:  # a bound no projection can keep: refused before anything is written
         check_keepable(model)
     model = prepare_model(model, cfg.channels_last, cfg.grad_checkpointing)
-    resume_from, damaged = verified(folder, resume, resume_from, model)
+    resume_from, damaged = verified(folder, resume, resume_from, model, cfg)  # a changed model is named
     set_seed(cfg.seed, device_specific=True)  # different augmentation randomness on each process
     train_loader, val_loader, classes = build_loaders(cfg, model, accelerator)
     check_classes(cfg, classes)
@@ -441,7 +441,7 @@ def evaluate_and_keep_best(run: _Run) -> dict:
             ema_metrics = evaluate(model, run.val_loader, accelerator, run.cfg.max_bad_fraction)
         row.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"], ema_val_loss=ema_metrics["loss"])
         candidates["ema"] = ema_metrics["top1"]
-    which = max(candidates, key=candidates.get)
+    which = max(candidates, key=lambda k: candidates[k] if math.isfinite(candidates[k]) else -math.inf)
     weights = functools.partial(ema.applied, model) if which == "ema" else contextlib.nullcontext
     if keep_best(accelerator, model, weights, run.folder, state, candidates[which], run.cfg):
         row["best"] = which

@@ -133,6 +133,8 @@ class LipsFormerCSwin(LipsFormerBase):
         strict_img_size: inputs must have ``img_size`` (default). ``False``: any size runs; stripes span the
             input's own height and width, padded with zeros where the split, patch or 2x2 downsampling does not
             divide and cropped back, so stage ``i`` maps are ceil(H / (patch * 2^i)) high.
+        dynamic_img_size: timm's Swin's name for ``strict_img_size=False`` (as there: True accepts any input
+            size, whatever ``strict_img_size`` says).
         lipschitz, and its fields as keyword arguments: the Lipschitz choices, as for the Swin family
             (:class:`lipsformer.layers.LipschitzOptions`); with ``attn="attlip"`` each stripe branch is an AttLip
             block on its half of the channels. Defaults, for every field neither the object nor a keyword sets:
@@ -160,6 +162,7 @@ class LipsFormerCSwin(LipsFormerBase):
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
             strict_img_size: bool = True,
+            dynamic_img_size: bool = False,
             lipschitz: Optional[LipschitzOptions] = None,
             **lipschitz_kwargs,
     ):
@@ -169,6 +172,7 @@ class LipsFormerCSwin(LipsFormerBase):
                         drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
         lips = LipschitzOptions.resolve(type(self).__name__, self.lipschitz_defaults, lipschitz, **lipschitz_kwargs)
         self.split_size = tuple(split_size)
+        strict_img_size = strict_img_size and not dynamic_img_size  # timm's Swin: dynamic_img_size wins
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 
         dpr = drop_path_rates(drop_path_rate, sum(depths))

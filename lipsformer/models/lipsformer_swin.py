@@ -142,6 +142,8 @@ class LipsFormerSwin(LipsFormerBase):
         strict_img_size: inputs must have ``img_size`` (default). ``False``: any size runs, padded with zeros
             where a patch, window or 2x2 merge does not divide and cropped back, so stage ``i`` maps are
             ceil(H / (patch * 2^i)) high (for detection / segmentation backbones), as timm's Swin.
+        dynamic_img_size: timm's Swin's name for ``strict_img_size=False`` (as there: True accepts any input
+            size, whatever ``strict_img_size`` says).
         lipschitz: the Lipschitz choices as one :class:`lipsformer.layers.LipschitzOptions`; its fields
             (``norm``, ``attn``, ``tau``, ``learn_tau``, ``v_norm``, ``nu``, ``tied_qk``, ``alpha_init``, ``init``,
             ``conv_blocks``, ``fused_attn``, ``attlip_eta``, ``attlip_steps``, ``attlip_tol``, ``residual``, ``act``,
@@ -169,6 +171,7 @@ class LipsFormerSwin(LipsFormerBase):
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.1,
             strict_img_size: bool = True,
+            dynamic_img_size: bool = False,
             lipschitz: Optional[LipschitzOptions] = None,
             **lipschitz_kwargs,
     ):
@@ -178,6 +181,7 @@ class LipsFormerSwin(LipsFormerBase):
                         drop_path_rate=drop_path_rate)
         lips = LipschitzOptions.resolve(type(self).__name__, self.lipschitz_defaults, lipschitz, **lipschitz_kwargs)
         self.window_size = window_size
+        strict_img_size = strict_img_size and not dynamic_img_size  # timm's Swin: dynamic_img_size wins
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, lips.norm, strict_img_size)
 
         dpr = drop_path_rates(drop_path_rate, sum(depths))
