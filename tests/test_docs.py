@@ -614,7 +614,6 @@ def test_the_readme_torchrun_line_trains_as_written(tmp_path):
     once training has started: they go on to the first log step (10), checkpoint it and exit 75."""
     import signal
     import subprocess
-    import time
 
     import psutil
 
@@ -629,17 +628,16 @@ def test_the_readme_torchrun_line_trains_as_written(tmp_path):
         "PYTHONPATH", "")]))
     proc = subprocess.Popen([str(Path(sys.executable).with_name("torchrun")), *tokens[1:]], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    said, deadline = [], time.time() + 400
-    try:
+    said = []
+    try:  # a run that never says it (a hang) is stopped by pytest-timeout
         for line in proc.stdout:
             said.append(line)
             if line.startswith("weights: "):  # said once both processes are in the loop (and watch for signals)
                 for worker in psutil.Process(proc.pid).children(recursive=True):
                     worker.send_signal(signal.SIGUSR1)
                 break
-            assert time.time() < deadline, "".join(said[-20:])
         said += proc.stdout.readlines()
-        proc.wait(timeout=300)
+        proc.wait(timeout=600)
     finally:
         proc.kill()
     text = "".join(said)

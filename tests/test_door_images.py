@@ -174,20 +174,20 @@ def test_every_format_and_mode_pillow_writes_is_listed_and_read_with_its_pixels(
     assert len(ds) == len(scan.samples) and all(ds[i][0] is not None for i in range(len(ds)))
 
 
-def test_eval_scores_every_file_and_a_class_of_only_webp(catalogue, capsys):
+def test_eval_scores_every_file_and_a_class_of_only_webp(catalogue, capsys, tmp_path):
     root, files = catalogue
     from lipsformer.weights import export
     weights = root / "weights"
     if not weights.exists():
         export(timm.create_model("lipsformer_swin_t", num_classes=4, **TINY["swin"]), weights)
     code, out, err = call(capsys, EVAL.main, ["--checkpoint", weights, "--data-dir", root, "--workers", 0,
-                                              "--output", root / "r.json", "--predictions", root / "p.csv"])
+                                              "--output", tmp_path / "r.json", "--predictions", tmp_path / "p.csv"])
     assert code == 0, err
-    result = json.loads((root / "r.json").read_text())
+    result = json.loads((tmp_path / "r.json").read_text())
     n = len(files) + 2
     assert (result["images"], result["count"], result["unreadable"]) == (n, n, 0), result
     webp = sorted(str(p) for p, (fmt, _, _) in files.items() if fmt == "WEBP")
-    rows = list(csv.DictReader((root / "p.csv").open()))
+    rows = list(csv.DictReader((tmp_path / "p.csv").open()))
     assert len(webp) >= 10 and sorted(r["path"] for r in rows if r["targets"] == "3") == webp  # webp: the 4th class
     assert all(r["top1"] != "" for r in rows)
 

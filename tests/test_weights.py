@@ -153,7 +153,7 @@ def _fake_run(tmp_path) -> tuple:
     kwargs = dict(embed_dim=16, depths=[1, 1, 2, 1], num_heads=[2, 2, 4, 8], split_size=[1, 2, 2, 2])
     (run / "config.yaml").write_text(yaml.safe_dump(dict(
         model="lipsformer_cswin_t", model_kwargs=kwargs, num_classes=5, img_size=32, crop_pct=1.0,
-        interpolation="bilinear")))
+        interpolation="bilinear", ema_decay=0.999)))  # the keys that say what the weights are
     model, ema = (timm.create_model("lipsformer_cswin_t", num_classes=5, img_size=32, **kwargs) for _ in range(2))
     save_file(model.state_dict(), str(run / "last.safetensors"))
     save_file(ema.state_dict(), str(run / "last_ema.safetensors"))

@@ -76,6 +76,8 @@ class Key:
     keep_bound: str = ""  # the keep_bound argument it is (lipsformer.lipschitz.constraints)
     margin: bool = False  # the margin loss reads it (a checkpoint's record of the kept bound compares it too)
     model_arg: str = ""  # the timm.create_model argument it sets (model_kwargs may not set it again)
+    weights: bool = False  # says what a run's weights are (the model built, its input and preprocessing): a run's
+    # config.yaml must hold it (read_run_config)
 
 
 def key(default: Any, help: str, **properties) -> Any:
@@ -91,16 +93,17 @@ class TrainConfig:
     """Every knob of a training run. Defaults are the paper's Table 6 recipe for the Tiny models."""
 
     model: str = key("lipsformer_cswin_t", "a timm model name (lipsformer_swin_t, lipsformer_cswin_s, ...)",
-                     section="model", builds_model=True)
-    model_kwargs: Dict[str, Any] = key({}, "extra timm.create_model arguments")
+                     section="model", builds_model=True, weights=True)
+    model_kwargs: Dict[str, Any] = key({}, "extra timm.create_model arguments", weights=True)
     num_classes: int = key(1000, "classes of the classifier", model_arg="num_classes", builds_model=True,
-                           range=Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"))
+                           range=Range(2, says="at least 2 (cross-entropy over one class has nothing to learn)"),
+                           weights=True)
     drop_path: float = key(0.2, "stochastic depth rate (timm's drop_path_rate)", range=Range(0, 1),
                            model_arg="drop_path_rate")
-    img_size: int = key(224, "input height and width", range=_AT_LEAST_1, model_arg="img_size")
+    img_size: int = key(224, "input height and width", range=_AT_LEAST_1, model_arg="img_size", weights=True)
     crop_pct: float = key(0.9, "evaluation resizes to img_size / crop_pct, then center-crops img_size (timm's "
-                          "crop_pct)", range=Range(0, 2, False, True))
-    interpolation: str = key("bicubic", "resize interpolation", choices=INTERPOLATIONS)
+                          "crop_pct)", range=Range(0, 2, False, True), weights=True)
+    interpolation: str = key("bicubic", "resize interpolation", choices=INTERPOLATIONS, weights=True)
     data_dir: Optional[str] = key(None, "the image folder (train/, val/), or the root a timm dataset reads", path=True,
                                   section="data: a folder with train/ and val/ (one folder per "
                                   "class), or any timm dataset name (hfds/..., wds/...)")
@@ -139,7 +142,7 @@ class TrainConfig:
     mixup: float = key(0.8, "mixup alpha (0: off)", range=Range(0))
     cutmix: float = key(1.0, "cutmix alpha (0: off)", range=Range(0))
     ema_decay: Optional[float] = key(0.99984, "decay of the weights' exponential moving average",
-                                     range=Range(0, 1, says="in [0, 1) (0 or null: no EMA)"))
+                                     range=Range(0, 1, says="in [0, 1) (0 or null: no EMA)"), weights=True)
     mixed_precision: str = key("bf16", "Accelerate's mixed precision (fp16: GPUs only)", choices=("bf16", "fp16", "no"))
     seed: int = key(0, "seed of the init, the data order and the augmentation",
                     range=Range(0, 2 ** 32 - 1, True, True, "in [0, 2**32 - 1]"), section="run")
@@ -559,7 +562,7 @@ def load_config(path=None, overrides: Optional[List[str]] = None, flags: Optiona
 
 # The keys of a run's config.yaml that say what its weights are (weights.py reads them to build the model, its input
 # size and its preprocessing): a run writes every key, so one of these missing was removed by hand.
-WEIGHTS_KEYS = ("model", "model_kwargs", "num_classes", "img_size", "crop_pct", "interpolation", "ema_decay")
+WEIGHTS_KEYS = tuple(name for name, spec in KEYS.items() if spec.weights)
 
 
 def read_run_config(path, needed: Tuple[str, ...] = WEIGHTS_KEYS) -> TrainConfig:
