@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch._functorch.config as functorch_config
 
+from ..layers import LipsBlock
+
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -47,9 +49,11 @@ def prepare_model(model: torch.nn.Module, channels_last: bool = False,
 
 
 def compile_model(model: torch.nn.Module, mode: str = "default",
-                  memory_budget: Optional[float] = None) -> torch.nn.Module:
-    """Compile ``model`` in place (``nn.Module.compile``: no ``_orig_mod`` wrapper, so parameter names,
-    ``accelerator.unwrap_model``, checkpoints and the EMA see the same module) and return it.
+                  memory_budget: Optional[float] = None, backend: str = "inductor") -> torch.nn.Module:
+    """Compile ``model`` in place by region (:func:`compile_regions`: each repeated block's body, or the whole model
+    with ``nn.Module.compile``; no ``_orig_mod`` wrapper, so parameter names, ``accelerator.unwrap_model``,
+    checkpoints and the EMA see the same module) and return it. ``backend`` is torch.compile's (``inductor``;
+    ``eager`` traces without generating code).
 
     ``torch.compile`` with static shapes, as a fixed-batch training job has (automatic dynamic shapes make
     the batch symbolic once training and evaluation batches have both run, which slows compiled training,
@@ -91,5 +95,23 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
     if all(p.device.type == "cpu" for p in model.parameters()):
         torch.use_deterministic_algorithms(True, warn_only=True)
         options = {**torch._inductor.list_mode_options(mode), "layout_optimization": False}
-    model.compile(mode=None if options is not None or mode == "default" else mode, options=options, dynamic=False)
+    if backend != "inductor":  # another backend (timm's --torchcompile NAME) takes no inductor options
+        options, mode = None, "default"
+    kwargs = dict(backend=backend, mode=None if options is not None or mode == "default" else mode, options=options,
+                  dynamic=False)
+    blocks = compile_regions(model)
+    if not blocks:
+        model.compile(**kwargs)
+        return model
+    body = torch.compile(LipsBlock.body, **kwargs)
+    for block in blocks:
+        block.compiled_body = body
     return model
+
+
+def compile_regions(model: torch.nn.Module) -> list:
+    """The regions :func:`compile_model` compiles: every LipsFormer block (``LipsBlock``) of ``model``, whose
+    :meth:`~lipsformer.layers.LipsBlock.body` one compiled function runs (the DropPath draws made eagerly, as inputs),
+    so that a model traces one graph per stage shape rather than one for the whole network and the stem,
+    downsampling and head run eagerly, with the fused ops. A model without LipsFormer blocks is compiled whole."""
+    return [m for m in model.modules() if isinstance(m, LipsBlock)]

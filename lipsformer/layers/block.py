@@ -8,7 +8,7 @@ from torch import nn
 from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
 from .norm import create_norm
-from .residual import ScaledOutput, WeightedResidual, create_residual, scaled_linear
+from .residual import ScaledOutput, WeightedResidual, create_residual, drawn_factor, scaled_linear
 
 
 class GeluMlp(Mlp, ScaledOutput):
@@ -78,17 +78,33 @@ class LipsBlock(nn.Module):
         self.res_mlp = create_residual(residual, dim, alpha_init, drop_path, alpha_range)
         self.norm2 = create_norm(norm, dim)
 
+    compiled_body = None  # torch.compile(LipsBlock.body), set by lipsformer.engine.speed.compile_model
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.convs(x)
-        x = self._residual(self.res_attn, self.attn, self.norm1, x)
-        return self._residual(self.res_mlp, self.mlp, self.norm2, x)
+        if self.compiled_body is None:
+            return self.body(x, (None,) * 4)
+        return self.compiled_body(self, x, self.drop_draws(x))
+
+    def drop_draws(self, x: torch.Tensor) -> tuple:
+        """The DropPath draws of the block's four residuals for a batch ``x`` (timm's random stream, drawn eagerly),
+        each as its factor (:func:`~lipsformer.layers.residual.drawn_factor`), for a compiled :meth:`body`: its
+        graph then takes them as inputs, and the blocks of a stage, whose drop rates differ, share one graph."""
+        residuals = (self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp)
+        return tuple(None if r is None else drawn_factor(r.drop_mask(x)) for r in residuals)
+
+    def body(self, x: torch.Tensor, draws: tuple) -> torch.Tensor:
+        """The block, given its residuals' DropPath draws (None: each residual draws its own)."""
+        x = self.convs(x, draws[:2])
+        x = self._residual(self.res_attn, self.attn, self.norm1, x, draws[2])
+        return self._residual(self.res_mlp, self.mlp, self.norm2, x, draws[3])
 
     @staticmethod
-    def _residual(res: nn.Module, branch: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _residual(res: nn.Module, branch: nn.Module, norm: nn.Module, x: torch.Tensor, draw=None) -> torch.Tensor:
         """``norm(res(x, branch(x)))``; a weighted residual's ``alpha`` is folded into the branch's last linear map
         when the branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), so that backward keeps no copy
         of the branch's output for alpha's gradient (two C-wide activations per block), and the sum and a
         CenterNorm after it are one fused op."""
         if isinstance(res, WeightedResidual) and isinstance(branch, ScaledOutput):
-            return res.add_scaled(x, branch(x, out_scale=res.alpha), None if isinstance(norm, nn.Identity) else norm)
-        return norm(res(x, branch(x)))
+            return res.add_scaled(x, branch(x, out_scale=res.alpha), None if isinstance(norm, nn.Identity) else norm,
+                                  draw)
+        return norm(res(x, branch(x), draw=draw))

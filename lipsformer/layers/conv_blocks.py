@@ -1,5 +1,5 @@
 """The convolution blocks that open every LipsFormer block (LipsFormer Fig. 1, Table 3)."""
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -7,7 +7,7 @@ from torch import nn
 
 from .gelu import gelu_linear
 from .groupsort import GroupSort
-from .residual import create_residual
+from .residual import Draw, create_residual
 
 CONV_BLOCKS = ("A", "B", "C", "D")
 ACTS = ("gelu", "groupsort")
@@ -162,27 +162,29 @@ class ConvBlocks(nn.Module):
         self.dw2 = dw() if config == "D" else None
         self.res2 = create_residual(residual, dim, alpha_init, drop_path, alpha_range) if config == "D" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, draws: Sequence[Optional[Draw]] = (None, None)) -> torch.Tensor:
+        """``draws``: the residuals' DropPath draws made beforehand (a compiled block takes them as inputs), or None
+        for each residual to draw its own."""
         if self.dw1 is None:
             return x
         if self.act is not None:
-            return self._forward_act(x)
+            return self._forward_act(x, draws)
         y = self._dw(self.dw1, x)
         if self.pw is not None:  # the 1x1 convolution as the matmul over channels it is, fused with its GELU
             y = gelu_linear(y, self.pw.weight.flatten(1), self.pw.bias)
-        x = self.res1(x, y, gelu=True)
+        x = self.res1(x, y, gelu=True, draw=draws[0])
         if self.dw2 is not None:
-            x = self.res2(x, self._dw(self.dw2, x), gelu=True)
+            x = self.res2(x, self._dw(self.dw2, x), gelu=True, draw=draws[1])
         return x
 
-    def _forward_act(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_act(self, x: torch.Tensor, draws: Sequence[Optional[Draw]]) -> torch.Tensor:
         """The same blocks with ``self.act`` and the residuals' own forward (no fused GELU)."""
         y = self.act(self._dw(self.dw1, x))
         if self.pw is not None:
             y = self.act(F.linear(y, self.pw.weight.flatten(1), self.pw.bias))
-        x = self.res1(x, y)
+        x = self.res1(x, y, draw=draws[0])
         if self.dw2 is not None:
-            x = self.res2(x, self.act(self._dw(self.dw2, x)))
+            x = self.res2(x, self.act(self._dw(self.dw2, x)), draw=draws[1])
         return x
 
     def _dw(self, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

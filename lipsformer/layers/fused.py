@@ -77,7 +77,8 @@ def drop_factor(mask: Optional[Tensor], keep: float, x: Tensor) -> Optional[Tens
     computes it."""
     if mask is None:
         return None
-    return mask.div(keep).view((x.shape[0],) + (1,) * (x.dim() - 1))
+    factor = mask if keep == 1.0 else mask.div(keep)
+    return factor.view((x.shape[0],) + (1,) * (x.dim() - 1))
 
 
 def _sum_dtype(t: Tensor) -> torch.dtype:

@@ -34,7 +34,30 @@ def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tens
     return fused_linear(h, linear.weight, linear.bias, scale, input_scale=input_scale)
 
 
-class WeightedResidual(nn.Module):
+# a residual's DropPath draw: (the per-sample draw, what it is divided by); see DropPathDraw.drop_mask
+Draw = Tuple[Optional[torch.Tensor], float]
+
+
+class DropPathDraw:
+    """A residual whose branch timm's DropPath (``self.drop_path``) drops per sample."""
+
+    def drop_mask(self, x: torch.Tensor) -> Draw:
+        """DropPath's per-sample draw for a batch ``x`` and what it is divided by: ``(bernoulli(keep), keep)``, the
+        same random stream as timm's DropPath, in training with a drop rate; ``(None, 1.0)`` otherwise."""
+        if not (self.training and isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0):
+            return None, 1.0
+        keep = 1.0 - self.drop_path.drop_prob
+        return x.new_empty(x.shape[0]).bernoulli_(keep), keep if self.drop_path.scale_by_keep else 1.0
+
+
+def drawn_factor(draw: Draw) -> Optional[Draw]:
+    """A draw as its factor ``mask / keep`` over 1: what a compiled block takes, so that the drop rate is not a
+    constant of its graph (blocks of a stage whose rates differ share one)."""
+    mask, keep = draw
+    return None if mask is None else (mask.div(keep), 1.0)
+
+
+class WeightedResidual(DropPathDraw, nn.Module):
     r"""``x + DropPath(alpha * f(x))`` with a learnable per-channel ``alpha`` (channels last).
 
     LipsFormer Table 1: :math:`x_{i+1} = x_i + \mathrm{DropPath}_{p}(\alpha_i f(x_i))`, so that
@@ -47,31 +70,26 @@ class WeightedResidual(nn.Module):
         self.alpha = nn.Parameter(torch.full((dim,), float(alpha_init)))
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
-    def drop_mask(self, x: torch.Tensor) -> Tuple[Optional[torch.Tensor], float]:
-        """DropPath's per-sample draw for a batch ``x`` and what it is divided by: ``(bernoulli(keep), keep)``, the
-        same random stream as timm's DropPath, in training with a drop rate; ``(None, 1.0)`` otherwise."""
-        if not (self.training and isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0):
-            return None, 1.0
-        keep = 1.0 - self.drop_path.drop_prob
-        return x.new_empty(x.shape[0]).bernoulli_(keep), keep if self.drop_path.scale_by_keep else 1.0
-
-    def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False, draw: Optional[Draw] = None
+                ) -> torch.Tensor:
         """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx))``.
 
         One pass: DropPath's per-sample draw is folded into ``alpha``; with ``gelu`` one fused op
         (:func:`lipsformer.layers.fused.gelu_residual`), whose backward recomputes the GELU rather than keep it.
+        ``draw``: the draw :meth:`drop_mask` made beforehand (a compiled block takes its draws as inputs).
         """
-        mask, keep = self.drop_mask(x)
+        mask, keep = draw if draw is not None else self.drop_mask(x)
         if gelu:
             return gelu_residual(x, fx, self.alpha, mask, keep)
         factor = drop_factor(mask, keep, x)
         return torch.addcmul(x, fx, self.alpha if factor is None else self.alpha * factor)
 
-    def add_scaled(self, x: torch.Tensor, scaled_fx: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+    def add_scaled(self, x: torch.Tensor, scaled_fx: torch.Tensor, norm: Optional[nn.Module] = None,
+                   draw: Optional[Draw] = None) -> torch.Tensor:
         """``norm(x + DropPath(scaled_fx))`` for a branch output already multiplied by ``alpha`` (a
         :class:`ScaledOutput` branch given ``out_scale=alpha``): the same sum as :meth:`forward`, with the same
         DropPath draws; a :class:`~lipsformer.layers.norm.CenterNorm` after it in the same fused op."""
-        mask, keep = self.drop_mask(x)
+        mask, keep = draw if draw is not None else self.drop_mask(x)
         if isinstance(norm, CenterNorm):
             return norm.residual(x, scaled_fx, mask, keep)
         factor = drop_factor(mask, keep, x)
@@ -79,7 +97,7 @@ class WeightedResidual(nn.Module):
         return y if norm is None else norm(y)
 
 
-class ConvexResidual(nn.Module):
+class ConvexResidual(DropPathDraw, nn.Module):
     r"""``(1 - a) x + a f(x)`` with one learnable scalar ``a`` (``alpha``, kept in [0, 1] by
     :func:`lipsformer.lipschitz.constraints.keep_bound`).
 
@@ -103,11 +121,11 @@ class ConvexResidual(nn.Module):
         self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fx: torch.Tensor, draw: Optional[Draw] = None) -> torch.Tensor:
+        mask, keep = draw if draw is not None else self.drop_mask(x)
+        factor = drop_factor(mask, keep, x)
         scale = self.alpha.to(x.dtype)
-        if self.training and isinstance(self.drop_path, DropPath):
-            scale = scale * self.drop_path(x.new_ones((x.shape[0],) + (1,) * (x.ndim - 1)))
-        return torch.addcmul(x, fx - x, scale)
+        return torch.addcmul(x, fx - x, scale if factor is None else scale * factor)
 
 
 def create_residual(kind: str, dim: int, alpha_init: float, drop_path: float = 0.0,
