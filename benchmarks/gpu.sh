@@ -6,27 +6,28 @@
 #       [--only tests,matrix,base]
 #
 # Uses the machine's own Python and torch (never replaced). Steps, each under its own time limit (a step that runs
-# out is killed and reported missing); all of them take up to about 13 minutes on one H100. Where one command may
-# run 10 minutes at most, run them in two with the same --out (the report gathers every result in the folder):
-#   bash benchmarks/gpu.sh --out results/gpu --only tests,base && bash benchmarks/gpu.sh --out results/gpu --only matrix
+# out is killed and reported missing); the default steps (tests, matrix) end within 8 minutes on one H100, so that
+# one command of at most 10 minutes holds them; `--only base` is a second command with the same --out (the report
+# gathers every result in the folder):
 #   1. installs the project and each dependency missing or too old from .whl/ into a target folder
-#      (pip --no-index --no-deps), then checks and records every version (versions.json);
-#   2. pytest -m gpu (gpu_tests.log, gpu_tests.xml);
-#   3. benchmarks/throughput.py --matrix --device cuda --amp bf16 (docs/speed.md's training benchmark; 7 min at
-#      most): eager at batch 64 and 256, then compiled at batch 256 with the compiler's default and
-#      compile_memory_budget 0.8, one process each: lipsformer_swin_t and lipsformer_cswin_t against swin_tiny
-#      (and the released implementation with --released), inference and training img/s, ratios, per-FLOP ratios,
-#      the bytes autograd saves and the peak allocated (throughput_matrix.json, .log);
-#   4. benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16: lipsformer_swin_b against
-#      swin_base, eager (throughput_base_eager.json, .log);
-#   5. one JSON (gpu.json) and one markdown table (gpu.md) of it all.
+#      (pip --no-index --no-deps), then checks and records every version (versions.json); starts
+#      benchmarks/step_cost.py on the CPU beside the GPU steps: the estimate for this card (step_cost.json);
+#   2. pytest -m gpu (gpu_tests.log, gpu_tests.xml; 150 s at most);
+#   3. benchmarks/throughput.py --matrix --device cuda --amp bf16 (docs/speed.md's training benchmark; 270 s at
+#      most): eager at batch 64 and 256, then compiled (by region) at batch 256 with the compiler's default:
+#      lipsformer_swin_t and lipsformer_cswin_t against swin_tiny (and the released implementation with
+#      --released), inference and training img/s, ratios, per-FLOP ratios, the bytes autograd saves and the peak
+#      allocated (throughput_matrix.json, .log);
+#   4. (--only base) benchmarks/throughput.py --device cuda --batch 256 --train-batch 256 --amp bf16:
+#      lipsformer_swin_b against swin_base, eager (throughput_base_eager.json, .log);
+#   5. one JSON (gpu.json) and one markdown table (gpu.md) of it all, the estimate beside each eager row.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=python3
 OUT="results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
 RELEASED=""
-ONLY="tests,matrix,base"
+ONLY="tests,matrix"
 SITE=${LIPSFORMER_SITE:-/tmp/lipsformer-site}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -74,9 +75,16 @@ open(sys.argv[1], "w").write(json.dumps(v, indent=2))
 print(v)
 EOF
 
+CARD=$("$PY" -c "import torch; n = torch.cuda.get_device_name(0); print('h200' if 'H200' in n else 'a100' if 'A100' in n \
+  else 'h100')")
+stamp "step-cost estimate for $CARD (CPU, beside the GPU steps)"
+timeout 300 "$PY" benchmarks/step_cost.py --gpu "$CARD" --batches 64 256 --json "$OUT/step_cost.json" \
+  > "$OUT/step_cost.log" 2>&1 &
+COST=$!
+
 if want tests; then
   stamp "GPU tests"
-  timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 --junitxml "$OUT/gpu_tests.xml" \
+  timeout 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 90 --junitxml "$OUT/gpu_tests.xml" \
     tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 
@@ -90,7 +98,7 @@ bench() {  # bench NAME SECONDS ARGS...: one throughput.py run, its JSON and log
 REL=()
 [ -n "$RELEASED" ] && REL=(--released "$RELEASED")
 if want matrix; then
-  bench matrix 420 --matrix --train-batches 64 256 --compiled-batches 256 --reps 3 --iters 5 --compiled none 0.8 \
+  bench matrix 270 --matrix --train-batches 64 256 --compiled-batches 256 --reps 3 --iters 5 --compiled none \
     --models lipsformer_swin_t lipsformer_cswin_t "${REL[@]}"
 fi
 if want base; then
@@ -98,6 +106,7 @@ if want base; then
     --models lipsformer_swin_b
 fi
 
+wait "$COST" || echo "step-cost estimate: no result (see $OUT/step_cost.log)"
 stamp "report"
 "$PY" benchmarks/gpu_check.py report "$OUT"
 stamp "done: $OUT/gpu.json, $OUT/gpu.md"

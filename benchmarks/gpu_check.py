@@ -3,6 +3,7 @@ and ``packaging`` only, so they run before anything is installed):
 
     python benchmarks/gpu_check.py requirements WHEEL_DIR   # wheels to install: one path a line; exit 2 on a gap
     python benchmarks/gpu_check.py report RESULTS_DIR       # RESULTS_DIR/gpu.json and gpu.md from the parts
+                                                            # (and step_cost.json's estimates beside them)
 
 ``requirements`` reads the project's dependencies (pyproject.toml, plus the test runner of the ``dev`` extra),
 finds each one missing or too old on this Python, and takes its wheel from WHEEL_DIR (``make gpu-wheels``), then
@@ -79,6 +80,18 @@ def requirements(wheel_dir: str) -> int:
     return 2 if errors else 0
 
 
+def _estimate(cost, row) -> str:
+    """benchmarks/step_cost.py's estimate for a measured eager row: training and inference img/s, ratios."""
+    if cost is None or row.get("mode") != "eager":
+        return "-"
+    found = {r["mode"]: r for r in cost["rows"] if r["model"] == row["model"]}
+    batch = str(row["batch"])
+    if set(found) != {"train", "infer"} or batch not in found["train"]["estimate"]:
+        return "-"
+    return " / ".join(f"{found[m]['estimate'][batch]['img_s']:.0f} ({found[m]['img_s_ratio'][batch]:.2f})"
+                      for m in ("train", "infer"))
+
+
 def report(results: str) -> int:
     """gpu.json (versions, test summary, every throughput row) and gpu.md (one table) under ``results``."""
     out = Path(results)
@@ -93,7 +106,9 @@ def report(results: str) -> int:
             r'<testcase [^>]*name="([^"]*)"[^>]*>\s*<properties>\s*<property name="sdpa_kernels" value="([^"]*)"',
             xml.read_text()))
     versions = json.loads((out / "versions.json").read_text()) if (out / "versions.json").exists() else {}
-    (out / "gpu.json").write_text(json.dumps(dict(versions=versions, tests=tests, throughput=parts), indent=2))
+    cost = json.loads((out / "step_cost.json").read_text()) if (out / "step_cost.json").exists() else None
+    (out / "gpu.json").write_text(json.dumps(dict(versions=versions, tests=tests, throughput=parts, step_cost=cost),
+                                             indent=2))
     lines = [f"# GPU check: {versions.get('device', '?')}", "",
              "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if k != "device"), "",
              "tests: " + (", ".join(f"{k} {v}" for k, v in tests.items() if k != "sdpa_kernels") or "not run"), "",
@@ -112,14 +127,17 @@ def report(results: str) -> int:
             lines.append(f"| {label} | {r['model']} | {r['gflops']:.2f} | "
                          f"{r['infer_img_s']:.0f} | {r['infer_ratio']:.2f} | {train} |")
         saved = [r for r in part["rows"] if "saved_mb" in r]
-        # --matrix: per-FLOP ratios and the bytes autograd saves, against each group's baseline
+        # --matrix: per-FLOP ratios and the bytes autograd saves, against each group's baseline, and the step-cost
+        # tool's estimate of the eager rows (img/s and ratio, training and inference)
         matrix += [f"| {run.removeprefix('throughput_')} | {r['mode']} | {r['batch']} | {r['model']} | "
                    f"{r['train_per_flop']:.2f} | {r['saved_mb']:.0f} | {r['saved_ratio']:.2f} | "
-                   f"{' '.join(r['missed']) or '-'} |" for r in saved]
+                   f"{' '.join(r['missed']) or '-'} | {_estimate(cost, r)} |" for r in saved]
     if matrix:
-        lines += ["", "Training benchmark (`--matrix`; the train peak MB above is the peak allocated):", "",
-                  "| run | mode | batch | model | train per-FLOP | saved MB | ratio | missed targets |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"] + matrix
+        lines += ["", "Training benchmark (`--matrix`; the train peak MB above is the peak allocated; estimate: "
+                  "benchmarks/step_cost.py's img/s (ratio), eager rows):", "",
+                  "| run | mode | batch | model | train per-FLOP | saved MB | ratio | missed targets | "
+                  "estimate train / infer |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + matrix
     lines += ["", "setups:"] + [f"- {run}: {part['setup']}" for run, part in parts.items()]
     if tests.get("sdpa_kernels"):
         lines += ["", "SDPA kernel per attention kind:"] + [f"- {k}: {v}" for k, v in tests["sdpa_kernels"].items()]

@@ -56,7 +56,8 @@ class GPU:
     """A card's rates as the estimate uses them: achieved (not peak) bandwidth and bf16 matrix rate, and the host's
     cost of one eager op (Python, dispatch, autograd and the launch: a GPU idles when its kernels are shorter).
     The achieved rates are those that make the estimate meet swin_tiny's measured bf16 img/s on one H100
-    (docs/gpu.md) at batches 64 and 256; the A100's scale them by its datasheet."""
+    (docs/gpu.md) at batches 64 and 256, fitted to fp32 counts (so the bandwidth is an effective one); the H200's
+    and A100's scale them by their datasheets."""
     name: str
     bandwidth: float  # bytes/s achieved by memory-bound kernels
     matmul: float  # FLOP/s achieved by matrix products and attention, bf16
@@ -67,6 +68,8 @@ class GPU:
 
 GPUS = {
     "h100": GPU("NVIDIA H100 80GB HBM3", bandwidth=2.2e12, matmul=400e12, launch=20e-6, peak_bandwidth=3.35e12,
+                peak_matmul=989e12),
+    "h200": GPU("NVIDIA H200", bandwidth=2.2e12 * 4.8 / 3.35, matmul=400e12, launch=20e-6, peak_bandwidth=4.8e12,
                 peak_matmul=989e12),
     "a100": GPU("NVIDIA A100-SXM4-40GB", bandwidth=1.02e12, matmul=126e12, launch=20e-6, peak_bandwidth=1.555e12,
                 peak_matmul=312e12),
@@ -321,25 +324,33 @@ def top_ops(cost: Cost, batch: int, top: int) -> list:
 
 
 def compiled_kernels(model: torch.nn.Module, img_size: int, train: bool) -> dict:
-    """Kernels of a compiled step (inductor's generated loops, and the library calls beside them: matrix
-    products, convolutions, attention), counted from inductor's metrics after a first (compiling) call, and the
-    compile time."""
-    from torch._inductor import metrics
+    """A compiled step of ``model`` on the CPU (:func:`lipsformer.engine.speed.compile_model`, by region): the
+    kernels inductor generated that one step launches (counted by the profiler: inductor's kernel profile names each
+    ``cpp_fused_*`` call), the graphs compiled, and the seconds the first, compiling, step took."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import profile
 
     from lipsformer.engine.speed import compile_model
     torch._dynamo.reset()
-    metrics.reset()
-    compile_model(model)
-    x = torch.randn(2, 3, img_size, img_size)
-    start = time.perf_counter()
+    counters.clear()
+    x, target = torch.randn(2, 3, img_size, img_size), torch.zeros(2, dtype=torch.long)
     model.train(train)
-    with nullcontext() if train else torch.no_grad():
-        out = model(x)
-        if train:
-            F.cross_entropy(out, torch.zeros(2, dtype=torch.long)).backward()
-    seconds = time.perf_counter() - start
-    result = dict(generated=metrics.generated_kernel_count, library=metrics.num_extern_kernels
-                  if hasattr(metrics, "num_extern_kernels") else None, compile_s=round(seconds, 1))
+
+    def step():
+        with nullcontext() if train else torch.no_grad():
+            out = model(x)
+            if train:
+                F.cross_entropy(out, target).backward()
+
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True, "fx_graph_cache": False}):
+        compile_model(model)
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        with profile() as prof:
+            step()
+    kernels = sum(1 for e in prof.events() if e.name.startswith(("cpp_fused", "triton_")))
+    result = dict(generated=kernels, graphs=counters["stats"]["unique_graphs"], compile_s=round(seconds, 1))
     torch._dynamo.reset()
     return result
 

@@ -89,10 +89,17 @@ def test_report_tables_a_training_matrix_against_each_groups_baseline(tmp_path):
                  for m, f, missed in (("swin_tiny_patch4_window7_224", 1.0, []),
                                       ("lipsformer_swin_t", 1.5, ["saved_ratio"]))]
     (tmp_path / "throughput_matrix.json").write_text(json.dumps(dict(setup="matrix", rows=rows)))
+    estimate = {"64": dict(img_s=812.4)}  # benchmarks/step_cost.py --json, its rows of lipsformer_swin_t
+    (tmp_path / "step_cost.json").write_text(json.dumps(dict(rows=[
+        dict(model="lipsformer_swin_t", mode="train", estimate=estimate, img_s_ratio={"64": 0.81}),
+        dict(model="lipsformer_swin_t", mode="infer", estimate={"64": dict(img_s=2500.0)}, img_s_ratio={"64": 0.9})])))
     gpu_check.report(str(tmp_path))
     md = (tmp_path / "gpu.md").read_text()
     assert "| matrix compiled none b256 | lipsformer_swin_t | 4.50 | 1000 | 1.00 | 300 | 1.00 | 4500 | 1.50 |" in md
-    assert "| matrix | eager | 64 | lipsformer_swin_t | 1.10 | 750 | 1.50 | saved_ratio |" in md
+    assert "| matrix | eager | 64 | lipsformer_swin_t | 1.10 | 750 | 1.50 | saved_ratio | 812 (0.81) / 2500 (0.90) |" \
+        in md
+    assert "| matrix | eager | 64 | swin_tiny_patch4_window7_224 | 1.10 | 500 | 1.00 | - | - |" in md  # no estimate
+    assert "| matrix | compiled none | 256 | lipsformer_swin_t | 1.10 | 750 | 1.50 | saved_ratio | - |" in md
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the stop on a machine without CUDA")
