@@ -27,7 +27,7 @@ import yaml
 from safetensors.torch import load_file
 from helpers import TINY_RUN, make_folder
 
-from lipsformer.layers import fused
+from lipsformer.layers import fused as fused_ops
 from lipsformer.layers.fused import gelu_residual, use_fused_ops
 from lipsformer.layers.gelu import gelu_linear
 
@@ -144,8 +144,8 @@ def test_fused_ops_run_their_triton_kernels_and_train_like_the_plain_ops(name, d
     with the fused ops off: outputs and gradients to the dtype's rounding."""
     model = timm.create_model(name, num_classes=10, drop_path_rate=0.3, init="xavier", **GPU_TINY[name]).to(DEVICE)
     x = torch.randn(4, 3, 64, 64, device=DEVICE)
-    kernels, calls = fused._kernels, []
-    monkeypatch.setattr(fused, "_kernels", lambda t: calls.append(1) or kernels(t))
+    kernels, calls = fused_ops._kernels, []
+    monkeypatch.setattr(fused_ops, "_kernels", lambda t: calls.append(1) or kernels(t))
 
     def step():
         model.train().zero_grad()
