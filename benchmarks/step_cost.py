@@ -9,8 +9,9 @@ For each model and the baseline, per training step (forward, cross-entropy, back
 inference batch (forward under ``no_grad``), eager:
 
 - **ops**: the kernels the step launches: every op the dispatcher runs below autograd, except views and allocations
-  (a custom ``lipsformer::`` op is one op, as its fused CUDA kernel is; ``scaled_dot_product_attention`` is one op
-  forward and one backward, plus the reduction of a broadcast mask's gradient, as CUDA's fused kernels run it);
+  (a custom ``lipsformer::`` op is the kernels its CUDA implementation launches, ``LAUNCHES``;
+  ``scaled_dot_product_attention`` is one op forward and one backward, plus the reduction of a broadcast mask's
+  gradient, as CUDA's fused kernels run it; a convolution's backward one kernel for each gradient it computes);
 - **bytes**: what the memory-bound ops read and write per image (every op but matrix products, dense convolutions
   and attention), each input counted by the elements it addresses, each output by its size;
 - **FLOPs** per image (``torch.utils.flop_counter``'s formulas; a multiply-add is two);
@@ -169,6 +170,9 @@ class Counting(TorchDispatchMode):
         if func.namespace == "lipsformer":  # a fused op's further launches (a reduction of its partial sums)
             for _ in range(LAUNCHES.get(packet.__name__.split(".")[-1], 1) - 1):
                 self.tally.add(f"{packet}.sum", 0)
+        if func is aten.convolution_backward.default:  # cuDNN: one kernel for each gradient asked for
+            for _ in range(sum(args[10]) - 1):
+                self.tally.add(f"{packet}.more", 0)
         return out
 
 
