@@ -6,7 +6,6 @@ ops on and off.
 Triton decides at its import whether it interprets (its own library functions are compiled or interpreted then),
 so the kernel tests run in a process of their own started with ``TRITON_INTERPRET=1``
 (:func:`test_the_kernels_under_the_interpreter`); in any other process they are skipped."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,7 +19,6 @@ from conftest import TINY, family
 from lipsformer.layers import fused
 from lipsformer.layers.fused import use_fused_ops
 
-KERNELS = Path(fused.__file__).with_name("triton_kernels.py")
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -38,14 +36,12 @@ def test_the_kernels_under_the_interpreter():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """lipsformer/layers/triton_kernels.py as the interpreter runs it: its kernels take CPU tensors."""
+    """lipsformer.layers.triton_kernels as the interpreter runs it: its kernels take CPU tensors."""
     if not INTERPRETING:
         pytest.skip("the kernels run in a process started with TRITON_INTERPRET=1 (test_the_kernels_under_the_"
                     "interpreter)")
-    spec = importlib.util.spec_from_file_location("lipsformer_triton_interpreted", KERNELS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from lipsformer.layers import triton_kernels
+    return triton_kernels
 
 
 def _close(got, want, dtype):

@@ -81,7 +81,7 @@ def drop_factor(mask: Optional[Tensor], keep: float, x: Tensor) -> Optional[Tens
     return factor.view((x.shape[0],) + (1,) * (x.dim() - 1))
 
 
-def _sum_dtype(t: Tensor) -> torch.dtype:
+def sum_dtype(t: Tensor) -> torch.dtype:
     """Per-channel gradient sums of a backward op: float32, or the gradient's dtype where that is wider."""
     return torch.promote_types(t.dtype, torch.float32)
 
@@ -113,17 +113,19 @@ def _rcn(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, we
     return torch.addcmul(bias, z, weight * scale), z if save else z.new_empty(0)
 
 
-def _rcn_dtypes(x, h, mask, weight, bias):
+def empty_rcn(x, h, mask, weight, bias, save):
+    """The outputs of :func:`residual_center_norm`'s op, uninitialised: their shapes and dtypes (those of the
+    plain composition: the sum's promoted dtype, then the affine map's)."""
     zdtype = x.dtype if h is None else torch.promote_types(x.dtype, h.dtype)
     if mask is not None and h is not None:
         zdtype = torch.promote_types(zdtype, mask.dtype)
-    return zdtype, torch.promote_types(torch.promote_types(zdtype, weight.dtype), bias.dtype)
+    ydtype = torch.promote_types(torch.promote_types(zdtype, weight.dtype), bias.dtype)
+    return x.new_empty(x.shape, dtype=ydtype), x.new_empty(x.shape if save else (0,), dtype=zdtype)
 
 
 @_rcn.register_fake
 def _(x, h, mask, keep, weight, bias, scale, save):
-    zdtype, ydtype = _rcn_dtypes(x, h, mask, weight, bias)
-    return x.new_empty(x.shape, dtype=ydtype), x.new_empty(x.shape if save else (0,), dtype=zdtype)
+    return empty_rcn(x, h, mask, weight, bias, save)
 
 
 def _rcn_backward_math(grad, z, mask, keep, weight, scale):
@@ -144,14 +146,19 @@ def _rcn_backward(grad: Tensor, z: Tensor, mask: Optional[Tensor], keep: float, 
     if kernels is not None:
         return kernels.residual_center_norm_backward(grad, z, mask, keep, weight, scale)
     grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, keep, weight, scale)
-    return grad_s, grad_h if grad_h is not None else grad_s.new_empty(0), sums.to(_sum_dtype(grad))
+    return grad_s, grad_h if grad_h is not None else grad_s.new_empty(0), sums.to(sum_dtype(grad))
+
+
+def empty_rcn_backward(grad, mask, weight):
+    """The outputs of :func:`residual_center_norm`'s backward op, uninitialised."""
+    dtype = torch.promote_types(grad.dtype, weight.dtype)
+    grad_h = grad.new_empty(grad.shape if mask is not None else (0,), dtype=dtype)
+    return grad.new_empty(grad.shape, dtype=dtype), grad_h, grad.new_empty((2, grad.shape[-1]), dtype=sum_dtype(grad))
 
 
 @_rcn_backward.register_fake
 def _(grad, z, mask, keep, weight, scale):
-    dtype = torch.promote_types(grad.dtype, weight.dtype)
-    grad_h = grad.new_empty(grad.shape if mask is not None else (0,), dtype=dtype)
-    return grad.new_empty(grad.shape, dtype=dtype), grad_h, grad.new_empty((2, grad.shape[-1]), dtype=_sum_dtype(grad))
+    return empty_rcn_backward(grad, mask, weight)
 
 
 def _rcn_setup(ctx, inputs, output):
@@ -205,9 +212,14 @@ def _gr(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float
     return gelu_residual_plain(x, u, alpha, mask, keep)
 
 
+def empty_gelu_residual(x, u, alpha):
+    """The output of :func:`gelu_residual`'s op, uninitialised."""
+    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype))
+
+
 @_gr.register_fake
 def _(x, u, alpha, mask, keep):
-    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype))
+    return empty_gelu_residual(x, u, alpha)
 
 
 def _gr_backward_math(grad, u, alpha, mask, keep):
@@ -225,12 +237,12 @@ def _gr_backward(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor],
     if kernels is not None:
         return kernels.gelu_residual_backward(grad, u, alpha, mask, keep)
     grad_u, grad_alpha = _gr_backward_math(grad, u, alpha, mask, keep)
-    return grad_u, grad_alpha.to(_sum_dtype(grad))
+    return grad_u, grad_alpha.to(sum_dtype(grad))
 
 
 @_gr_backward.register_fake
 def _(grad, u, alpha, mask, keep):
-    return u.new_empty(u.shape), u.new_empty(u.shape[-1:], dtype=_sum_dtype(grad))
+    return u.new_empty(u.shape), u.new_empty(u.shape[-1:], dtype=sum_dtype(grad))
 
 
 def _gr_setup(ctx, inputs, output):

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import empty_gelu_residual, empty_rcn, empty_rcn_backward, sum_dtype
+
 ROWS = 16  # rows a program of the elementwise kernels takes
 
 
@@ -33,14 +35,22 @@ def _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK: tl.const
 
 
 @triton.jit
+def _tile(first, cols, col_ok, R, C, ROWS: tl.constexpr):
+    """Rows ``first .. first + ROWS`` of a row-major (R, C) tensor at columns ``cols``: the rows, which of them exist,
+    which elements exist, and their offsets."""
+    rows = first + tl.arange(0, ROWS)
+    row_ok = rows < R
+    ok = row_ok[:, None] & col_ok[None, :]
+    return rows, row_ok, ok, rows[:, None].to(tl.int64) * C + cols[None, :]
+
+
+@triton.jit
 def _rcn_fwd(x_ptr, h_ptr, mask_ptr, w_ptr, b_ptr, y_ptr, z_ptr, R, C, per_sample, inv_keep, scale,
              HAS_H: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, ROWS: tl.constexpr,
              BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < R, cols < C
-    ok = row_ok[:, None] & col_ok[None, :]
-    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    col_ok = cols < C
+    rows, row_ok, ok, offs = _tile(tl.program_id(0) * ROWS, cols, col_ok, R, C, ROWS)
     s = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_H:
         h = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -65,10 +75,7 @@ def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows
     sum_b = tl.zeros([BLOCK], tl.float32)
     first = pid * rows_per_program
     for start in range(first, first + rows_per_program, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        row_ok = rows < R
-        ok = row_ok[:, None] & col_ok[None, :]
-        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        rows, row_ok, ok, offs = _tile(start, cols, col_ok, R, C, ROWS)
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         gz = g * w[None, :]
@@ -86,11 +93,9 @@ def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows
 @triton.jit
 def _gr_fwd(x_ptr, u_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_MASK: tl.constexpr,
             ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < R, cols < C
-    ok = row_ok[:, None] & col_ok[None, :]
-    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    col_ok = cols < C
+    rows, row_ok, ok, offs = _tile(tl.program_id(0) * ROWS, cols, col_ok, R, C, ROWS)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -108,10 +113,7 @@ def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, R, C, rows_per_prog
     sum_a = tl.zeros([BLOCK], tl.float32)
     first = pid * rows_per_program
     for start in range(first, first + rows_per_program, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        row_ok = rows < R
-        ok = row_ok[:, None] & col_ok[None, :]
-        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        rows, row_ok, ok, offs = _tile(start, cols, col_ok, R, C, ROWS)
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         gf = g * _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
@@ -210,11 +212,13 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _programs(rows: int, device: torch.device) -> int:
-    """Programs of a reducing backward kernel: enough to fill the device, few enough that their partial sums stay
-    small."""
+def _split_rows(rows: int, device: torch.device) -> tuple:
+    """Programs of a reducing backward kernel and the rows each takes (a multiple of ``ROWS``): enough programs to
+    fill the device, few enough that their partial sums stay small."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(rows, ROWS), 4 * sms))
+    programs = max(1, min(triton.cdiv(rows, ROWS), 4 * sms))
+    per_program = triton.cdiv(triton.cdiv(rows, programs), ROWS) * ROWS
+    return triton.cdiv(rows, per_program), per_program
 
 
 def _mask_args(mask, keep: float, x: torch.Tensor):
@@ -234,12 +238,7 @@ def _per_sample(x: torch.Tensor) -> int:
 def residual_center_norm(x, h, mask, keep, weight, bias, scale, save):
     C = x.shape[-1]
     R = x.numel() // C
-    zdtype = x.dtype if h is None else torch.promote_types(x.dtype, h.dtype)
-    if mask is not None and h is not None:
-        zdtype = torch.promote_types(zdtype, mask.dtype)
-    ydtype = torch.promote_types(torch.promote_types(zdtype, weight.dtype), bias.dtype)
-    y = torch.empty(x.shape, dtype=ydtype, device=x.device)
-    z = torch.empty(x.shape if save else (0,), dtype=zdtype, device=x.device)
+    y, z = empty_rcn(x, h, mask, weight, bias, save)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
     _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, mask_ptr, weight, bias, y, z if save else y, R, C,
                                       _per_sample(x), inv_keep, scale, HAS_H=h is not None,
@@ -250,24 +249,19 @@ def residual_center_norm(x, h, mask, keep, weight, bias, scale, save):
 def residual_center_norm_backward(grad, z, mask, keep, weight, scale):
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
-    dtype = torch.promote_types(grad.dtype, weight.dtype)
-    gs = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-    gh = torch.empty(grad.shape if mask is not None else (0,), dtype=dtype, device=grad.device)
-    P = _programs(R, grad.device)
-    per_program = triton.cdiv(triton.cdiv(R, P), ROWS) * ROWS
-    P = triton.cdiv(R, per_program)
+    gs, gh, _ = empty_rcn_backward(grad, mask, weight)
+    P, per_program = _split_rows(R, grad.device)
     parts = torch.empty((P, 2, C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
     _rcn_bwd[(P,)](grad, z, mask_ptr, weight, gs, gh if mask is not None else gs, parts, R, C, per_program,
                    _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=_block(C))
-    return gs, gh, parts.sum(0).to(torch.promote_types(grad.dtype, torch.float32))
+    return gs, gh, parts.sum(0).to(sum_dtype(grad))
 
 
 def gelu_residual(x, u, alpha, mask, keep):
     C = x.shape[-1]
     R = x.numel() // C
-    dtype = torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype)
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    y = empty_gelu_residual(x, u, alpha)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
     block = min(_block(C), 128)
     _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha, mask_ptr, y, R, C, _per_sample(x), inv_keep,
@@ -279,15 +273,13 @@ def gelu_residual_backward(grad, u, alpha, mask, keep):
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
     gu = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    P = _programs(R, grad.device)
-    per_program = triton.cdiv(triton.cdiv(R, P), ROWS) * ROWS
-    P = triton.cdiv(R, per_program)
+    P, per_program = _split_rows(R, grad.device)
     block = min(_block(C), 128)
     parts = torch.empty((P, C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
     _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
                                          inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
-    return gu, parts.sum(0).to(torch.promote_types(grad.dtype, torch.float32))
+    return gu, parts.sum(0).to(sum_dtype(grad))
 
 
 def qk_normalize(q, k, q_scale, eps):
