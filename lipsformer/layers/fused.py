@@ -47,10 +47,14 @@ def use_fused_ops(enabled: bool):
 
 def fusable(*tensors: Optional[Tensor]) -> bool:
     """Whether the fused ops run for these tensors: turned on, eager mode on plain tensors (no tracer's proxies,
-    fake or functional tensors), not compiling or exporting, no ``torch.func`` transform, no ``torch.jit`` trace."""
+    fake or functional tensors), not compiling or exporting, no ``torch.func`` transform, no ``torch.jit`` trace; and
+    not for a CPU inference pass, where the op would run the same plain composition behind one more dispatch (in a
+    CPU training step its backward formulas take fewer passes than autograd's)."""
     if not _ENABLED[0] or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
     if torch._C._are_functorch_transforms_active():
+        return False
+    if not torch.is_grad_enabled() and tensors[0].device.type == "cpu":
         return False
     return all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
 
