@@ -269,9 +269,10 @@ torch.library.register_autograd("lipsformer::gelu_residual", _gr_grad, setup_con
 
 
 def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = None, keep: float = 1.0) -> Tensor:
-    """``x + m * alpha * GELU(u)``, ``alpha`` per channel (the last dimension), ``m = mask / keep`` per sample
-    (``mask`` None: 1); backward keeps ``u`` (and the small ``alpha`` and ``mask``) only."""
-    if not fusable(x, u, alpha, mask):
+    """``x + m * alpha * GELU(u)``, ``alpha`` per channel (the last dimension; any other shape that broadcasts runs the
+    plain ops), ``m = mask / keep`` per sample (``mask`` None: 1); backward keeps ``u`` (and the small ``alpha`` and
+    ``mask``) only."""
+    if not fusable(x, u, alpha, mask) or alpha.shape != x.shape[-1:]:
         return gelu_residual_plain(x, u, alpha, mask, keep)
     return _gr(x.contiguous(), u.contiguous(), alpha, mask, float(keep))
 

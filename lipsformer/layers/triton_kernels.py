@@ -310,6 +310,7 @@ def qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale):
 
 
 def scale_rows(weight, bias, scale, input_scale=1.0):
+    weight = weight.contiguous()
     n_out, n_in = weight.shape
     wo = torch.empty_like(weight)
     bo = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
@@ -321,7 +322,7 @@ def scale_rows(weight, bias, scale, input_scale=1.0):
 
 def scale_rows_backward(grad_w, grad_b, weight, bias, scale, input_scale=1.0):
     n_out, n_in = weight.shape
-    grad_w = grad_w.contiguous()
+    grad_w, weight = grad_w.contiguous(), weight.contiguous()
     gw = torch.empty_like(weight)
     gb = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
     gs = torch.empty_like(scale)
