@@ -22,8 +22,8 @@ from timm.models import adapt_input_conv, get_pretrained_cfg, save_for_hf
 
 from .data.classes import read_class_names
 from .data.datasets import eval_data_config
-from .errors import Mistake, did_you_mean
-from .engine.config import ConfigError, read_run_config
+from .errors import ConfigError, Mistake, did_you_mean
+from .engine.config import read_run_config
 from .layers.attlip import form_mismatch
 from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
 from .writer import EXPORT_CONFIG, EXPORT_WEIGHTS, replacing

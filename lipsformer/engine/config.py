@@ -18,15 +18,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import yaml
 
-from ..errors import Mistake, did_you_mean
+from ..errors import ConfigError, did_you_mean
 from ..settings import SettingError, expand_path, load_yaml, read_yaml
 from ..writer import write_text
 from .speed import COMPILE_MODES
 from .trackers import TRACKERS
-
-
-class ConfigError(Mistake, ValueError):
-    """A config file or override names an unknown key or gives a value of the wrong type."""
 
 
 # timm.scheduler.create_scheduler_v2 names that can step per optimizer update ('plateau' steps per epoch on a

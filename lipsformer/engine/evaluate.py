@@ -17,12 +17,12 @@ from tqdm import tqdm
 from ..build import PUBLISHED, WeightsUnavailable, build_model
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import Sample, Samples, describe_samples, label_names
-from ..errors import Stopped
+from ..errors import ConfigError, Stopped
 from ..lipschitz.certify import certify_dataset
 from ..weights import (check_model_args, check_model_name, has_published_weights, recorded_input_size,
                        resolve_checkpoint, weights_fit)
 from ..writer import replacing
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .speed import compile_model, prepare_model
 
 TOPK = 5

@@ -23,12 +23,12 @@ from ..data import collate_skip_failed, create_dataset, create_loader_transform,
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
 from ..data.datasets import check_batches, scan_notes
-from ..errors import Interrupted, Stopped
+from ..errors import ConfigError, Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
 from ..lipschitz.constraints import check_keepable, keep_bound
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .ema import ShardEma
 from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
