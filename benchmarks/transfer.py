@@ -46,7 +46,7 @@ def run(name: str, out: Path, overrides) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from lipsformer.engine.config import load_config
-    from lipsformer.engine.run_folder import RunFolder
+    from lipsformer.run_folder import RunFolder
     from lipsformer.engine.train import train
 
     folder = out / name

@@ -25,7 +25,7 @@ from .data.datasets import eval_data_config
 from .errors import ConfigError, Mistake, did_you_mean
 from .engine.config import read_run_config
 from .layers.attlip import form_mismatch
-from .engine.run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
+from .run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
 from .writer import EXPORT_CONFIG, EXPORT_WEIGHTS, replacing
 
 # timm's local hf-hub folder (a train.py output folder's layout is RunFolder's).

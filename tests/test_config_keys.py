@@ -30,7 +30,7 @@ from timm.layers import DropPath
 from torchvision import transforms as T
 
 from lipsformer.engine.config import ConfigError, Key, TrainConfig, key_table, load_config
-from lipsformer.engine.run_folder import RunFolder
+from lipsformer.run_folder import RunFolder
 
 from conftest import config_model, reset_accelerate
 from helpers import make_folder, make_wds, read_metrics

@@ -49,7 +49,7 @@ NARRATION = re.compile(r"\bused to (?:be|get|give|run|stop|replace|clash|say|pri
                        r"|\bas before\b|\bpreviously\b|\bformerly\b|\(was\b|#\s*was\b", re.IGNORECASE)
 # (file, the words, why they stay)
 ALLOWED = [
-    ("lipsformer/engine/run_folder.py", "about 90 s on NFSv4", "NFSv4's default lease time, a protocol constant"),
+    ("lipsformer/run_folder.py", "about 90 s on NFSv4", "NFSv4's default lease time, a protocol constant"),
 ]
 
 

@@ -21,7 +21,7 @@ from helpers import TINY_RUN, call, make_folder, mlflow_run, refused, start_mlfl
 from lipsformer.engine.checkpoint import TrainState, keep_best
 from lipsformer.engine.config import load_config
 from lipsformer.engine.metrics import summary_csv
-from lipsformer.engine.run_folder import RunFolder, read_metrics
+from lipsformer.run_folder import RunFolder, read_metrics
 from lipsformer.engine.trackers import hparams
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")

@@ -92,7 +92,7 @@ def run(row: Row, seed: int, args) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from lipsformer.engine.config import load_config
-    from lipsformer.engine.run_folder import RunFolder
+    from lipsformer.run_folder import RunFolder
     from lipsformer.engine.train import TrainingDiverged, train
 
     out = Path(args.out) / f"{row.name.replace('=', '_')}_seed{seed}"

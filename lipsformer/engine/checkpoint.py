@@ -20,10 +20,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..layers.attlip import form_mismatch
+from ..run_folder import MANIFEST, RunFolder
 from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
 from ..writer import WriteFailed, remove, replacing
 from .processes import agree_on_outcome
-from .run_folder import MANIFEST, RunFolder
 
 _logger = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from timm.utils.misc import natural_key
 from ..data import EvalDataset
 from ..data.imagenet_eval import describe_samples
 from ..errors import Mistake
+from ..run_folder import RunFolder, checkpoint_step
 from ..weights import HUB_CONFIG, ModelArgsError, resolve_checkpoint, weights_fit
 from .evaluate import (DEFAULT_MAX_BAD_FRACTION, Prepared, check_request, check_source, describe, evaluate_each,
                        prepare, robustness, samples_for)
-from .run_folder import RunFolder, checkpoint_step
 from .speed import compile_model, prepare_model
 
 _PATTERN = re.compile(r"[*?\[]")

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List
 
 from ..errors import Mistake, Preempted
 from ..extras import MissingExtra, require
+from ..run_folder import on_main
 from ..writer import TRACKER, to_json, write_json
 
 _logger = logging.getLogger(__name__)
@@ -122,7 +123,6 @@ class Trackers:
         """Start every tracker of ``cfg.log_with`` on the main process, TensorBoard (which writes in the run folder)
         last; a tracker run recorded in ``trackers.json`` is continued when ``resumed``, a new one gets the config.
         A tracker that cannot start raises a TrackerError on every process."""
-        from .run_folder import on_main
         self.accelerator = accelerator
         on_main(accelerator, lambda: _start(accelerator, cfg, folder, resumed))
 

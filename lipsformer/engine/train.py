@@ -27,6 +27,7 @@ from ..errors import ConfigError, Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
 from ..lipschitz.constraints import check_keepable, keep_bound
+from ..run_folder import RunFolder, RunLock, check_output
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
 from .config import TrainConfig
 from .ema import ShardEma
@@ -36,7 +37,6 @@ from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, logged_lr, plot_curves
 from .preemption import Preemption, stop_if_preempted
 from .resume import RunFinished, begin, check_resumable, restore, resume_point, verified
-from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
 from .step import StepTally, complete_window, fused, quiet_buffers
 from .trackers import Trackers
