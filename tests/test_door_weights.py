@@ -25,7 +25,8 @@ from lipsformer.engine.config import TrainConfig
 from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
 from lipsformer.build import build_model
-from lipsformer.weights import CheckpointError, export, recorded_input_size, resolve_checkpoint, weights_fit
+from lipsformer.sources import export, recorded_input_size, resolve_checkpoint
+from lipsformer.weights import CheckpointError, weights_fit
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

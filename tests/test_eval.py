@@ -16,7 +16,7 @@ from torchvision.transforms import ToTensor
 
 from lipsformer.data import EvalDataset, eval_samples
 from lipsformer.engine.evaluate import evaluate_dataset, score
-from lipsformer.weights import export
+from lipsformer.sources import export
 
 from conftest import TINY, load_script, reset_accelerate
 from helpers import NUM_CLASSES, write_image

@@ -441,7 +441,7 @@ def test_a_solver_that_cannot_reach_its_tolerance_is_one_line(base, capsys):
     """eval.py --certify-eps with an attlip_tol below what float32 can carry: the solver's refusal, not its
     traceback."""
     import timm
-    from lipsformer.weights import export
+    from lipsformer.sources import export
     cert = base / "cert"
     if not cert.exists():
         export(timm.create_model("lipsformer_swin_t_cert", **dict(TINY["swin"], window_size=4), num_classes=4), cert)

@@ -244,7 +244,7 @@ def test_eval_channels_last_scores_like_the_default(tmp_path):
     from helpers import NUM_CLASSES, write_image
 
     from lipsformer.engine.evaluate import evaluate_model
-    from lipsformer.weights import export
+    from lipsformer.sources import export
     export(timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"]), tmp_path / "weights")
     for c in range(4):
         write_image(tmp_path / "v2" / str(c) / "a.png", c)

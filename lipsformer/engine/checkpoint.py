@@ -198,7 +198,7 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
 def save_weights(accelerator, state_dict: dict, path: Path, cfg) -> None:
     """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed) whose metadata records
     the input size they were made at, ``(in_chans, img_size, img_size)`` of the run's config ``cfg``
-    (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder is beside the file), written
+    (:func:`~lipsformer.sources.recorded_input_size` reads it where no run folder is beside the file), written
     beside the target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}

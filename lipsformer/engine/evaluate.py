@@ -19,8 +19,8 @@ from ..data import EvalDataset, collate_skip_failed, create_loader_transform, ev
 from ..data.imagenet_eval import Sample, Samples, describe_samples, label_names
 from ..errors import ConfigError, Stopped
 from ..lipschitz.certify import certify_dataset
-from ..weights import (check_model_args, check_model_name, has_published_weights, recorded_input_size,
-                       resolve_checkpoint, weights_fit)
+from ..sources import recorded_input_size, resolve_checkpoint
+from ..weights import check_model_args, check_model_name, has_published_weights, weights_fit
 from ..writer import replacing
 from .config import TrainConfig
 from .speed import compile_model, prepare_model
