@@ -211,7 +211,7 @@ def setting(name: str, args, work: Path):
 def run(args, program: str, cfg_path: Path, overrides: list, data: Path, out: Path) -> dict:
     """One run of ``program`` ("ours" or "timm") in a process of its own; its epochs' times."""
     import torch
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     device = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = [*overrides, *args.set, f"epochs={args.epochs}", f"data_dir={data}", f"output_dir={out}"]
     if device == "cuda":

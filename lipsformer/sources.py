@@ -5,7 +5,7 @@ written by :func:`export`), a lone safetensors file (the input size train.py wri
 :func:`resolve_checkpoint` turns any of them into the weight file to read and what is known of its model;
 :func:`lipsformer.build.build_model` builds from it, and every tensor then passes the fit check of
 :mod:`lipsformer.weights`. A run folder's layout is :mod:`lipsformer.run_folder`'s, its config the recipe of
-:mod:`lipsformer.engine.config`.
+:mod:`lipsformer.config`.
 """
 import json
 from pathlib import Path
@@ -17,7 +17,7 @@ from timm.models import save_for_hf
 
 from .data.classes import read_class_names
 from .data.datasets import eval_data_config
-from .engine.config import read_run_config
+from .config import read_run_config
 from .run_folder import BEST_KEPT, LAST_EMA, RunFolder, checkpoint_step
 from .weights import INPUT_SIZE_KEY, CheckpointError, check_label_names, sha256_of
 from .writer import EXPORT_CONFIG, EXPORT_WEIGHTS, replacing

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, load_script, reset_accelerate
 
 from lipsformer.engine.checkpoint import latest_checkpoint
-from lipsformer.engine.config import load_config
+from lipsformer.config import load_config
 from lipsformer.run_folder import RunFolder
 
 PY = sys.executable

@@ -20,7 +20,7 @@ from conftest import ROOT, TINY, config_model, family, load_script, reset_accele
 
 from lipsformer.data import TransformError
 from lipsformer.data.augment import apply_transform, portable, posterize
-from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.config import ConfigError, load_config
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 SOAK = load_script("benchmarks/investigations/augment_soak.py")

@@ -21,7 +21,7 @@ from conftest import TINY
 from helpers import EVAL, RUN, SEED, TRAIN, call, make_folder, refused
 from lipsformer import convert
 from lipsformer.data.classes import write_class_names
-from lipsformer.engine.config import TrainConfig
+from lipsformer.config import TrainConfig
 from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
 from lipsformer.build import build_model
@@ -190,7 +190,7 @@ def test_a_first_conv_is_adapted_only_for_an_asked_in_chans_and_every_command_sa
                                                  tmp_path / "grey_export"])
     assert code == 0 and out.splitlines()[0] == ADAPTED, err
     # train.py's start line (and its init row)
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from conftest import start_model
     cfg = load_config(root / "cfg.yaml", [f"init_checkpoint={rgb}", "model_kwargs.in_chans=1"])
     _, start = start_model(cfg)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from lipsformer.engine.config import load_config
+from lipsformer.config import load_config
 
 from conftest import load_script, reset_accelerate
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, TINY, config_model
 from helpers import EVAL, RUN, SEED, TRAIN, call, interrupted, refused, snapshot
-from lipsformer.engine.config import _HINTS, CHOICES, RANGES, TrainConfig
+from lipsformer.config import _HINTS, CHOICES, RANGES, TrainConfig
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -454,7 +454,7 @@ def test_a_solver_that_cannot_reach_its_tolerance_is_one_line(base, capsys):
 # -- the boundary itself ------------------------------------------------------------------------------------------
 def test_a_list_on_the_command_line_is_a_list():
     """--set model_kwargs.depths=1,1,1,1 reached the model as the string's characters."""
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     cfg = load_config(None, ["model_kwargs.depths=1,1,2,1", "betas=0.9,0.99", "freeze=patch_embed,stages.0",
                              "pretrained=lipsformer_swin_t.official_in1k", "model=lipsformer_swin_t"])
     assert cfg.model_kwargs == {"depths": [1, 1, 2, 1]} and cfg.betas == (0.9, 0.99)
@@ -463,7 +463,7 @@ def test_a_list_on_the_command_line_is_a_list():
 
 def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
     from lipsformer.engine.checkpoint import intact_checkpoint, latest_checkpoint
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     out = base / "interrupted"
     code, _, err = interrupted(capsys, monkeypatch, ["--config", base / "cfg.yaml", "--output-dir", out], 3)
     lines = [line for line in err.splitlines() if line.startswith("interrupted")]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import reset_accelerate
 from helpers import TINY_RUN, assert_killed_run_resumes_exactly, make_folder, write_config
 
-from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.config import ConfigError, load_config
 from lipsformer.engine.speed import compile_model, prepare_model, set_tf32
 
 

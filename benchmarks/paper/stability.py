@@ -27,7 +27,7 @@ VARIANTS = {
 def run(variant: str, seed: int, args) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from lipsformer.run_folder import RunFolder
     from lipsformer.engine.train import TrainingDiverged, train
 

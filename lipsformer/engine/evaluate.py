@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..build import PUBLISHED, WeightsUnavailable, build_model
+from ..config import TrainConfig
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import Sample, Samples, describe_samples, label_names
 from ..errors import ConfigError, Stopped
@@ -22,7 +23,6 @@ from ..lipschitz.certify import certify_dataset
 from ..sources import recorded_input_size, resolve_checkpoint
 from ..weights import check_model_args, check_model_name, has_published_weights, weights_fit
 from ..writer import replacing
-from .config import TrainConfig
 from .speed import compile_model, prepare_model
 
 TOPK = 5

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..build import ModelStart, build_model
+from ..config import TrainConfig
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
@@ -29,7 +30,6 @@ from ..layers.normalized import PowerIterationState
 from ..lipschitz.constraints import check_keepable, keep_bound
 from ..run_folder import RunFolder, RunLock, check_output
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
-from .config import TrainConfig
 from .ema import ShardEma
 from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
