@@ -14,6 +14,7 @@ import lipsformer
 PACKAGE = Path(lipsformer.__file__).resolve().parent
 TRAIN_LOOP_MAX = 450  # lines of lipsformer/engine/train.py
 MODULE_MAX = 600  # lines of any other module of lipsformer/
+README_MAX = 250  # lines of README.md, the front door: what grows belongs in a page of docs/
 
 
 def _lines(path: Path) -> int:
@@ -32,6 +33,12 @@ def test_no_module_of_the_package_is_over_600_lines():
     assert len(modules) > 30  # the whole package is walked
     over = {str(p.relative_to(PACKAGE.parent)): n for p in modules if (n := _lines(p)) > MODULE_MAX}
     assert not over, f"modules over {MODULE_MAX} lines (split each along its concepts): {over}"
+
+
+def test_the_readme_stays_a_front_door():
+    lines = _lines(PACKAGE.parent / "README.md")
+    assert lines <= README_MAX, (f"README.md has {lines} lines (at most {README_MAX}): install, the commands, the "
+                                 f"model table and a link to each page; move the detail into docs/")
 
 
 # -- code says what is: no tracker numbers, no measured timings -----------------------------------------------------
