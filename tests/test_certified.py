@@ -805,9 +805,9 @@ def test_cpl_mlp_is_x_minus_2_wt_relu_wx_b_and_its_bound_holds():
 
 
 def test_conv_input_sizes_measures_a_compiled_model_eagerly():
-    """The measuring forward of bound keeping runs eagerly in a compiled model: compiling it traced the hooks that
-    fill a weak dictionary, and dynamo's guard on its keys failed once a key was collected (a CI failure of the
-    compile key's test); it also compiled a batch-1 graph for nothing."""
+    """The measuring forward of bound keeping runs eagerly in a compiled model: compiled, it would trace the hooks
+    that fill a weak dictionary, whose keys dynamo guards on and which fail that guard once a key is collected; and
+    it would compile a batch-1 graph for nothing."""
     from torch._dynamo.testing import CompileCounter
     from lipsformer.lipschitz.constraints import _CONV_INPUT_HW, conv_input_sizes
     model = timm.create_model("lipsformer_swin_t", img_size=32, embed_dim=16, depths=(1, 1, 1, 1),

@@ -505,7 +505,7 @@ def test_warmup_ramps_as_timms_scheduler_does(probe):
     ("pretrained=local-dir:checkpoints/x", "for weights in a folder or file set init_checkpoint: checkpoints/x"),
     ("model_kwargs.pretrained_cfg_overlay={file: w.safetensors}", "set init_checkpoint: w.safetensors instead"),
     ("model_kwargs.pretrained=true", "model_kwargs.pretrained: set the top-level key pretrained"),
-    # values that ended in a ZeroDivisionError or a torch / timm traceback once training had written its folder
+    # values torch or timm would refuse with a traceback (a ZeroDivisionError among them) after the run wrote its folder
     ("eval_every_epochs=0", "eval_every_epochs must be at least 1"),
     ("log_every_steps=0", "log_every_steps must be at least 1"),
     ("lr=0", "lr must be in (0, inf)"),

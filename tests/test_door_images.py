@@ -251,8 +251,9 @@ def test_junk_folders_and_non_image_files_are_left_out_and_said_once(tmp_path, c
 
 # -- refused before anything is written --------------------------------------------------------------------------------
 def test_training_data_smaller_than_one_optimizer_update_is_one_line(tmp_path, capsys):
-    """Fewer images than a batch ended in timm's scheduler assertion; fewer than a global batch ran one update of
-    part of it, its loss still divided by the accumulation steps."""
+    """Fewer images than one optimizer update takes is one line naming the folder, before anything is written:
+    fewer than a batch would stop in timm's scheduler assertion, fewer than a global batch would run one update of
+    part of it with its loss still divided by the accumulation steps."""
     for train, batch, global_batch, accumulation in (((1, 1, 1, 1), 8, 8, 1), ((2, 2, 1, 1), 4, 8, 2)):
         data = make_folder(tmp_path / f"data_{sum(train)}", train_per_class=train, val_per_class=(1, 1, 1, 1))
         cfg = tmp_path / "cfg.yaml"

@@ -370,8 +370,9 @@ def test_the_certificate_api_names_what_is_wrong_with_its_input():
 
 
 def test_the_certificate_api_refuses_a_model_without_two_classes_and_certifies_a_double_one():
-    """A model of one logit gave every image an infinite radius, one of pooled features (num_classes=0) radii of
-    its features' margins; a float64 model stopped in its first layer (its images were cast to float32)."""
+    """A model of one logit (every image would get an infinite radius) and one of pooled features (num_classes=0:
+    radii of its features' margins) are refused; a float64 model is certified in float64, its images not cast to
+    float32."""
     from lipsformer.lipschitz.certify import CertifyInputError, normalization, predict_certified
     arch = dict(TINY["swin"], window_size=4)
     for classes, said in ((1, "one logit, with no runner-up"), (0, "pooled features, not logits")):

@@ -53,7 +53,9 @@ TIMING = re.compile(r"\b\d+(?:\.\d+)?\s*(?:ms|µs|us|ns|s|secs?|seconds?|mins?|m
                     r"|\b\d+(?:\s*-\s*\d+)?\s+times\s+(?:slower|faster|as long)\b", re.IGNORECASE)
 # narration of what the code once did ("used to give", "as before", "(was an IndexError)"); say what it does
 NARRATION = re.compile(r"\bused to (?:be|get|give|run|stop|replace|clash|say|print|score|crash|raise|fail|take)\b"
-                       r"|\bas before\b|\bpreviously\b|\bformerly\b|\(was\b|#\s*was\b", re.IGNORECASE)
+                       r"|\bas before\b|\bpreviously\b|\bformerly\b|\(was\b|#\s*was\b"
+                       r"|\bwas an? [A-Z]\w*(?:Error|Exception)\b|\bwere tracebacks\b|\bended in (?:a )?tracebacks?\b"
+                       r"|\bnow (?:says|names|refuses|raises|gives|prints)\b|\bfailed as written\b", re.IGNORECASE)
 # (file, the words, why they stay)
 ALLOWED = [
     ("lipsformer/run_folder.py", "about 90 s on NFSv4", "NFSv4's default lease time, a protocol constant"),
@@ -132,6 +134,12 @@ def test_the_docs_anchors_cite_no_tracker_items():
     ("# a missing folder (was an AssertionError)", True),
     ('"""0-255 pixels used to run into the step cap."""', True),
     ("# the index columns, as before", True),
+    ("# a missing folder was an AssertionError", True),
+    ("# bad sizes: these were tracebacks", True),
+    ('"""Fewer images than a batch ended in a traceback."""', True),
+    ("# the result now says at which size", True),
+    ("# the README's command failed as written", True),
+    ('"""A folder without images is a FolderLayoutError."""', False),
     ('"""The seed used to draw the crops."""', False),
 ])
 def test_a_planted_citation_or_timing_is_caught(planted, caught):
