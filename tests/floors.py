@@ -32,7 +32,8 @@ END = "<!-- floors: end -->"
 ROOMS = {
     "ground": ("lipsformer/errors.py", "lipsformer/extras.py", "lipsformer/settings.py", "lipsformer/writer.py"),
     "commands": ("train.py", "eval.py", "lipsformer/__init__.py", "lipsformer/convert.py", "lipsformer/flops.py",
-                 "lipsformer/lipschitz/__main__.py", "lipsformer/data/digits.py", "lipsformer/data/mnist.py"),
+                 "lipsformer/lipschitz/__main__.py", "lipsformer/data/digits.py", "lipsformer/data/mnist.py",
+                 "lipsformer/data/digit_grid.py"),
 }
 # What each room is, in a few words (the diagram's captions).
 ORDER = [
