@@ -12,7 +12,7 @@ import sys
 
 from lipsformer.cli import ArgumentParser, command, data_path, is_main_process, path
 from lipsformer.writer import output_folder
-from lipsformer.engine.config import describe_keys, load_config
+from lipsformer.config import describe_keys, load_config
 from lipsformer.engine.train import train
 
 # The options that set a config key, and the key each sets.

@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 import lipsformer  # noqa: E402  (registers the models)
 from lipsformer.layers import attlip_solver  # noqa: E402
-from lipsformer.engine.config import load_config  # noqa: E402
+from lipsformer.config import load_config  # noqa: E402
 from lipsformer.flops import count_multiply_adds  # noqa: E402
 from lipsformer.layers.attlip import FORMS, AttLip  # noqa: E402
 from lipsformer.layers.normalized import NormalizedConv2d, NormalizedLinear  # noqa: E402

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from lipsformer.data import SafeImageDataset, eval_data_config  # noqa: E402
 from lipsformer.data.augment import portable  # noqa: E402
 from lipsformer.data.datasets import recipe_transform  # noqa: E402
-from lipsformer.engine.config import load_config  # noqa: E402
+from lipsformer.config import load_config  # noqa: E402
 from lipsformer.engine.train import build_loaders, create_accelerator  # noqa: E402
 
 CLASSES = 4

@@ -24,11 +24,12 @@ cudnn.benchmark), our per-sample seeded augmentation and checkpoints. Each round
 timm in the next, each in a process of its own; a run's rate is its last epoch's images over that epoch's
 ``train_one_epoch`` time (evaluation and the epoch's checkpoint come after it in both). Printed per setting: the
 median img/s of each and the median of the per-round ratios (ours / timm), and where each program's epoch went per
-batch: waiting for the loader's next batch; for ours also the step (forward, backward, optimizer update:
-``_train_step``), the bookkeeping after it (``_after_update``: schedule, EMA, logging, checkpoints) and the rest of
-the loop. Times are the host's: on a GPU the step is what the host spends issuing it.
+batch: waiting for the loader's next batch; for ours also the step (forward, backward, optimizer update), the
+bookkeeping after it (schedule, EMA, logging, checkpoints), both timed through the run's ``phase`` hook, and the rest
+of the loop. Times are the host's: on a GPU the step is what the host spends issuing it.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -77,15 +78,14 @@ class Epochs:
     def __init__(self):
         self.rows, self.parts = [], dict(step=0.0, after=0.0)
 
-    def timed(self, fn, part: str):
-        """``fn``, its time added to ``part`` of the epoch in progress."""
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.parts[part] += time.perf_counter() - start
-        return timed
+    @contextlib.contextmanager
+    def phase(self, part: str):
+        """The training loop's ``phase`` hook: the block's time added to ``part`` of the epoch in progress."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[part] += time.perf_counter() - start
 
     def measure(self, epoch, loader: TimedLoader):
         """Run ``epoch()``, which reads its batches from ``loader``, and record it."""
@@ -110,14 +110,13 @@ def worker(args) -> None:
 
         def train_one_epoch(run, epoch):
             loader = run.train_loader = TimedLoader(run.train_loader)
+            run.phase = epochs.phase
             try:
                 return epochs.measure(lambda: one_epoch(run, epoch), loader)
             finally:
                 run.train_loader = loader.loader
 
         loop.train_one_epoch = train_one_epoch
-        loop._train_step = epochs.timed(loop._train_step, "step")
-        loop._after_update = epochs.timed(loop._after_update, "after")
         import importlib.util
         spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
         script = importlib.util.module_from_spec(spec)
@@ -211,7 +210,7 @@ def setting(name: str, args, work: Path):
 def run(args, program: str, cfg_path: Path, overrides: list, data: Path, out: Path) -> dict:
     """One run of ``program`` ("ours" or "timm") in a process of its own; its epochs' times."""
     import torch
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     device = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = [*overrides, *args.set, f"epochs={args.epochs}", f"data_dir={data}", f"output_dir={out}"]
     if device == "cuda":

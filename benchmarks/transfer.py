@@ -45,8 +45,8 @@ def subset(source: Path, dest: Path, digits, shots=None) -> Path:
 def run(name: str, out: Path, overrides) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
-    from lipsformer.engine.config import load_config
-    from lipsformer.engine.run_folder import RunFolder
+    from lipsformer.config import load_config
+    from lipsformer.run_folder import RunFolder
     from lipsformer.engine.train import train
 
     folder = out / name

@@ -25,8 +25,8 @@ import torch
 from .errors import DownloadFailed, Mistake
 from .layers.attlip import state_dict_form
 from .layers.init import init_weights
-from .weights import (CheckpointError, ModelArgsError, check_model_name, read_checkpoint, resolve_checkpoint,
-                      weights_fit)
+from .sources import resolve_checkpoint
+from .weights import CheckpointError, ModelArgsError, check_model_name, read_checkpoint, weights_fit
 
 
 class WeightsUnavailable(DownloadFailed, RuntimeError):
@@ -76,7 +76,7 @@ def build_model(name: Optional[str], weights: WeightsSource = None, *, use_ema: 
     * ``None``: none; the model's own initialisation (as ``timm.create_model``);
     * :data:`PUBLISHED`: timm's published weights of ``name`` (the released LipsFormer-Swin-T checkpoint is
       ``lipsformer_swin_t.official_in1k``), downloaded and checked against their sha256;
-    * a path (:func:`lipsformer.weights.resolve_checkpoint`): a weight file (ours, or the released code's layout,
+    * a path (:func:`lipsformer.sources.resolve_checkpoint`): a weight file (ours, or the released code's layout,
       converted by the family's ``checkpoint_filter_fn``), a train.py run folder or one of its checkpoints, an
       exported folder. The model name and its arguments come from the run / export config where there is one
       (``name`` may then be None, and must agree); ``num_classes`` and ``in_chans`` default to the file's

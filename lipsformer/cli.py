@@ -26,6 +26,7 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
+from .engine.processes import agree, end_process_group, failed_elsewhere
 from .errors import (DownloadFailed, Interrupted, Mistake, Preempted, Stopped, UsageError, hold_stop_signals,
                      release_stop_signals)
 from .extras import MissingExtra
@@ -144,7 +145,6 @@ def report(e: BaseException) -> int:
     told again: that process exits with the code the failed one gave."""
     row = family(e)
     if row is None and _multi_process():
-        from .engine.processes import failed_elsewhere
         code = failed_elsewhere()
         if code is not None:
             return code
@@ -162,7 +162,6 @@ def report(e: BaseException) -> int:
             print(f"{row.label}: {row.line(e)}", file=sys.stderr)
         return row.code
     if _multi_process():
-        from .engine.processes import agree
         return agree(row.code, row.label, row.line(e))
     print(f"{row.label}: {row.line(e)}", file=sys.stderr)
     return row.code
@@ -201,7 +200,6 @@ def command(main: Callable[..., Optional[int]]) -> Callable[..., int]:
                 _release(as_program)
                 return code
         _say_written()
-        from .engine.processes import end_process_group
         end_process_group()
         _release(as_program)
         return code

@@ -15,7 +15,8 @@ from pathlib import Path
 from .build import build_model
 from .cli import ArgumentParser, command, json_value, path
 from .errors import UsageError
-from .weights import check_model_args, export, sha256_of, weights_fit
+from .sources import export
+from .weights import check_model_args, sha256_of, weights_fit
 from .writer import output_folder
 
 TAG = re.compile(r"[A-Za-z0-9_-]+")  # timm's pretrained tags: official_in1k, in22k_ft_in1k

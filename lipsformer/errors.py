@@ -34,6 +34,10 @@ class UsageError(Mistake, ValueError):
     """A command-line value that cannot be used (argparse's own errors included)."""
 
 
+class ConfigError(Mistake, ValueError):
+    """A config file or override names an unknown key or gives a value of the wrong type."""
+
+
 # -- the exit code a stop promised ------------------------------------------------------------------------------------
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # a scheduler's (preemption, requeue) and Ctrl-C's
 _held: dict = {}  # while held: each stop signal's handler before it was held

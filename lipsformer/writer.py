@@ -343,7 +343,7 @@ def output_figure(text: str) -> str:
 
 
 # -- what a run folder and an export own ----------------------------------------------------------------------------
-# A train.py output folder's own names (lipsformer/engine/run_folder.py lays the folder out with them) and an export's
+# A train.py output folder's own names (lipsformer/run_folder.py lays the folder out with them) and an export's
 # files (lipsformer/weights.py): every output of every command is checked against them (:func:`check_outputs`).
 CONFIG = "config.yaml"  # a folder holding it is a run
 CLASSES = "classes.json"

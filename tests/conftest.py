@@ -93,7 +93,7 @@ def base(tmp_path_factory):
     """A tiny image folder (4 classes, 16 train and 4 val images), its config, a finished one-epoch run of it (4
     steps, checkpoints at 2 and 4), and a file where a folder belongs."""
     from helpers import RUN, make_folder
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from lipsformer.engine.train import train
     root = tmp_path_factory.mktemp("mistakes")
     make_folder(root / "data", train_per_class=(4, 4, 4, 4), val_per_class=(1, 1, 1, 1))

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 from conftest import ROOT, load_script, reset_accelerate
 
 from lipsformer.engine.checkpoint import latest_checkpoint
-from lipsformer.engine.config import load_config
-from lipsformer.engine.run_folder import RunFolder
+from lipsformer.config import load_config
+from lipsformer.run_folder import RunFolder
 
 PY = sys.executable
 TINY_MODEL = dict(img_size=32, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=2)

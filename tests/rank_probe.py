@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from lipsformer.data.datasets import SafeImageDataset
-from lipsformer.engine.config import load_config
+from lipsformer.config import load_config
 from lipsformer.build import build_model
 from lipsformer.engine.train import build_loaders, create_accelerator
 

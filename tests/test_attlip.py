@@ -251,8 +251,8 @@ def test_orthogonal_form_trains_its_rotation_and_scales_and_one_step_from_the_st
 
 def test_armijo_steps_near_the_prox_are_not_halved_on_rounding_noise(monkeypatch):
     """Near the prox the decrease Armijo asks for falls below the rounding of phi in float32: the test must not fail
-    on that noise (it halved the steps ten times a step, each trial over every window, and left the iterate where
-    it was). Three training steps on mildly curved windows: one trial per step, and closer to the prox than one."""
+    on that noise (halving the steps ten times a step, each trial over every window, and leaving the iterate where it
+    is). Three training steps on mildly curved windows: one trial per step, and closer to the prox than one."""
     from lipsformer.layers import attlip_solver
     from lipsformer.layers.attlip_potential import DiagonalWeight
     g, n, d = 64, 49, 32

@@ -215,3 +215,19 @@ def test_loop_benchmark_runs_train_py_and_timms_train_py_on_one_recipe(tmp_path)
     assert [e["samples"] for p in ("ours", "timm") for e in result["epochs"][p]] == [16, 16]
     assert result["ms_per_batch"]["ours"]["step"] > 0 and result["ms_per_batch"]["timm"]["data"] > 0
     assert "swin_t" in proc.stdout and "img/s" in proc.stdout
+
+
+def test_the_loop_benchmark_times_our_step_and_bookkeeping_through_the_run_phase_hook(tmp_path):
+    """benchmarks/loop.py's run of train.py alone (the half that needs no timm checkout): every batch of the epoch
+    is counted, and the run's ``phase`` hook gives the step and the bookkeeping after each update their own time."""
+    from helpers import RUN, write_config
+    config = write_config(tmp_path, **RUN)  # one epoch of 24 images in batches of 4
+    result = tmp_path / "ours.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loop.py"), "--worker", "ours", "--result",
+                           str(result), "--threads", "1", "--", "--config", str(config)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(result.read_text())
+    (epoch,) = got["epochs"]
+    assert got["code"] == 0 and (epoch["batches"], epoch["samples"]) == (6, 24)
+    assert epoch["step"] > 0 and epoch["after"] > 0

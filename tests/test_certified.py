@@ -252,7 +252,7 @@ def test_margin_and_conv_keeping_keys_change_training(tmp_path, fresh_accelerate
     from safetensors.torch import load_file
     from helpers import make_folder
 
-    from lipsformer.engine.config import ConfigError, load_config
+    from lipsformer.config import ConfigError, load_config
     from lipsformer.engine.train import train
     from lipsformer.lipschitz import conv_bound
     from lipsformer.lipschitz.constraints import conv_input_sizes
@@ -301,7 +301,7 @@ def test_attlip_train_steps_schedule_sets_the_steps_per_epoch_and_resumes_mid_sc
     from safetensors.torch import load_file
     from helpers import make_folder
 
-    from lipsformer.engine.config import ConfigError, load_config
+    from lipsformer.config import ConfigError, load_config
     from lipsformer.engine.train import train
     from lipsformer.layers.attlip import AttLip
 
@@ -356,7 +356,7 @@ def test_bound_kept_every_k_steps_resumes_bit_identical_and_projects_the_weights
     from safetensors.torch import load_file
     from helpers import make_folder
 
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from lipsformer.engine.train import train
 
     data = make_folder(tmp_path / "data", train_per_class=(3, 3, 3, 3), val_per_class=(1, 1, 1, 1))
@@ -805,9 +805,9 @@ def test_cpl_mlp_is_x_minus_2_wt_relu_wx_b_and_its_bound_holds():
 
 
 def test_conv_input_sizes_measures_a_compiled_model_eagerly():
-    """The measuring forward of bound keeping runs eagerly in a compiled model: compiling it traced the hooks that
-    fill a weak dictionary, and dynamo's guard on its keys failed once a key was collected (a CI failure of the
-    compile key's test); it also compiled a batch-1 graph for nothing."""
+    """The measuring forward of bound keeping runs eagerly in a compiled model: compiled, it would trace the hooks
+    that fill a weak dictionary, whose keys dynamo guards on and which fail that guard once a key is collected; and
+    it would compile a batch-1 graph for nothing."""
     from torch._dynamo.testing import CompileCounter
     from lipsformer.lipschitz.constraints import _CONV_INPUT_HW, conv_input_sizes
     model = timm.create_model("lipsformer_swin_t", img_size=32, embed_dim=16, depths=(1, 1, 1, 1),
@@ -825,7 +825,7 @@ def test_bound_keeping_keys_are_keep_bounds_arguments_and_the_resume_record_comp
     at resume (a changed key projects again instead of restoring), in the order checkpoints store them."""
     import dataclasses
     import inspect
-    from lipsformer.engine.config import KEEP_BOUND_KEYS, TrainConfig
+    from lipsformer.config import KEEP_BOUND_KEYS, TrainConfig
     from lipsformer.engine.margin import keep_bound_args, keep_settings
     from lipsformer.lipschitz.constraints import keep_bound
     params = inspect.signature(keep_bound).parameters

@@ -16,7 +16,7 @@ from PIL import Image
 from lipsformer.lipschitz import lipschitz_report
 from lipsformer.lipschitz.certify import (certified_accuracy, certified_radius, logit_margin, normalization, parse_eps,
                                           pgd_l2, pixel_lipschitz)
-from lipsformer.weights import export
+from lipsformer.sources import export
 
 from conftest import TINY, load_script, reset_accelerate
 

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from lipsformer.engine.checkpoint import SaveFailed, intact_checkpoint, latest_checkpoint, verify_checkpoint, \
     write_manifest
-from lipsformer.engine.config import load_config
-from lipsformer.engine.run_folder import MANIFEST, RunFolder
+from lipsformer.config import load_config
+from lipsformer.run_folder import MANIFEST, RunFolder
 from lipsformer.weights import CheckpointError
 
 from conftest import config_model, reset_accelerate

@@ -17,7 +17,7 @@ from helpers import ROOT, make_folder, read_metrics, torchrun, write_config
 from train_probe import probed_step
 
 from lipsformer.engine.checkpoint import latest_checkpoint, verify_checkpoint
-from lipsformer.engine.config import load_config
+from lipsformer.config import load_config
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 PROBE = ROOT / "tests" / "train_probe.py"

@@ -11,7 +11,7 @@ or untested key fails the suite.
 A key is declared once, in its field (``key(default, help, ...)``):
 ``test_a_key_is_declared_in_its_field_and_nowhere_else`` fails on a table of key names anywhere else,
 ``test_every_key_has_its_key_metadata_and_help`` on a field without help; docs/keys.md is generated from
-the fields. To add a key (lipsformer/engine/config.py says how): here, one ``Case`` in ``KEYS`` with a
+the fields. To add a key (lipsformer/config.py says how): here, one ``Case`` in ``KEYS`` with a
 value other than the default and a check against the probe.
 """
 import ast
@@ -29,8 +29,8 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 from timm.layers import DropPath
 from torchvision import transforms as T
 
-from lipsformer.engine.config import ConfigError, Key, TrainConfig, key_table, load_config
-from lipsformer.engine.run_folder import RunFolder
+from lipsformer.config import ConfigError, Key, TrainConfig, key_table, load_config
+from lipsformer.run_folder import RunFolder
 
 from conftest import config_model, reset_accelerate
 from helpers import make_folder, make_wds, read_metrics
@@ -427,7 +427,7 @@ def test_a_key_is_declared_in_its_field_and_nowhere_else():
     each is the field's ``key(...)`` metadata, never a table of key names beside it (config.py included)."""
     tables = key_tables()
     assert set(tables) == set(OTHER_TABLES), (f"declare these keys' properties in their fields "
-                                              f"(lipsformer/engine/config.py key(...)): {tables}")
+                                              f"(lipsformer/config.py key(...)): {tables}")
     from conftest import load_script
     assert set(load_script("train.py").FLAG_KEYS.values()) <= {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -436,12 +436,12 @@ def test_every_key_has_its_key_metadata_and_help():
     """A field added without ``key(default, help, ...)`` fails here (and lists no help in --list-keys)."""
     bare = [f.name for f in dataclasses.fields(TrainConfig)
             if not isinstance(f.metadata.get("key"), Key) or not f.metadata["key"].help.strip()]
-    assert not bare, f"declare these fields with key(default, help, ...) (lipsformer/engine/config.py): {bare}"
+    assert not bare, f"declare these fields with key(default, help, ...) (lipsformer/config.py): {bare}"
 
 
 def test_docs_key_table_is_generated_from_the_fields():
     assert (ROOT / "docs" / "keys.md").read_text() == key_table(), (
-        "docs/keys.md is generated: python -c 'from lipsformer.engine.config import key_table; "
+        "docs/keys.md is generated: python -c 'from lipsformer.config import key_table; "
         "print(key_table(), end=\"\")' > docs/keys.md")
 
 @pytest.mark.parametrize("key", sorted(KEYS))
@@ -505,7 +505,7 @@ def test_warmup_ramps_as_timms_scheduler_does(probe):
     ("pretrained=local-dir:checkpoints/x", "for weights in a folder or file set init_checkpoint: checkpoints/x"),
     ("model_kwargs.pretrained_cfg_overlay={file: w.safetensors}", "set init_checkpoint: w.safetensors instead"),
     ("model_kwargs.pretrained=true", "model_kwargs.pretrained: set the top-level key pretrained"),
-    # values that ended in a ZeroDivisionError or a torch / timm traceback once training had written its folder
+    # values torch or timm would refuse with a traceback (a ZeroDivisionError among them) after the run wrote its folder
     ("eval_every_epochs=0", "eval_every_epochs must be at least 1"),
     ("log_every_steps=0", "log_every_steps must be at least 1"),
     ("lr=0", "lr must be in (0, inf)"),

@@ -3,8 +3,9 @@ smoothing, EMA, drop path, layer decay and precision left on; only the model's w
 batch and the epochs shrunk. On images as users have them (grayscale, palette, RGBA, CMYK, 16-bit, EXIF-rotated,
 1x1, 3x5000), with the Pillow / timm / torchvision that pip resolves today.
 
-A shrunk look-alike with the augmentation switched off once hid a crash of every ImageNet recipe on Pillow 13
-(RandAugment's 0-bit posterize): these tests build the pipelines exactly as train.py and eval.py do.
+A shrunk look-alike with the augmentation switched off hides what the recipes' own pipelines hit (RandAugment's
+0-bit posterize crashes every ImageNet recipe on Pillow 13 unless caught): these tests build the pipelines exactly as
+train.py and eval.py do.
 """
 import json
 import random
@@ -20,7 +21,7 @@ from conftest import ROOT, TINY, config_model, family, load_script, reset_accele
 
 from lipsformer.data import TransformError
 from lipsformer.data.augment import apply_transform, portable, posterize
-from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.config import ConfigError, load_config
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 SOAK = load_script("benchmarks/investigations/augment_soak.py")

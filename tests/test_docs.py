@@ -348,7 +348,7 @@ def python_blocks():
 
 
 def named_paths(page: Path):
-    """Repository paths a page names in prose (`lipsformer/engine/run_folder.py`, configs/x.yaml, tests/y.py)."""
+    """Repository paths a page names in prose (`lipsformer/run_folder.py`, configs/x.yaml, tests/y.py)."""
     text = unfenced(page.read_text())
     quoted = re.compile(r"`((?:lipsformer|configs|benchmarks|tests|examples|\.ci)/[\w./-]*)`")
     bare = re.compile(r"(?<![\w/`.])((?:lipsformer|configs|benchmarks|tests|examples)/[\w/-]+\.(?:py|ya?ml|sh|sbatch))")

@@ -176,7 +176,7 @@ def test_every_format_and_mode_pillow_writes_is_listed_and_read_with_its_pixels(
 
 def test_eval_scores_every_file_and_a_class_of_only_webp(catalogue, capsys, tmp_path):
     root, files = catalogue
-    from lipsformer.weights import export
+    from lipsformer.sources import export
     weights = root / "weights"
     if not weights.exists():
         export(timm.create_model("lipsformer_swin_t", num_classes=4, **TINY["swin"]), weights)
@@ -251,8 +251,9 @@ def test_junk_folders_and_non_image_files_are_left_out_and_said_once(tmp_path, c
 
 # -- refused before anything is written --------------------------------------------------------------------------------
 def test_training_data_smaller_than_one_optimizer_update_is_one_line(tmp_path, capsys):
-    """Fewer images than a batch ended in timm's scheduler assertion; fewer than a global batch ran one update of
-    part of it, its loss still divided by the accumulation steps."""
+    """Fewer images than one optimizer update takes is one line naming the folder, before anything is written:
+    fewer than a batch would stop in timm's scheduler assertion, fewer than a global batch would run one update of
+    part of it with its loss still divided by the accumulation steps."""
     for train, batch, global_batch, accumulation in (((1, 1, 1, 1), 8, 8, 1), ((2, 2, 1, 1), 4, 8, 2)):
         data = make_folder(tmp_path / f"data_{sum(train)}", train_per_class=train, val_per_class=(1, 1, 1, 1))
         cfg = tmp_path / "cfg.yaml"
@@ -284,7 +285,7 @@ def test_an_update_per_epoch_is_checked_with_accelerates_own_sharding(processes)
 
 def test_a_class_folder_without_an_image_is_refused_in_eval_and_in_validation(tmp_path, capsys):
     make_folder(tmp_path / "data", train_per_class=(2, 2, 2, 2), val_per_class=(1, 1, 1, 1))
-    from lipsformer.weights import export
+    from lipsformer.sources import export
     export(timm.create_model("lipsformer_swin_t", num_classes=4, **TINY["swin"]), tmp_path / "weights")
     for name, holds in (("fish", ""), ("photos", "a.heic")):  # empty; only files no format decodes
         data = tmp_path / f"data_{name}"
@@ -324,7 +325,7 @@ def test_a_grey_model_trains_and_evaluates_on_rgb_and_grey_images(tmp_path, caps
     assert code == 0 and json.loads((tmp_path / "r.json").read_text())["input_size"] == [1, 32, 32], err
     assert "(4 of 4 images scored" in out
     # eval.py: a grey model's export whose config keeps ImageNet's 3 means (ours records one: written by hand here)
-    from lipsformer.weights import export
+    from lipsformer.sources import export
     export(timm.create_model("lipsformer_swin_t", in_chans=1, num_classes=4, **TINY["swin"]), tmp_path / "grey")
     hub = json.loads((tmp_path / "grey" / "config.json").read_text())
     assert hub["pretrained_cfg"]["input_size"][0] == 1 and len(hub["pretrained_cfg"]["mean"]) == 1

@@ -22,7 +22,7 @@ from conftest import ROOT, TINY, family, load_script
 from helpers import PY, TINY_RUN, call, make_folder, refused
 from lipsformer import cli
 from lipsformer.writer import output_figure, output_file, output_folder
-from lipsformer.engine.config import CHOICES, MODEL_ARGS, load_config, path_keys
+from lipsformer.config import CHOICES, MODEL_ARGS, load_config, path_keys
 from lipsformer.models._base import ARGUMENTS
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -139,13 +139,13 @@ def test_a_run_folders_config_with_a_key_twice_is_refused_where_it_is_read_back(
 
 def test_a_run_folders_config_edited_by_hand_is_one_line_naming_the_file_and_the_key(base, capsys):
     """A run's config.yaml is read back as strictly as a user's config: each key that says what the weights are
-    (engine.config.WEIGHTS_KEYS) removed, and a key of the wrong type, are one line naming the file and the key in
+    (config.WEIGHTS_KEYS) removed, and a key of the wrong type, are one line naming the file and the key in
     eval.py, the Lipschitz command and convert; exit 2, nothing written."""
     from lipsformer import convert
-    from lipsformer.engine.config import WEIGHTS_KEYS
+    from lipsformer.config import WEIGHTS_KEYS
     from lipsformer.lipschitz.__main__ import main as lipschitz
     from safetensors.torch import save_file
-    from lipsformer.engine.config import TrainConfig
+    from lipsformer.config import TrainConfig
     run = base / "edited_run"
     run.mkdir()
     TrainConfig(**dict(RUN, data_dir=str(base / "data"), output_dir=str(run))).save(run / "config.yaml")

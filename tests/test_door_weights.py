@@ -21,11 +21,12 @@ from conftest import TINY
 from helpers import EVAL, RUN, SEED, TRAIN, call, make_folder, refused
 from lipsformer import convert
 from lipsformer.data.classes import write_class_names
-from lipsformer.engine.config import TrainConfig
+from lipsformer.config import TrainConfig
 from lipsformer.errors import Mistake
 from lipsformer.lipschitz.__main__ import main as lipschitz
 from lipsformer.build import build_model
-from lipsformer.weights import CheckpointError, export, recorded_input_size, resolve_checkpoint, weights_fit
+from lipsformer.sources import export, recorded_input_size, resolve_checkpoint
+from lipsformer.weights import CheckpointError, weights_fit
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -189,7 +190,7 @@ def test_a_first_conv_is_adapted_only_for_an_asked_in_chans_and_every_command_sa
                                                  tmp_path / "grey_export"])
     assert code == 0 and out.splitlines()[0] == ADAPTED, err
     # train.py's start line (and its init row)
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from conftest import start_model
     cfg = load_config(root / "cfg.yaml", [f"init_checkpoint={rgb}", "model_kwargs.in_chans=1"])
     _, start = start_model(cfg)
@@ -369,8 +370,9 @@ def test_the_certificate_api_names_what_is_wrong_with_its_input():
 
 
 def test_the_certificate_api_refuses_a_model_without_two_classes_and_certifies_a_double_one():
-    """A model of one logit gave every image an infinite radius, one of pooled features (num_classes=0) radii of
-    its features' margins; a float64 model stopped in its first layer (its images were cast to float32)."""
+    """A model of one logit (every image would get an infinite radius) and one of pooled features (num_classes=0:
+    radii of its features' margins) are refused; a float64 model is certified in float64, its images not cast to
+    float32."""
     from lipsformer.lipschitz.certify import CertifyInputError, normalization, predict_certified
     arch = dict(TINY["swin"], window_size=4)
     for classes, said in ((1, "one logit, with no runner-up"), (0, "pooled features, not logits")):

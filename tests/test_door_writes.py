@@ -506,8 +506,9 @@ def test_a_missing_parent_folder_is_created(base, capsys, tmp_path):
 
 
 def test_a_folder_writer_started_twice_refuses_the_second_rather_than_both_writing_one_folder(capsys, tmp_path):
-    """Two data writers into one folder cleared each other's temporary as a stale one and both said wrote: the
-    folder, marked complete, held a tenth of the images. The same holds for convert's export folder."""
+    """Two data writers into one folder would clear each other's temporary as a stale one and both say wrote: the
+    folder, marked complete, would hold part of the images. The second is refused; the same holds for convert's
+    export folder."""
     import fcntl
     from lipsformer.data import digits
     root = tmp_path / "digits"

@@ -16,7 +16,7 @@ from torchvision.transforms import ToTensor
 
 from lipsformer.data import EvalDataset, eval_samples
 from lipsformer.engine.evaluate import evaluate_dataset, score
-from lipsformer.weights import export
+from lipsformer.sources import export
 
 from conftest import TINY, load_script, reset_accelerate
 from helpers import NUM_CLASSES, write_image
@@ -383,15 +383,15 @@ def test_eval_refuses_class_folders_it_cannot_match_in_one_line(tmp_path, capsys
     (["--img-size", "0"], "--img-size must be a positive number of pixels"),
     (["--img-size", "48"], "stage 3 cannot halve an odd resolution (3, 3); use an img_size divisible by 32"),
     (["--img-size", "34"], "must be divisible by patch_size"),
-    (["--batch-size", "0"], "--batch-size must be at least 1"),  # more of the same kind: these were tracebacks
+    (["--batch-size", "0"], "--batch-size must be at least 1"),  # torch's loader would raise a traceback
     (["--workers", "-1"], "--workers must be 0"),
     (["--model-args", "[32]"], "--model-args must be a JSON object of model arguments"),
     (["--predictions", f"{__file__}/p.csv"],  # found before the pass
      f"argument --predictions: {__file__}/p.csv: {__file__} is a file, not a folder"),
 ])
 def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys, args, message):
-    # attacks of 0 steps or restarts reported clean accuracy as "PGD-attacked";
-    # --crop-pct 0 became 1.0, 7 was taken; bad sizes ended in tracebacks.
+    # an attack of 0 steps or restarts would report clean accuracy as "PGD-attacked", a --crop-pct outside (0, 2]
+    # would be taken or replaced, and a size the model cannot take would end in a traceback: each is one line.
     data = folder_of(tmp_path / "val", ["a", "b", "c", "d"], per_class=1)
     weights = named_weights(tmp_path / "w")
     before = sorted(p for p in tmp_path.rglob("*"))
@@ -403,8 +403,8 @@ def test_eval_settings_that_cannot_work_are_refused_in_one_line(tmp_path, capsys
 
 
 def test_eval_at_another_size_than_trained_says_so(tmp_path, capsys, caplog):
-    # a model built at a larger --img-size than its weights were made at scored far below its own
-    # accuracy without a word; the result now says at which size the weights were made, and a warning names it.
+    # a model built at a larger --img-size than its weights were made at scores far below its own accuracy: the
+    # result says at which size the weights were made, and a warning names it
     data = folder_of(tmp_path / "val", ["a", "b", "c", "d"], per_class=1)
     weights = named_weights(tmp_path / "w")
     code = load_script("eval.py").main(["--checkpoint", str(weights), "--data-dir", str(data), "--workers", "0",

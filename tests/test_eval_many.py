@@ -24,7 +24,7 @@ from conftest import ROOT, TINY, load_script
 from helpers import call, refused
 from lipsformer.data import imagenet_eval
 from lipsformer.data.classes import write_class_names
-from lipsformer.weights import export
+from lipsformer.sources import export
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from lipsformer.engine.config import load_config
+from lipsformer.config import load_config
 
 from conftest import load_script, reset_accelerate
 
@@ -126,8 +126,8 @@ def test_a_periodic_checkpoint_evaluates_and_equals_the_final_weights(run, tmp_p
     ("checkpoints/step_000000002", "is a periodic training checkpoint: --use-ema takes the EMA of a finished run"),
 ])
 def test_use_ema_where_there_is_none_says_why_in_one_line(run, tmp_path, capsys, where, message):
-    # a run trained without EMA said "without last_ema.safetensors (has it finished?)"; a weight file
-    # took --use-ema silently and evaluated its one set of weights as if they were the EMA
+    # a run trained without EMA is told apart from an unfinished one, and a weight file holding one set of weights
+    # refuses --use-ema rather than scoring those weights as if they were the EMA
     data = images(tmp_path / "val", CLASSES, 1)
     before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
     code, _, err = eval_cli(capsys, "--checkpoint", run / where, "--data-dir", data, "--use-ema")
@@ -136,7 +136,7 @@ def test_use_ema_where_there_is_none_says_why_in_one_line(run, tmp_path, capsys,
 
 
 def test_every_convert_command_of_checkpoints_readme_runs_as_written(run, tmp_path, monkeypatch, capsys):
-    # the README's demo command asked for an EMA the demo run does not have (it failed as written)
+    # each command as written, on runs as the demo makes them (the demo run has no EMA)
     import ast
     import shlex
 
@@ -170,8 +170,8 @@ def test_every_convert_command_of_checkpoints_readme_runs_as_written(run, tmp_pa
 
 def test_the_trained_input_size_is_what_the_weights_record_and_nothing_where_nothing_does(run, tmp_path, capsys,
                                                                                           caplog):
-    # a bare 32 px weight file evaluated at 32 px was said to be "made at 224 px" (the registered
-    # config's size) with windows and biases "resized", and trained_input_size [3, 224, 224]; nothing was resized.
+    # a bare 32 px weight file evaluated at 32 px claims no size (not the registered config's 224 px) and nothing
+    # resized; the size a file or its run records is the one said
     import shutil
     from safetensors.torch import load_file, save_file
     data = images(tmp_path / "val", CLASSES, 1)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lipsformer.engine.checkpoint import latest_checkpoint
-from lipsformer.engine.config import ConfigError, TrainConfig, load_config
+from lipsformer.config import ConfigError, TrainConfig, load_config
 from conftest import start_model
 from lipsformer.engine.finetune import eval_frozen
 from lipsformer.engine.train import build_optimizer, build_scheduler, train

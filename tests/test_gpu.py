@@ -242,7 +242,7 @@ def test_the_training_loop_waits_for_the_device_only_at_read_steps(tmp_path, mon
     import math
 
     from lipsformer.engine import train as loop
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     data = make_folder(tmp_path / "data48", train_per_class=(12,) * 4)  # 6 steps of 8 an epoch
     cfg = load_config(_gpu_config(tmp_path, mixed_precision="bf16", ema_decay=0.9, global_batch=8, batch_size=4,
                                   log_every_steps=4, checkpoint_every_steps=100, on_nonfinite="skip",

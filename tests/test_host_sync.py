@@ -75,7 +75,7 @@ def test_a_skipped_update_leaves_the_weights_and_the_optimizer_state_as_they_wer
     """train.py's optimizer (torch's fused Adam / AdamW / SGD skip on the device; timm's own and lookahead_ read the
     flag on the host): an update skipped by ``step_unless`` (NaN gradients) leaves every weight, moment and step count
     bit for bit, and the updates after it run as in a run that never had it, a skipped first update included."""
-    from lipsformer.engine.config import TrainConfig
+    from lipsformer.config import TrainConfig
     from lipsformer.engine.step import step_unless
     from lipsformer.engine.train import build_optimizer
     def built():

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, TINY, config_model
 from helpers import EVAL, RUN, SEED, TRAIN, call, interrupted, refused, snapshot
-from lipsformer.engine.config import _HINTS, CHOICES, RANGES, TrainConfig
+from lipsformer.config import _HINTS, CHOICES, RANGES, TrainConfig
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
@@ -214,8 +214,8 @@ def bad_images(folder: Path, source: Path) -> list:
 
 
 def test_unreadable_images_inside_a_run_are_skipped_and_counted_and_the_run_finishes(base, capsys, caplog):
-    """The crash the README promised away: an image open() cannot read (here without permission, or a link that goes
-    nowhere) was opened outside the dataset's try and killed training mid-epoch."""
+    """An image open() cannot read (here without permission, or a link that goes nowhere) is opened inside the
+    dataset's try: skipped and counted like an undecodable one, and training goes on to its end."""
     data = _tree(base, "bad_images")
     source = base / "data" / "train" / "class_0" / "0.jpg"
     bad = bad_images(data / "train" / "class_1", source) + bad_images(data / "val" / "class_2", source)
@@ -279,8 +279,8 @@ def checkpoint_cases(base: Path) -> list:
 
 
 def test_random_pickles_are_damaged_files_not_code(base, capsys):
-    """Random bytes behind a pickle's opening: the unpickler raised IndexError, UnicodeDecodeError, ... (a
-    traceback), or the message said the file held objects that could run code."""
+    """Random bytes behind a pickle's opening: whatever the unpickler raises (IndexError, UnicodeDecodeError, ...),
+    the line calls the file damaged, not a traceback, and does not claim it holds objects that could run code."""
     from lipsformer import convert
     rng = random.Random(SEED)
     folder = base / "pickles"
@@ -404,7 +404,7 @@ def test_every_flag_with_a_wrong_value_is_one_line_exit_2_and_writes_nothing(bas
         if flag == "--pretrained=yes":
             argv = argv[2:]  # instead of --checkpoint
         refused(capsys, module.main, argv, base, *fragments)
-    if script == "eval.py":  # it said the unknown model had no published weights
+    if script == "eval.py":  # an unknown model is named as unknown, not as one without published weights
         refused(capsys, module.main, ["--model", "lipsformer_swin_x", "--pretrained", "--data-dir", base / "data"],
                 base, "unknown model 'lipsformer_swin_x' (did you mean lipsformer_swin_t")
 
@@ -441,7 +441,7 @@ def test_a_solver_that_cannot_reach_its_tolerance_is_one_line(base, capsys):
     """eval.py --certify-eps with an attlip_tol below what float32 can carry: the solver's refusal, not its
     traceback."""
     import timm
-    from lipsformer.weights import export
+    from lipsformer.sources import export
     cert = base / "cert"
     if not cert.exists():
         export(timm.create_model("lipsformer_swin_t_cert", **dict(TINY["swin"], window_size=4), num_classes=4), cert)
@@ -454,7 +454,7 @@ def test_a_solver_that_cannot_reach_its_tolerance_is_one_line(base, capsys):
 # -- the boundary itself ------------------------------------------------------------------------------------------
 def test_a_list_on_the_command_line_is_a_list():
     """--set model_kwargs.depths=1,1,1,1 reached the model as the string's characters."""
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     cfg = load_config(None, ["model_kwargs.depths=1,1,2,1", "betas=0.9,0.99", "freeze=patch_embed,stages.0",
                              "pretrained=lipsformer_swin_t.official_in1k", "model=lipsformer_swin_t"])
     assert cfg.model_kwargs == {"depths": [1, 1, 2, 1]} and cfg.betas == (0.9, 0.99)
@@ -463,7 +463,7 @@ def test_a_list_on_the_command_line_is_a_list():
 
 def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, capsys, monkeypatch):
     from lipsformer.engine.checkpoint import intact_checkpoint, latest_checkpoint
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     out = base / "interrupted"
     code, _, err = interrupted(capsys, monkeypatch, ["--config", base / "cfg.yaml", "--output-dir", out], 3)
     lines = [line for line in err.splitlines() if line.startswith("interrupted")]
@@ -475,8 +475,8 @@ def test_ctrl_c_mid_run_is_one_line_exit_130_and_keeps_what_was_written(base, ca
 
 
 def test_resume_auto_on_a_finished_run_says_so_and_writes_nothing(base, capsys):
-    """It said 'resumed from ... (epoch 2, 0 of its batches done)', evaluated again, rewrote the weights, and said
-    'done'."""
+    """A finished run given --resume auto says it is done already and writes nothing: it is not resumed at its end
+    (evaluated again, its weights rewritten)."""
     before = snapshot(base / "run")
     code, out, err = call(capsys, TRAIN.main, ["--config", base / "cfg.yaml", "--output-dir", base / "run",
                                                "--resume", "auto"])

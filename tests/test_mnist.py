@@ -10,7 +10,7 @@ from PIL import Image
 
 from lipsformer.data import mnist
 from lipsformer.data.datasets import create_loader_transform
-from lipsformer.engine.config import load_config
+from lipsformer.config import load_config
 
 from conftest import ROOT, config_model
 

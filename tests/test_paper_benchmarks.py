@@ -66,7 +66,7 @@ def test_warmup_ramps_as_timm_cosine_scheduler_does(tmp_path, digits):
     """train.py's per-step lr with warmup_epochs = 2 equals timm's CosineLRScheduler stepped per update."""
     from timm.scheduler import CosineLRScheduler
 
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from lipsformer.engine.train import train
 
     cfg = load_config(ROOT / "configs" / "demo_digits.yaml", [

@@ -14,7 +14,7 @@ from helpers import (ROOT, TINY_MODEL, TINY_RUN, TRAIN, assert_killed_run_resume
                      read_metrics, torchrun, write_config)
 
 from lipsformer.engine.checkpoint import latest_checkpoint
-from lipsformer.engine.config import ConfigError, load_config
+from lipsformer.config import ConfigError, load_config
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 

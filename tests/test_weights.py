@@ -199,8 +199,8 @@ def test_convert_tag_is_a_name_not_a_path(tmp_path, monkeypatch, capsys):
 
 
 def test_convert_hint_loads_the_converted_weights_and_config_says_what_they_are(tmp_path, monkeypatch, capsys):
-    # the printed local-dir: hint built a model with a random head (no pretrained=True); config.json
-    # said tag official_in1k, pool_size null and no source_sha256 for a run folder
+    # the printed local-dir: hint loads the weights (pretrained=True), and config.json names the tag given, the
+    # pool size and the source's sha256, for a run folder too
     monkeypatch.chdir(tmp_path)
     run, model, _ = _fake_run(tmp_path)
     assert convert_main([str(run), "--tag", "digits"]) == 0

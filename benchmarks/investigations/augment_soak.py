@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from lipsformer.data import TransformError, create_loader_transform  # noqa: E402
 from lipsformer.data.augment import apply_transform  # noqa: E402
 from lipsformer.data.datasets import recipe_transform  # noqa: E402
-from lipsformer.engine.config import load_config  # noqa: E402
+from lipsformer.config import load_config  # noqa: E402
 
 MODES = ("RGB", "L", "P", "RGBA", "CMYK")
 

@@ -34,7 +34,7 @@ def main(argv=None):
 
     import lipsformer  # noqa: F401
     from lipsformer.data.digits import write_digits_folder
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from lipsformer.build import build_model
     from lipsformer.engine.margin import LipschitzMarginLoss
     from lipsformer.layers.residual import ConvexResidual

@@ -91,8 +91,8 @@ def converged_or_not(train_loss: Optional[float], threshold: float) -> bool:
 def run(row: Row, seed: int, args) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
-    from lipsformer.engine.config import load_config
-    from lipsformer.engine.run_folder import RunFolder
+    from lipsformer.config import load_config
+    from lipsformer.run_folder import RunFolder
     from lipsformer.engine.train import TrainingDiverged, train
 
     out = Path(args.out) / f"{row.name.replace('=', '_')}_seed{seed}"

@@ -236,7 +236,7 @@ def train_run(dataset: str, name: str, seed: int, args):
     from accelerate.state import AcceleratorState, GradientState
     from safetensors.torch import load_file
 
-    from lipsformer.engine.config import load_config
+    from lipsformer.config import load_config
     from lipsformer.build import build_model
     from lipsformer.engine.train import train
 

@@ -27,8 +27,8 @@ VARIANTS = {
 def run(variant: str, seed: int, args) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
-    from lipsformer.engine.config import load_config
-    from lipsformer.engine.run_folder import RunFolder
+    from lipsformer.config import load_config
+    from lipsformer.run_folder import RunFolder
     from lipsformer.engine.train import TrainingDiverged, train
 
     out = Path(args.out) / f"{variant}_seed{seed}"

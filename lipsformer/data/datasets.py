@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from torchvision.transforms import Grayscale
 
 from ..errors import Mistake
+from ..models._base import LipsFormerBase
 from .augment import apply_transform, portable
 from .scanner import FolderReader, read_image, scan_classes
 
@@ -123,7 +124,6 @@ def eval_data_config(model, crop_pct=None, interpolation=None) -> dict:
     at 32 px gets 32 px images, whatever size its published config names); ``crop_pct`` / ``interpolation``
     override the config, as in timm's validate.py. Another timm model (e.g. benchmarks/paper/certified.py's CNN)
     keeps the input size its pretrained config names."""
-    from ..models._base import LipsFormerBase
     size = None
     if isinstance(model, LipsFormerBase):
         size = (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)

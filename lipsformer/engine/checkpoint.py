@@ -20,10 +20,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..layers.attlip import form_mismatch
+from ..run_folder import MANIFEST, RunFolder
 from ..weights import CheckpointError, input_size_metadata, load_pickled, sha256_of
 from ..writer import WriteFailed, remove, replacing
 from .processes import agree_on_outcome
-from .run_folder import MANIFEST, RunFolder
 
 _logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def save_checkpoint(accelerator, model, output_dir, state: TrainState, keep_last
 def save_weights(accelerator, state_dict: dict, path: Path, cfg) -> None:
     """Weights only, as safetensors (``get_state_dict`` gathers them under FSDP / DeepSpeed) whose metadata records
     the input size they were made at, ``(in_chans, img_size, img_size)`` of the run's config ``cfg``
-    (:func:`~lipsformer.weights.recorded_input_size` reads it where no run folder is beside the file), written
+    (:func:`~lipsformer.sources.recorded_input_size` reads it where no run folder is beside the file), written
     beside the target and renamed over it: a failed write leaves the previous file as it was."""
     if accelerator.is_main_process:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}

@@ -15,14 +15,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..build import PUBLISHED, WeightsUnavailable, build_model
+from ..config import TrainConfig
 from ..data import EvalDataset, collate_skip_failed, create_loader_transform, eval_data_config, eval_samples
 from ..data.imagenet_eval import Sample, Samples, describe_samples, label_names
-from ..errors import Stopped
+from ..errors import ConfigError, Stopped
 from ..lipschitz.certify import certify_dataset
-from ..weights import (check_model_args, check_model_name, has_published_weights, recorded_input_size,
-                       resolve_checkpoint, weights_fit)
+from ..sources import recorded_input_size, resolve_checkpoint
+from ..weights import check_model_args, check_model_name, has_published_weights, weights_fit
 from ..writer import replacing
-from .config import ConfigError, TrainConfig
 from .speed import compile_model, prepare_model
 
 TOPK = 5

@@ -39,10 +39,12 @@ from timm.utils.misc import natural_key
 from ..data import EvalDataset
 from ..data.imagenet_eval import describe_samples
 from ..errors import Mistake
-from ..weights import HUB_CONFIG, ModelArgsError, resolve_checkpoint, weights_fit
+from ..run_folder import RunFolder, checkpoint_step
+from ..sources import resolve_checkpoint
+from ..weights import ModelArgsError, weights_fit
+from ..writer import EXPORT_CONFIG
 from .evaluate import (DEFAULT_MAX_BAD_FRACTION, Prepared, check_request, check_source, describe, evaluate_each,
                        prepare, robustness, samples_for)
-from .run_folder import RunFolder, checkpoint_step
 from .speed import compile_model, prepare_model
 
 _PATTERN = re.compile(r"[*?\[]")
@@ -87,11 +89,11 @@ def is_pattern(text: str) -> bool:
 def runs_in(path) -> Optional[List[Path]]:
     """The runs and exports a folder of runs holds (see the module docstring), or None when ``path`` is not one."""
     path = Path(path)
-    if not path.is_dir() or RunFolder(path).is_run() or (path / HUB_CONFIG).is_file() \
+    if not path.is_dir() or RunFolder(path).is_run() or (path / EXPORT_CONFIG).is_file() \
             or checkpoint_step(path) is not None:
         return None
     found = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")
-             and (RunFolder(p).is_run() or (p / HUB_CONFIG).is_file())]
+             and (RunFolder(p).is_run() or (p / EXPORT_CONFIG).is_file())]
     return sorted(found, key=lambda p: natural_key(p.name)) or None
 
 

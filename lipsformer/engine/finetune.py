@@ -17,8 +17,9 @@ from timm.utils import freeze as timm_freeze
 
 from .. import weights
 from ..build import PUBLISHED, WeightsUnavailable, classifier_name
+from ..config import TrainConfig
+from ..errors import ConfigError
 from ..weights import CheckpointError
-from .config import ConfigError, TrainConfig
 
 BACKBONE = "backbone"  # freeze: every parameter but the classifier's (a linear probe)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import KEEP_BOUND_KEYS, MARGIN_KEYS
+from ..config import KEEP_BOUND_KEYS, MARGIN_KEYS
 
 
 class LipschitzMarginLoss(nn.Module):
@@ -69,7 +69,7 @@ def margin_criterion(criterion: Callable, eps: float, bound: Optional[float]) ->
 
 def keep_bound_args(cfg) -> dict:
     """:func:`lipsformer.lipschitz.constraints.keep_bound`'s keyword arguments from the config: the keys declared
-    with ``keep_bound=`` (:data:`lipsformer.engine.config.KEEP_BOUND_KEYS`)."""
+    with ``keep_bound=`` (:data:`lipsformer.config.KEEP_BOUND_KEYS`)."""
     return {arg: getattr(cfg, key) for key, arg in KEEP_BOUND_KEYS.items()}
 
 

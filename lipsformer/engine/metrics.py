@@ -14,9 +14,9 @@ from accelerate.utils import gather_object
 
 from ..layers.residual import WeightedResidual
 from ..models._base import LipsFormerBase
+from ..run_folder import RunFolder, read_metrics
 from ..writer import append_text, save_figure, to_json, write_text
 from .ema import full_tensor_of
-from .run_folder import RunFolder, read_metrics
 
 
 class MetricsLog:

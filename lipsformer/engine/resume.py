@@ -11,11 +11,12 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 from torch.utils.data import IterableDataset
 
+from ..config import BUILDS_MODEL, RESTORED_ON_RESUME, TrainConfig, check_type
+from ..errors import ConfigError
+from ..run_folder import MANIFEST, RunFolder, checkpoint_step
 from ..settings import read_yaml
 from ..weights import CheckpointError
 from .checkpoint import TrainState, intact_checkpoint, latest_checkpoint, verify_checkpoint
-from .config import BUILDS_MODEL, RESTORED_ON_RESUME, ConfigError, TrainConfig, check_type
-from .run_folder import MANIFEST, RunFolder, checkpoint_step
 
 _logger = logging.getLogger(__name__)
 

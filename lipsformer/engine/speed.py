@@ -19,9 +19,8 @@ from typing import Optional
 import torch
 import torch._functorch.config as functorch_config
 
+from ..config import COMPILE_MODES
 from ..layers import LipsBlock
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def set_tf32(enable: bool) -> None:

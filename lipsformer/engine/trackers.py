@@ -14,24 +14,12 @@ import logging
 from typing import Any, Callable, Dict, List
 
 from ..errors import Mistake, Preempted
-from ..extras import MissingExtra, require
+from ..extras import TRACKERS, MissingExtra, require
+from ..run_folder import on_main
 from ..writer import TRACKER, to_json, write_json
 
 _logger = logging.getLogger(__name__)
 
-# Accelerate's trackers (accelerate.utils.LoggerType, less 'all'): the module each imports, and what installs it (an
-# extra of ours, or the package itself).
-TRACKERS = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "lipsformer[wandb]"),
-    "mlflow": ("mlflow", "lipsformer[mlflow]"),
-    "aim": ("aim", "aim"),
-    "comet_ml": ("comet_ml", "comet-ml"),
-    "clearml": ("clearml", "clearml"),
-    "dvclive": ("dvclive", "dvclive"),
-    "swanlab": ("swanlab", "swanlab"),
-    "trackio": ("trackio", "trackio"),
-}
 # The keyword of a tracker's run that names it (tracker_run_name); the others keep Accelerate's naming.
 RUN_NAME = {"wandb": "name", "mlflow": "run_name"}
 # What continues a run a tracker started: its keywords, recorded in trackers.json and passed back on resume.
@@ -122,7 +110,6 @@ class Trackers:
         """Start every tracker of ``cfg.log_with`` on the main process, TensorBoard (which writes in the run folder)
         last; a tracker run recorded in ``trackers.json`` is continued when ``resumed``, a new one gets the config.
         A tracker that cannot start raises a TrackerError on every process."""
-        from .run_folder import on_main
         self.accelerator = accelerator
         on_main(accelerator, lambda: _start(accelerator, cfg, folder, resumed))
 

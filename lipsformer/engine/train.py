@@ -19,16 +19,17 @@ from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from ..build import ModelStart, build_model
+from ..config import TrainConfig
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
 from ..data.datasets import check_batches, scan_notes
-from ..errors import Interrupted, Stopped
+from ..errors import ConfigError, Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
 from ..lipschitz.constraints import check_keepable, keep_bound
+from ..run_folder import RunFolder, RunLock, check_output
 from .checkpoint import TrainState, keep_best, save_checkpoint, save_weights
-from .config import ConfigError, TrainConfig
 from .ema import ShardEma
 from .finetune import eval_frozen, freeze, starting_weights
 from .evaluate import TooManyBadSamples, check_unreadable, evaluate
@@ -36,7 +37,6 @@ from .margin import follow_bound, keep_bound_args, kept_record, margin_criterion
 from .metrics import EpochMeter, MetricsLog, alpha_statistics, logged_lr, plot_curves
 from .preemption import Preemption, stop_if_preempted
 from .resume import RunFinished, begin, check_resumable, restore, resume_point, verified
-from .run_folder import RunFolder, RunLock, check_output
 from .speed import compile_model, prepare_model, set_tf32
 from .step import StepTally, complete_window, fused, quiet_buffers
 from .trackers import Trackers
@@ -112,9 +112,8 @@ def check_data(cfg: TrainConfig) -> None:
 
 
 def check_classes(cfg: TrainConfig, classes: Optional[List[str]]) -> None:
-    """A ConfigError unless the training data have ``num_classes`` classes: more would index past the classifier,
-    fewer leave outputs no class trains, which the run's ``classes.json`` (one name per output) cannot name;
-    ``classes``: the training data's names (None when the reader has none)."""
+    """A ConfigError unless the training data have ``num_classes`` classes (more index past the classifier, fewer
+    leave outputs that ``classes.json`` cannot name); ``classes``: their names (None when the reader has none)."""
     if classes is not None and len(classes) != cfg.num_classes:
         raise ConfigError(f"num_classes is {cfg.num_classes} but the training data have {len(classes)} classes "
                           f"({', '.join(map(str, classes[:3]))}{', ...' if len(classes) > 3 else ''}): set "
@@ -153,6 +152,7 @@ class _Run:
     last_good: Optional[Path]  # the newest checkpoint written or resumed from
     start: ModelStart = field(default_factory=ModelStart)  # starting weights (build.py), frozen modules (finetune.py)
     preemption: Preemption = field(default_factory=Preemption)
+    phase: Callable[[str], Any] = lambda part: contextlib.nullcontext()  # a hook around each "step" and "after"
 
     def diverged(self, what: str, step: int, epoch: int) -> TrainingDiverged:
         """The stop for a non-finite ``what`` first found at optimizer step ``step``, noticed at the current one."""
@@ -327,8 +327,7 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
         loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch)
     meter = EpochMeter(carried=dict(state.epoch_sums) if state.batch_in_epoch else {},
                        tally=StepTally(accelerator.device, cfg.log_every_steps, accelerator.scaler is not None))
-    # closed however the loop ends, so an error line printed after it starts on a line of its own; a bar only when
-    # stderr is a terminal (tqdm's disable=None), else a plain line every log_every_steps (_after_update)
+    # closed however the loop ends (an error line then starts a line); a bar on a terminal, else _after_update's lines
     with tqdm(total=len(run.train_loader), initial=state.batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
               disable=None if accelerator.is_main_process else True, dynamic_ncols=True) as bar:
         for images, targets, bad in loader:
@@ -336,12 +335,14 @@ def train_one_epoch(run: _Run, epoch: int) -> dict:
             if images is None:
                 raise TooManyBadSamples(f"every image of a batch failed to load, e.g. {bad[:3]}")
             meter.seen += targets.shape[0]
-            _train_step(run, meter, images, targets, epoch)
+            with run.phase("step"):
+                _train_step(run, meter, images, targets, epoch)
             state.batch_in_epoch += 1
             bar.update(1)
             meter.images += targets.shape[0] * accelerator.num_processes
             if accelerator.sync_gradients:
-                _after_update(run, meter, epoch, bar)
+                with run.phase("after"):
+                    _after_update(run, meter, epoch, bar)
 
     _read(run, meter, epoch)
     totals = meter.totals(accelerator)  # every process's counts and examples, said once by the main process
@@ -386,8 +387,7 @@ def _train_step(run: _Run, meter: EpochMeter, images, targets, epoch: int) -> No
 
 
 def _read(run: _Run, meter: EpochMeter, epoch: int) -> None:
-    """Read the steps' device-side record into the meter and the state (every process at the same step); with
-    ``on_nonfinite: stop``, stop the run when an update since the previous read was skipped."""
+    """The steps' device-side record into the meter and state; with ``on_nonfinite: stop``, stop at a skipped update."""
     got = meter.read(run.accelerator, cause=run.cfg.on_nonfinite == "stop")
     run.state.skipped_steps += len(got.skipped)
     if got.what:  # asked for, and an update was skipped

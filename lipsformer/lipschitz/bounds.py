@@ -24,7 +24,8 @@ from ..layers.patch_embed import PatchEmbed
 from ..models._base import LipsFormerBase, LipsStage
 from ..models.lipsformer_cswin import ConvDownsample
 from ..models.lipsformer_swin import PatchMerging
-from .layer_bounds import conv_bound, gelu_bound
+from ..models.peer import TorchlipCNN
+from .layer_bounds import conv_bound, gelu_bound, matrix_norm
 from .registry import (HW, INF, NoBoundError, Row, module_bound, module_rows, register_in, register_rows,
                        residual_row)
 
@@ -177,6 +178,32 @@ def linear_head(rows: List[Row], layer: nn.Module, name: str) -> Optional[torch.
     if isinstance(layer, nn.Linear) and rows and rows[-1].name == name:
         return layer.weight.detach().to(torch.float64)
     return None
+
+
+@register_network(TorchlipCNN)
+def torchlip_cnn_report(model: TorchlipCNN):
+    """The certified report of a :class:`TorchlipCNN`: one row per layer of its Sequential, the last Linear its head."""
+    from deel import torchlip
+
+    rows: List[Row] = []
+    hw = (model.img_size, model.img_size)
+    with torch.no_grad():
+        for i, layer in enumerate(model.net):
+            name = f"net.{i}"
+            if isinstance(layer, torchlip.SpectralConv2d) and tuple(layer.stride) == (1, 1) \
+                    and layer.padding_mode == "zeros":
+                rows.append(Row(name, conv_bound(layer, hw)))
+            elif isinstance(layer, torchlip.ScaledL2NormPool2d):  # l2 norms of disjoint windows, times a coefficient
+                rows.append(Row(name, abs(float(layer._coefficient_lip))))
+                k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
+                hw = (hw[0] // k, hw[1] // k)
+            elif isinstance(layer, torchlip.SpectralLinear):
+                rows.append(Row(name, matrix_norm(layer.weight)))
+            elif not isinstance(layer, (torchlip.GroupSort2, nn.Flatten)):  # those two: 1, no row
+                raise NoBoundError(f"torchlip_cnn: no bound for layer {name} ({type(layer).__qualname__})")
+    if not math.isfinite(sum(math.log10(r.lip) for r in rows)):
+        raise NoBoundError("torchlip_cnn: a layer's bound is not finite")
+    return LipschitzReport(rows, linear_head(rows, model.net[-1], f"net.{len(model.net) - 1}"))
 
 
 @torch.no_grad()

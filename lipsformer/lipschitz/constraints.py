@@ -31,6 +31,7 @@ from ..errors import Mistake, Stopped
 from ..layers import AttentionKernel, CenterNorm, ConvexResidual, NormalizedConv2d, NormalizedLinear
 from .bounds import lipschitz_report
 from .layer_bounds import conv_bound, matrix_norm
+from .registry import NoBoundError
 
 # each convolution's input (H, W) in the model it was measured in (weak: dropped with the model)
 _CONV_INPUT_HW: "weakref.WeakKeyDictionary[nn.Conv2d, Tuple[int, int]]" = weakref.WeakKeyDictionary()
@@ -49,7 +50,6 @@ def check_keepable(model: nn.Module, what: str = "lipschitz_target") -> None:
     """Raise :class:`NotKeepable` naming the module when :func:`keep_bound` could never keep ``model``'s bound,
     before anything is trained or written. ``what`` names the setting that asks for it. Every infinite bound of the
     registry is one of construction (the module's kind), not of its weights, so the weights at hand tell."""
-    from .registry import NoBoundError
     try:
         report = lipschitz_report(model)
     except NoBoundError as e:

@@ -10,7 +10,7 @@ recipes feed 32x32 padded digits: 2048 instead of 1568). Its layers keep each we
 and Bjorck orthonormalisation inside the forward, and scale the padded convolutions by their coefficient.
 
 Certified like every model here, from the weights the forward uses, not from the library's promise: its report
-(:func:`torchlip_cnn_report`, registered with :func:`lipsformer.lipschitz.bounds.register_network`) bounds each
+(:func:`lipsformer.lipschitz.bounds.torchlip_cnn_report`, the toolkit's, as every bound is) bounds each
 convolution as the operator it is at its input size (padding included,
 :func:`~lipsformer.lipschitz.layer_bounds.conv_bound`), each Linear by its largest singular value, GroupSort
 and flatten by 1, each non-overlapping l2-norm pooling by its coefficient; the last Linear is the head of the
@@ -20,17 +20,12 @@ documentation computes ``(top1 - top2) / sqrt(2)`` by hand, the global rule at L
 
 Registered with timm whether or not deel-torchlip is installed; building it without it is one line naming the extra.
 """
-import math
-from typing import List, Tuple
+from typing import Tuple
 
-import torch
 from timm.models import register_model
 from torch import nn
 
 from ..extras import require
-from ..lipschitz.bounds import LipschitzReport, linear_head, register_network
-from ..lipschitz.layer_bounds import conv_bound, matrix_norm
-from ..lipschitz.registry import NoBoundError, Row
 
 
 class TorchlipCNN(nn.Module):
@@ -70,31 +65,6 @@ class TorchlipCNN(nn.Module):
         return self.net(x)
 
 
-def torchlip_cnn_report(model: TorchlipCNN):
-    """The certified report of a :class:`TorchlipCNN`: one row per layer of its Sequential, the last Linear its head."""
-    from deel import torchlip
-
-    rows: List[Row] = []
-    hw = (model.img_size, model.img_size)
-    with torch.no_grad():
-        for i, layer in enumerate(model.net):
-            name = f"net.{i}"
-            if isinstance(layer, torchlip.SpectralConv2d) and tuple(layer.stride) == (1, 1) \
-                    and layer.padding_mode == "zeros":
-                rows.append(Row(name, conv_bound(layer, hw)))
-            elif isinstance(layer, torchlip.ScaledL2NormPool2d):  # l2 norms of disjoint windows, times a coefficient
-                rows.append(Row(name, abs(float(layer._coefficient_lip))))
-                k = layer.kernel_size if isinstance(layer.kernel_size, int) else layer.kernel_size[0]
-                hw = (hw[0] // k, hw[1] // k)
-            elif isinstance(layer, torchlip.SpectralLinear):
-                rows.append(Row(name, matrix_norm(layer.weight)))
-            elif not isinstance(layer, (torchlip.GroupSort2, nn.Flatten)):  # those two: 1, no row
-                raise NoBoundError(f"torchlip_cnn: no bound for layer {name} ({type(layer).__qualname__})")
-    if not math.isfinite(sum(math.log10(r.lip) for r in rows)):
-        raise NoBoundError("torchlip_cnn: a layer's bound is not finite")
-    return LipschitzReport(rows, linear_head(rows, model.net[-1], f"net.{len(model.net) - 1}"))
-
-
 @register_model
 def torchlip_cnn(pretrained: bool = False, **kwargs) -> TorchlipCNN:
     """deel-torchlip's 1-Lipschitz CNN for 28-32 px grey images (needs ``pip install "lipsformer[torchlip]"``)."""
@@ -107,5 +77,3 @@ def torchlip_cnn(pretrained: bool = False, **kwargs) -> TorchlipCNN:
     model.pretrained_cfg.update(overlay)
     return model
 
-
-register_network(TorchlipCNN)(torchlip_cnn_report)

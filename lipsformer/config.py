@@ -3,9 +3,10 @@
 How to add a config key: one field of :class:`TrainConfig`, declared with :func:`key`: its default, its help text
 and its properties (``range=`` for every number, ``choices=`` for a fixed set of names, ``path=True``,
 ``restored=True`` where a checkpoint restores what it set up, ``keep_bound=`` / ``margin=True`` where bound keeping
-reads it, ``model_arg=`` where ``timm.create_model`` gets it). Validation, ``train.py --list-keys``, the resume
-check, bound keeping's arguments and docs/keys.md all read them from there; then give the key a ``Case`` in
-tests/test_config_keys.py that shows it acts, and regenerate docs/keys.md (``key_table()``).
+reads it, ``model_arg=`` where ``timm.create_model`` gets it, ``weights=True`` where it says what a run's weights
+are). Validation, ``train.py --list-keys``, the resume check, bound keeping's arguments, reading a run's weights
+back and docs/keys.md all read them from there; then give the key a ``Case`` in tests/test_config_keys.py that shows
+it acts, and regenerate docs/keys.md (``key_table()``).
 """
 import copy
 import dataclasses
@@ -18,15 +19,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import yaml
 
-from ..errors import Mistake, did_you_mean
-from ..settings import SettingError, expand_path, load_yaml, read_yaml
-from ..writer import write_text
-from .speed import COMPILE_MODES
-from .trackers import TRACKERS
-
-
-class ConfigError(Mistake, ValueError):
-    """A config file or override names an unknown key or gives a value of the wrong type."""
+from .errors import ConfigError, did_you_mean
+from .extras import TRACKERS
+from .settings import SettingError, expand_path, load_yaml, read_yaml
+from .weights import check_model_name
+from .writer import write_text
 
 
 # timm.scheduler.create_scheduler_v2 names that can step per optimizer update ('plateau' steps per epoch on a
@@ -36,6 +33,8 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", 
 DATASET_PREFIXES = ("hfds", "hfids", "wds", "tfds", "torch")
 # timm's str_to_interp_mode
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")
+# torch.compile's modes (lipsformer.engine.speed.compile_model)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 class Range(NamedTuple):
@@ -260,7 +259,6 @@ class TrainConfig:
     def _check_names(self) -> None:
         """The keys that name something timm knows: the model, the optimizer, the augmentation policy; and the
         crop scale's order."""
-        from ..weights import check_model_name
         check_model_name(self.model)
         from timm.optim import list_optimizers
         known = list_optimizers()
@@ -449,7 +447,7 @@ def describe_keys() -> str:
 def key_table() -> str:
     """docs/keys.md: every TrainConfig key as :func:`describe_keys` lists it, one Markdown table per group."""
     lines = ["# Config keys", "",
-             "Every key of `TrainConfig` (`lipsformer/engine/config.py`), generated from its fields by `key_table()`",
+             "Every key of `TrainConfig` (`lipsformer/config.py`), generated from its fields by `key_table()`",
              "(`tests/test_config_keys.py` holds this page to it); `python train.py --list-keys` prints the same.",
              "A key marked *resume keeps it* is restored by a checkpoint with the optimizer or the schedule: a resume",
              "that changes it is refused ([training.md](training.md#resuming))."]
@@ -560,7 +558,7 @@ def load_config(path=None, overrides: Optional[List[str]] = None, flags: Optiona
     return TrainConfig(**{k: _check_type(k, v, _HINTS[k]) for k, v in data.items()})
 
 
-# The keys of a run's config.yaml that say what its weights are (weights.py reads them to build the model, its input
+# The keys of a run's config.yaml that say what its weights are (sources.py reads them to build the model, its input
 # size and its preprocessing): a run writes every key, so one of these missing was removed by hand.
 WEIGHTS_KEYS = tuple(name for name, spec in KEYS.items() if spec.weights)
 

@@ -35,11 +35,10 @@ import socket
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from ..errors import Mistake, Stopped
-from ..writer import (BEST, BEST_KEPT, CHECKPOINTS, CLASSES, CONFIG, CURVES, LAST, LAST_EMA, LOCK, METRICS, OUTPUTS,
+from .errors import ConfigError, Mistake, Stopped
+from .writer import (BEST, BEST_KEPT, CHECKPOINTS, CLASSES, CONFIG, CURVES, LAST, LAST_EMA, LOCK, METRICS, OUTPUTS,
                       SUMMARY, TMP_PREFIX, TRACKER_RUNS, Output, WriteFailed, check_outputs, check_target,
                       is_run, remove, replacing, to_json, write_held)
-from .config import ConfigError
 
 MANIFEST = "manifest.json"  # inside each checkpoint folder
 ATTEMPT = "attempt-{}"
