@@ -182,16 +182,18 @@ def _speed_start(p: Probe) -> Dict[str, Any]:
         from lipsformer.engine.speed import set_tf32
         from lipsformer.engine.train import _start
         cfg = dataclasses.replace(p.cfg, output_dir=str(p.tmp / "speed"), **{k: KEYS[k].value for k in SPEED_KEYS})
-        calls, compile_ = [], torch.nn.Module.compile
+        from lipsformer.layers import LipsBlock
+        calls, compile_ = [], torch.compile
         budget = functorch_config.activation_memory_budget
-        torch.nn.Module.compile = lambda self, *a, **k: calls.append(k) or compile_(self, *a, **k)
+        torch.compile = lambda fn, **k: calls.append(k) or compile_(fn, **k)
         try:
             run = _start(cfg, None)
+            blocks = [m for m in run.model.modules() if isinstance(m, LipsBlock)]
             _SPEED.update(compile=calls, budget=functorch_config.activation_memory_budget,
                           tf32=(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
-                          compiled=run.model._compiled_call_impl is not None)
+                          compiled=bool(blocks) and all(b.compiled_body is not None for b in blocks))
         finally:
-            torch.nn.Module.compile = compile_
+            torch.compile = compile_
             functorch_config.activation_memory_budget = budget
             set_tf32(False)
             reset_accelerate()
@@ -290,8 +292,8 @@ KEYS: Dict[str, Case] = {
                     alone=True),
     # on the CPU the mode reaches the compiler as its options, with inductor's layout optimisation off
     "compile_mode": Case("max-autotune-no-cudagraphs", lambda p: _speed_start(p)["compile"] == [dict(
-        mode=None, options={**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
-                            "layout_optimization": False}, dynamic=False)], alone=True),
+        backend="inductor", mode=None, options={**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
+                                                "layout_optimization": False}, dynamic=False)], alone=True),
     "compile_memory_budget": Case(0.5, lambda p: _speed_start(p)["budget"] == 0.5, alone=True),
     "tf32": Case(True, lambda p: _speed_start(p)["tf32"] == (True, True), alone=True),
     "channels_last": Case(True, lambda p: p.run.accelerator.unwrap_model(p.run.model).patch_embed.proj.weight
