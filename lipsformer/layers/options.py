@@ -67,7 +67,7 @@ CERTIFIABLE = MappingProxyType(dict(
     residual="convex",      # (1 - a) x + a f(x), a in [0, 1]: 1-Lipschitz when f is
     act="groupsort",        # 1-Lipschitz, gradient-norm preserving (GELU: 1.1289)
     linear="normalized",    # Linear and non-overlapping convs divided by their spectral norm in every forward
-                            # (the gradient sees it); kept by projection instead: 66% clean after 6 epochs, not 92%
+                            # (the gradient sees it; kept by projection instead, training reaches less accuracy)
     attlip_prox=True,       # the mixer returns prox(x): (1 - a) x + a prox(x), not (1 - 2a) x + a prox(x)
     conv_blocks="A",        # no depth-wise conv blocks (kept by projection; the same accuracy without, faster)
     alpha_init=0.1,         # the skip path keeps (1 - a) of the signal per residual
