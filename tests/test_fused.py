@@ -63,12 +63,13 @@ def test_residual_center_norm_kernels_match_the_plain_ops(interpreted, dtype, re
     mask = torch.tensor([1.0, 0.0, 1.0], dtype=dtype) if dropped else None
     w, b = torch.randn(24), torch.randn(24)
     args = (x, h, mask, 0.7, w, b, 24 / 23, True)
-    y, z = interpreted.residual_center_norm(*args)
+    y, z = interpreted.residual_center_norm(*args[:-1], *fused.empty_rcn(x, h, mask, w, b, True))
     want = _reference(fused._rcn, *args)
     assert y.dtype == torch.float32 and z.dtype == (dtype if not residual else x.dtype)
     _close((y, z), want, dtype)
     g = torch.randn_like(x)
-    got = interpreted.residual_center_norm_backward(g, z, mask, 0.7, w, 24 / 23)
+    got = interpreted.residual_center_norm_backward(g, z, mask, 0.7, w, 24 / 23,
+                                                    *fused.empty_rcn_backward(g, mask, w))
     want = _reference(fused._rcn_backward, g, want[1], mask, 0.7, w, 24 / 23)
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
@@ -79,10 +80,10 @@ def test_gelu_residual_kernels_match_the_plain_ops(interpreted, dtype, dropped):
     x, u = torch.randn(3, 4, 5, 200, dtype=dtype), torch.randn(3, 4, 5, 200, dtype=dtype)  # two column blocks
     alpha = torch.randn(200)
     mask = torch.tensor([0.0, 1.0, 1.0], dtype=dtype) if dropped else None
-    _close([interpreted.gelu_residual(x, u, alpha, mask, 0.6)], [_reference(fused._gr, x, u, alpha, mask, 0.6)],
-           dtype)
+    _close([interpreted.gelu_residual(x, u, alpha, mask, 0.6, fused.empty_gelu_residual(x, u, alpha))],
+           [_reference(fused._gr, x, u, alpha, mask, 0.6)], dtype)
     g = torch.randn_like(x)
-    _close(interpreted.gelu_residual_backward(g, u, alpha, mask, 0.6),
+    _close(interpreted.gelu_residual_backward(g, u, alpha, mask, 0.6, torch.float32),
            _reference(fused._gr_backward, g, u, alpha, mask, 0.6), dtype)
 
 

@@ -54,9 +54,9 @@ def fusable(*tensors: Optional[Tensor]) -> bool:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    if not torch.is_grad_enabled() and tensors[0].device.type == "cpu":
+    if not all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors):
         return False
-    return all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+    return torch.is_grad_enabled() or tensors[0].device.type != "cpu"
 
 
 def _kernels(t: Tensor):
@@ -111,7 +111,8 @@ def _rcn(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, we
     """(the output, the centred sum where ``save``, else an empty tensor)."""
     kernels = _kernels(x)
     if kernels is not None:
-        return kernels.residual_center_norm(x, h, mask, keep, weight, bias, scale, save)
+        return kernels.residual_center_norm(x, h, mask, keep, weight, bias, scale, *empty_rcn(x, h, mask, weight, bias,
+                                                                                                save))
     s = _residual_sum(x, h, mask, keep)
     z = s - s.mean(-1, keepdim=True)
     return torch.addcmul(bias, z, weight * scale), z if save else z.new_empty(0)
@@ -148,7 +149,8 @@ def _rcn_backward(grad: Tensor, z: Tensor, mask: Optional[Tensor], keep: float, 
     weight's and bias's gradients stacked, (2, C), summed in float32 at least)."""
     kernels = _kernels(grad)
     if kernels is not None:
-        return kernels.residual_center_norm_backward(grad, z, mask, keep, weight, scale)
+        return kernels.residual_center_norm_backward(grad, z, mask, keep, weight, scale,
+                                                     *empty_rcn_backward(grad, mask, weight))
     grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, keep, weight, scale)
     return grad_s, grad_h if grad_h is not None else grad_s.new_empty(0), sums.to(sum_dtype(grad))
 
@@ -212,7 +214,7 @@ def gelu_residual_plain(x, u, alpha, mask, keep):
 def _gr(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float) -> Tensor:
     kernels = _kernels(x)
     if kernels is not None:
-        return kernels.gelu_residual(x, u, alpha, mask, keep)
+        return kernels.gelu_residual(x, u, alpha, mask, keep, empty_gelu_residual(x, u, alpha))
     return gelu_residual_plain(x, u, alpha, mask, keep)
 
 
@@ -239,7 +241,7 @@ def _gr_backward(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor],
     """(the gradient of ``u``, alpha's summed in float32 at least)."""
     kernels = _kernels(grad)
     if kernels is not None:
-        return kernels.gelu_residual_backward(grad, u, alpha, mask, keep)
+        return kernels.gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype(grad))
     grad_u, grad_alpha = _gr_backward_math(grad, u, alpha, mask, keep)
     return grad_u, grad_alpha.to(sum_dtype(grad))
 

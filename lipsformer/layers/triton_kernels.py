@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import empty_gelu_residual, empty_rcn, empty_rcn_backward, sum_dtype
-
 ROWS = 16  # rows a program of the elementwise kernels takes
 
 
@@ -235,10 +233,11 @@ def _per_sample(x: torch.Tensor) -> int:
     return max(n, 1)
 
 
-def residual_center_norm(x, h, mask, keep, weight, bias, scale, save):
+def residual_center_norm(x, h, mask, keep, weight, bias, scale, y, z):
+    """Fills ``y`` and, unless it is empty, ``z`` (the op allocates them) and returns them."""
     C = x.shape[-1]
     R = x.numel() // C
-    y, z = empty_rcn(x, h, mask, weight, bias, save)
+    save = z.numel() > 0
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
     _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, mask_ptr, weight, bias, y, z if save else y, R, C,
                                       _per_sample(x), inv_keep, scale, HAS_H=h is not None,
@@ -246,22 +245,26 @@ def residual_center_norm(x, h, mask, keep, weight, bias, scale, save):
     return y, z
 
 
-def residual_center_norm_backward(grad, z, mask, keep, weight, scale):
+def residual_center_norm_backward(grad, z, mask, keep, weight, scale, gs, gh, sums):
+    """Fills ``gs``, ``gh`` (where a mask scales ``h``) and ``sums`` and returns them."""
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
-    gs, gh, _ = empty_rcn_backward(grad, mask, weight)
     P, per_program = _split_rows(R, grad.device)
     parts = torch.empty((P, 2, C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
     _rcn_bwd[(P,)](grad, z, mask_ptr, weight, gs, gh if mask is not None else gs, parts, R, C, per_program,
                    _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=_block(C))
-    return gs, gh, parts.sum(0).to(sum_dtype(grad))
+    if sums.dtype == parts.dtype:
+        torch.sum(parts, 0, out=sums)
+    else:  # float64 gradients: sums wider than the kernel's float32 partials
+        sums.copy_(parts.sum(0))
+    return gs, gh, sums
 
 
-def gelu_residual(x, u, alpha, mask, keep):
+def gelu_residual(x, u, alpha, mask, keep, y):
+    """Fills ``y`` (the op allocates it) and returns it."""
     C = x.shape[-1]
     R = x.numel() // C
-    y = empty_gelu_residual(x, u, alpha)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
     block = min(_block(C), 128)
     _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha, mask_ptr, y, R, C, _per_sample(x), inv_keep,
@@ -269,7 +272,7 @@ def gelu_residual(x, u, alpha, mask, keep):
     return y
 
 
-def gelu_residual_backward(grad, u, alpha, mask, keep):
+def gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype):
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
     gu = torch.empty(u.shape, dtype=u.dtype, device=u.device)
@@ -279,7 +282,7 @@ def gelu_residual_backward(grad, u, alpha, mask, keep):
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
     _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
                                          inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
-    return gu, parts.sum(0).to(sum_dtype(grad))
+    return gu, parts.sum(0).to(sum_dtype)
 
 
 def qk_normalize(q, k, q_scale, eps):
