@@ -126,7 +126,7 @@ def test_qk_normalize_keeps_its_contiguous_outputs_and_has_exact_gradients(scale
     of the plain expression; the outputs are contiguous from transposed inputs, and backward keeps those outputs and
     the row norms, not the inputs (so the projection that q and k are views of is not kept). It is differentiable
     once: a double backward says so."""
-    from lipsformer.layers.fused import l2_rows_plain, qk_normalize
+    from lipsformer.layers.fused import l2_normalize, qk_normalize
     q = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
     k = torch.randn(2, 5, 3, 4, dtype=torch.float64).transpose(1, 2).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: qk_normalize(a, b, 1e-12, scale), (q, k))
@@ -135,7 +135,7 @@ def test_qk_normalize_keeps_its_contiguous_outputs_and_has_exact_gradients(scale
         gq.pow(2).sum().backward()
     qn, kn = qk_normalize(q, k, 1e-12, scale)
     assert qn.is_contiguous() and kn.is_contiguous()
-    plain = (l2_rows_plain(q, 1e-12, scale), l2_rows_plain(k, 1e-12, 1.0))
+    plain = (l2_normalize(q, 1e-12, scale), l2_normalize(k, 1e-12, 1.0))
     torch.testing.assert_close(plain[0], q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-12) * scale)
     for a, b in zip((qn, kn), plain):
         torch.testing.assert_close(a, b)

@@ -13,16 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import l2_rows_plain, qk_normalize
+from .fused import l2_normalize, qk_normalize
 
 ATTENTIONS = ("scsa", "dot", "l2")
-
-
-def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    r"""Smoothed l2 row normalisation of LipsFormer eq. 6, times ``scale``:
-    :math:`s\,x / \sqrt{\|x\|^2 + \epsilon}` (SCSA's q and k go through one fused op,
-    :func:`lipsformer.layers.fused.qk_normalize`)."""
-    return l2_rows_plain(x, eps, scale)
 
 
 def fused_mask(bias: torch.Tensor, align: int) -> torch.Tensor:

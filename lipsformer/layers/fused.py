@@ -280,7 +280,9 @@ def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = 
 
 
 # -- SCSA's q and k --------------------------------------------------------------------------------------------------
-def l2_rows_plain(x: Tensor, eps: float, scale: float) -> Tensor:
+def l2_normalize(x: Tensor, eps: float, scale: float = 1.0) -> Tensor:
+    r"""Smoothed l2 row normalisation of LipsFormer eq. 6, times ``scale``: :math:`s\,x / \sqrt{\|x\|^2 + \epsilon}`
+    (SCSA's q and k go through one fused op, :func:`qk_normalize`)."""
     return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
 
 
@@ -372,7 +374,7 @@ torch.library.register_autograd("lipsformer::qk_normalize", _qkn_grad, setup_con
 def qk_normalize(q: Tensor, k: Tensor, eps: float, q_scale: float = 1.0) -> Tuple[Tensor, Tensor]:
     """``(q_scale * q / sqrt(|q|^2 + eps), k / sqrt(|k|^2 + eps))`` per row, contiguous where fused."""
     if not fusable(q, k) or q_scale <= 0:
-        return l2_rows_plain(q, eps, q_scale), l2_rows_plain(k, eps, 1.0)
+        return l2_normalize(q, eps, q_scale), l2_normalize(k, eps, 1.0)
     qn, kn, _, _ = _qkn(q, k, float(q_scale), float(eps))
     return qn, kn
 
