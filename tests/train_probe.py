@@ -103,6 +103,10 @@ def main() -> None:
             say()
             os.kill(os.getpid(), second)
         cli._say_written = said_then_signalled
+    if args.signal == "INT" or args.signal_in_shutdown == "INT":
+        # Ctrl-C as a terminal delivers it, even where this process was started with SIGINT ignored (a background
+        # job of a non-interactive shell), which Python would otherwise leave ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     records = []
     loop._train_step = probed_step(loop._train_step, records, args.signal_at_step,
                                    getattr(signal, "SIG" + args.signal))
