@@ -41,6 +41,10 @@ def resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
         return found
     if resume:
         path = Path(resume)
+        if path.is_file():
+            raise FileNotFoundError(f"--resume {resume} is a file, not a folder; pass a checkpoint folder "
+                                    f"(RUN/checkpoints/step_N), a run folder, or auto (to start a new run from a "
+                                    f"weight file: --set init_checkpoint={resume})")
         if not path.is_dir():
             raise FileNotFoundError(f"--resume {resume}: no such folder; pass a checkpoint folder "
                                     f"(RUN/checkpoints/step_N), a run folder, or auto")

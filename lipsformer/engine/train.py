@@ -103,7 +103,8 @@ def check_data(cfg: TrainConfig) -> None:
         return
     root = Path(cfg.data_dir)
     if not root.is_dir():
-        raise ConfigError(f"data_dir {root}: no such folder (it should hold {cfg.train_split}/ and "
+        what = " is a file, not a folder" if root.exists() else ": no such folder"
+        raise ConfigError(f"data_dir {root}{what} (it should hold {cfg.train_split}/ and "
                           f"{cfg.val_split}/, one sub-folder per class)")
     missing = [split for split in (cfg.train_split, cfg.val_split) if not (root / split).is_dir()]
     if missing:
