@@ -114,7 +114,7 @@ def _fmt(v: Optional[float], spec: str) -> str:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.flops", description=__doc__)
-    parser.add_argument("--models", nargs="*", default=list(PAPER), help="model names (default: all of the paper's)")
+    parser.add_argument("--models", nargs="+", default=list(PAPER), help="model names (default: all of the paper's)")
     parser.add_argument("--no-flops", action="store_true", help="parameters only (fast)")
     parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
     return parser

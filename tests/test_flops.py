@@ -32,3 +32,9 @@ def test_command_counts_flops_of_chosen_models(capsys):
     main(["--models", "lipsformer_cswin_t"])
     line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("lipsformer_cswin_t"))
     assert "4.67" in line.split()
+
+
+def test_models_without_a_name_is_a_mistake_not_an_empty_table(capsys):
+    assert main(["--models"]) == 2
+    captured = capsys.readouterr()
+    assert "--models: expected at least one argument" in captured.err and "params (M)" not in captured.out
