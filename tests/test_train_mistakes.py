@@ -62,8 +62,11 @@ def config(tmp_path):
     (lambda t: ["--set", "freeze=backbone", "mixup=0", "cutmix=0"], ["neither pretrained nor init_checkpoint"]),
     (lambda t: ["--set", "model_kwargs.pretrained_cfg_overlay={file: w.safetensors}"],
      ["set init_checkpoint: w.safetensors instead"]),
+    # webdataset shards without the _info.json that names their splits
+    (lambda t: ["--set", "dataset=wds/x", f"data_dir={t / 'data'}"],
+     ["error: dataset wds/x", "no split 'train'", "set train_split", "_info.json"]),
 ], ids=["no-data", "no-val", "num-classes", "resume-not-checkpoint", "resume-empty-run", "local-dir", "classes<1",
-        "step-no-decay", "freeze-random", "overlay-file"])
+        "step-no-decay", "freeze-random", "overlay-file", "wds-no-info"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, config, args, fragments):
     data = tmp_path / "data"
     shutil.copytree(data, tmp_path / "data_no_val", ignore=lambda d, names: ["val"] if d == str(data) else [])
@@ -72,6 +75,17 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, confi
     code, _, err = train_cli(capsys, "--config", config, *args(tmp_path))
     assert_one_line(code, err, 2, *fragments)
     assert snapshot(tmp_path) == before  # no run folder, no config.yaml, nothing changed
+
+
+def test_a_split_the_hf_dataset_lacks_is_one_line_naming_the_key(tmp_path, capsys, config):
+    """An imagefolder through Hugging Face datasets calls val/ "validation": the default val_split is named."""
+    pytest.importorskip("datasets")
+    code, _, err = train_cli(capsys, "--config", config, "--output-dir", tmp_path / "run", "--set",
+                             f"dataset=hfds/{tmp_path / 'data'}", f"data_dir={tmp_path / 'hf_cache'}")
+    last = err.strip().splitlines()[-1]  # after Hugging Face's progress bars
+    assert code == 2 and "Traceback" not in err and last.startswith("error: "), err
+    assert "no split 'val'" in last and "'validation'" in last and "set val_split" in last, last
+    assert not (tmp_path / "run").exists()
 
 
 def test_published_weights_offline_are_one_line_exit_1(tmp_path, capsys, config, monkeypatch):
