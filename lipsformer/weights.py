@@ -118,6 +118,10 @@ def unwrap_state_dict(checkpoint: dict, use_ema: bool = False) -> dict:
 def read_checkpoint(path, use_ema: bool = False) -> dict:
     """A state dict from ``.safetensors`` or a torch file, never running code stored in the file."""
     path = Path(path)
+    if path.is_dir():  # e.g. pretrained_cfg_overlay=dict(file=RUN): its weights are a file inside
+        raise FileNotFoundError(f"{path} is a folder, not a weight file: name the file inside it ("
+                                f"{path / 'best.safetensors'} of a train.py run, {path / 'model.safetensors'} of an "
+                                f"export)")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file {path}")
     if path.suffix == ".safetensors":

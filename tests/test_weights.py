@@ -258,3 +258,14 @@ def test_attlip_weights_of_the_other_form_are_refused_in_one_line_and_old_runs_l
     with pytest.raises(CheckpointError, match=r"does not fit this run's model: its AttLip blocks are attlip_form "
                                               r"'general'.*'orthogonal'"):
         check_loadable(folder, timm.create_model("lipsformer_swin_t_cert", **small))
+
+
+def test_a_folder_given_as_a_weight_file_names_the_file_to_give(tmp_path):
+    """pretrained_cfg_overlay=dict(file=RUN) (a folder, not a file) says which file inside to name."""
+    with pytest.raises(FileNotFoundError, match="is a folder, not a weight file.*best.safetensors"):
+        read_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is a folder, not a weight file"):
+        timm.create_model("lipsformer_swin_t", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path)),
+                          **TINY["swin"])
+    with pytest.raises(FileNotFoundError, match="no checkpoint file"):
+        read_checkpoint(tmp_path / "nope.pth")
