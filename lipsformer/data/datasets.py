@@ -218,7 +218,16 @@ def create_dataset(name: str, root: Optional[str], split: str, transform, is_tra
     if not name:
         return SafeImageDataset(FolderReader(scan_classes(os.path.join(root, split))), transform, seed=seed)
     streamed = {} if seed is None else dict(seed=seed)  # wds/, hfids/, tfds/ shuffle shards and samples with it
-    ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size, **streamed)
+    try:
+        ds = timm_create_dataset(name, root=root, split=split, is_training=is_training, batch_size=batch_size,
+                                 **streamed)
+    except (ValueError, RuntimeError) as e:  # timm's readers: hfds/ 'Unknown split', wds/ 'split not found'
+        if "split" not in str(e).lower():
+            raise
+        shards = " (wds/: the folder must hold _info.json naming its splits)" if name.startswith("wds/") else ""
+        raise DataConfigError(f"dataset {name} in {root}: no split {split!r}: {str(e).rstrip('.')}; set "
+                              f"{'train_split' if is_training else 'val_split'} to one of its splits{shards}") \
+            from None
     if hasattr(ds, "reader") and isinstance(ds, torch.utils.data.Dataset) and hasattr(ds.reader, "__getitem__"):
         return SafeImageDataset(ds.reader, transform, seed=seed)
     ds.transform = transform  # iterable (wds/...) datasets: timm's own error handling applies

@@ -23,7 +23,7 @@ from ..config import TrainConfig
 from ..data import collate_skip_failed, create_dataset, create_loader_transform, relabel
 from ..data.augment import TransformError
 from ..data.classes import reader_classes, write_class_names
-from ..data.datasets import DataConfigError, check_batches, scan_notes
+from ..data.datasets import check_batches, scan_notes
 from ..errors import ConfigError, Interrupted, Stopped
 from ..layers.attlip import AttLip
 from ..layers.normalized import PowerIterationState
@@ -71,18 +71,8 @@ def build_loaders(cfg: TrainConfig, model, accelerator: Accelerator):
     loaders, classes, notes = [], None, []
     for split, training in ((cfg.train_split, True), (cfg.val_split, False)):
         transform = create_loader_transform(model, is_training=training, cfg=cfg)
-        try:
-            ds = create_dataset(cfg.dataset, cfg.data_dir, split, transform, is_training=training,
-                                batch_size=cfg.batch_size, seed=cfg.seed)  # a folder: scanned (data/scanner.py)
-        except (ValueError, RuntimeError) as e:  # timm's readers: hfds/ 'Unknown split', wds/ 'split not found'
-            if not cfg.dataset or isinstance(e, DataConfigError) or "split" not in str(e).lower():
-                raise
-            shards = " (wds/: data_dir must hold _info.json naming its splits)" if cfg.dataset.startswith("wds/") \
-                else ""
-            why = str(e).rstrip(".")
-            raise DataConfigError(f"dataset {cfg.dataset} in {cfg.data_dir}: no split {split!r}: {why}; set "
-                                  f"{'train_split' if training else 'val_split'} to one of its splits{shards}") \
-                from None
+        ds = create_dataset(cfg.dataset, cfg.data_dir, split, transform, is_training=training,
+                            batch_size=cfg.batch_size, seed=cfg.seed)  # a folder: scanned (data/scanner.py)
         notes += scan_notes(ds)
         if training:
             classes = reader_classes(ds)
@@ -113,9 +103,8 @@ def check_data(cfg: TrainConfig) -> None:
         return
     root = Path(cfg.data_dir)
     if not root.is_dir():
-        what = " is a file, not a folder" if root.exists() else ": no such folder"
-        raise ConfigError(f"data_dir {root}{what} (it should hold {cfg.train_split}/ and "
-                          f"{cfg.val_split}/, one sub-folder per class)")
+        raise ConfigError(f"data_dir {root}{' is a file, not a folder' if root.exists() else ': no such folder'} (it "
+                          f"should hold {cfg.train_split}/ and {cfg.val_split}/, one sub-folder per class)")
     missing = [split for split in (cfg.train_split, cfg.val_split) if not (root / split).is_dir()]
     if missing:
         raise ConfigError(f"data_dir {root} has no {' and no '.join(m + '/' for m in missing)} folder (it should "
