@@ -22,6 +22,7 @@ from timm.models import adapt_input_conv, get_pretrained_cfg
 
 from .errors import ConfigError, Mistake, did_you_mean
 from .layers.attlip import form_mismatch
+from .writer import BEST, EXPORT_WEIGHTS
 
 # what train.py's weight files record in their safetensors metadata (strings): the input size they were made at,
 # as JSON [C, H, W], so a copy of best.safetensors away from its run folder still says it
@@ -120,8 +121,7 @@ def read_checkpoint(path, use_ema: bool = False) -> dict:
     path = Path(path)
     if path.is_dir():  # e.g. pretrained_cfg_overlay=dict(file=RUN): its weights are a file inside
         raise FileNotFoundError(f"{path} is a folder, not a weight file: name the file inside it ("
-                                f"{path / 'best.safetensors'} of a train.py run, {path / 'model.safetensors'} of an "
-                                f"export)")
+                                f"{path / BEST} of a train.py run, {path / EXPORT_WEIGHTS} of an export)")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file {path}")
     if path.suffix == ".safetensors":

@@ -41,13 +41,11 @@ def resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
         return found
     if resume:
         path = Path(resume)
-        if path.is_file():
-            raise FileNotFoundError(f"--resume {resume} is a file, not a folder; pass a checkpoint folder "
-                                    f"(RUN/checkpoints/step_N), a run folder, or auto (to start a new run from a "
-                                    f"weight file: --set init_checkpoint={resume})")
         if not path.is_dir():
-            raise FileNotFoundError(f"--resume {resume}: no such folder; pass a checkpoint folder "
-                                    f"(RUN/checkpoints/step_N), a run folder, or auto")
+            what = " is a file, not a folder" if path.is_file() else ": no such folder"
+            hint = f" (to start a new run from a weight file: --set init_checkpoint={resume})" if path.is_file() else ""
+            raise FileNotFoundError(f"--resume {resume}{what}; pass a checkpoint folder (RUN/checkpoints/step_N), a "
+                                    f"run folder, or auto{hint}")
         if RunFolder(path).is_run() or RunFolder(path).checkpoints.is_dir():  # a run folder: its newest checkpoint
             found = latest_checkpoint(path)
             if found is None:
