@@ -13,7 +13,7 @@ $(PY):
 # several times faster than pip (docs/README.md, the suite's own time); pip installs if uv cannot.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip uv
-	$(PY) -m uv pip install --quiet --python $(PY) -e ".[dev]" || $(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m uv pip install --quiet --compile-bytecode --python $(PY) -e ".[dev]" || $(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
