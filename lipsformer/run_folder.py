@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from .errors import ConfigError, Mistake, Stopped
+from .settings import SettingError, read_json_lines
 from .writer import (BEST, BEST_KEPT, CHECKPOINTS, CLASSES, CONFIG, CURVES, LAST, LAST_EMA, LOCK, METRICS, OUTPUTS,
                       SUMMARY, TMP_PREFIX, TRACKER_RUNS, Output, WriteFailed, check_outputs, check_target,
                       is_run, remove, replacing, to_json, write_held)
@@ -48,15 +49,37 @@ _CHECKPOINT = re.compile(r"^step_(\d{9})$")
 _KEPT = re.compile(r"^epoch_\d{3,}_top1_[\d.]+\.safetensors$")
 
 
+KINDS = ("init", "train", "epoch")  # of a metrics.jsonl row
+
+
 def read_metrics(path: Path) -> List[dict]:
     """The rows of a ``metrics.jsonl`` file in order; none when it does not exist. A last row cut short (the machine
-    went down in the middle of an append) is left out."""
+    went down in the middle of an append) is left out. A line the run cannot have written (not JSON, not an object,
+    no known kind or whole step, an epoch row without its epoch) is a SettingError naming the file and line."""
     path = Path(path)
     if not path.exists():
         return []
-    text = path.read_text()
-    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
-    return [json.loads(line) for line in lines if line.strip()]
+    rows = read_json_lines(path)
+    for n, row in rows:
+        problem = _row_problem(row)
+        if problem:
+            raise SettingError(f"{path} line {n}: {problem}; a run writes one JSON object per line, with its kind "
+                               f"and step: restore the line as the run wrote it, or remove it")
+    return [row for _, row in rows]
+
+
+def _row_problem(row) -> Optional[str]:
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if not isinstance(row, dict):
+        return f"{type(row).__name__} where a row is an object"
+    if row.get("kind") not in KINDS:
+        return f"kind {row.get('kind')!r} is not one of {', '.join(KINDS)}"
+    if not whole(row.get("step")):
+        return f"step {row.get('step')!r} is not a whole number"
+    if row["kind"] == "epoch" and not whole(row.get("epoch")):
+        return f"an epoch row's epoch {row.get('epoch')!r} is not a whole number"
+    return None
 
 
 def check_output(folder: "RunFolder", data_dir=None) -> None:

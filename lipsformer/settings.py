@@ -3,14 +3,18 @@
 * :func:`read_yaml` / :func:`load_yaml`: YAML (config files, ``--set`` values, a run folder's ``config.yaml`` read back)
   through one strict loader, which refuses a key given twice in one mapping, naming the key and both lines: a
   duplicate that silently wins is a setting the user believes in and the run ignores. :func:`unique_pairs` does the
-  same for JSON (``--model-args``).
+  same for JSON (``--model-args``), and :func:`read_json` / :func:`read_json_lines` read a JSON file a run wrote
+  (``trackers.json``, ``metrics.jsonl``), which a user may have edited, refusing what is not JSON in one line
+  naming the file and line.
 * :func:`expand_path`: ``~`` and environment variables (``$DATA``, ``${DATA}``) expanded in a path, from a config key
   or a flag alike; an unset variable is a mistake naming it, never a folder literally called ``$DATA``.
 
 No imports beyond PyYAML and the standard library: the config, the weights and the command lines all use it.
 """
+import json
 import os
 import re
+from pathlib import Path
 from typing import Any, List, Tuple
 
 import yaml
@@ -66,6 +70,39 @@ def unique_pairs(pairs: List[Tuple[str, Any]]) -> dict:
             raise SettingError(f"duplicate key {key!r} in a JSON object; give each key once")
         out[key] = value
     return out
+
+
+def _json(text: str, where: str, one_line: bool = False) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=unique_pairs)
+    except json.JSONDecodeError as e:
+        at, it = (f"column {e.colno}", "the line") if one_line else (f"line {e.lineno} column {e.colno}", "it")
+        raise SettingError(f"{where}: not JSON at {at} ({e.msg}); restore {it} as the run wrote it, or remove {it}"
+                           ) from None
+    except SettingError as e:
+        raise SettingError(f"{where}: {e}") from None
+
+
+def _text(path) -> str:
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SettingError(f"{path}: not UTF-8 text (byte {e.start}); restore it as the run wrote it, or remove it"
+                           ) from None
+
+
+def read_json(path) -> Any:
+    """The JSON file at ``path``, read strictly (a key given twice is refused); one that is not JSON is a
+    :class:`SettingError` naming the file, line and column."""
+    return _json(_text(path), str(path))
+
+
+def read_json_lines(path) -> List[Tuple[int, Any]]:
+    """``(line number, value)`` for each non-blank line of a file of one JSON value per line, each read as
+    :func:`read_json` reads a file (the error names the file and line). A last line without its newline, cut short
+    by a machine that went down in the middle of an append, is left out."""
+    lines = _text(path).split("\n")[:-1]  # the text after the last newline: empty, or a line cut short
+    return [(n, _json(line, f"{path} line {n}", one_line=True)) for n, line in enumerate(lines, 1) if line.strip()]
 
 
 def expand_path(value: str, what: str) -> str:

@@ -164,6 +164,34 @@ def test_a_run_folders_config_edited_by_hand_is_one_line_naming_the_file_and_the
     shutil.rmtree(run)
 
 
+def test_a_run_folders_rows_and_tracker_runs_edited_by_hand_are_one_line_naming_the_file(base, capsys, tmp_path):
+    """A resume continues a run's metrics.jsonl and trackers.json, read before anything is written: a row that is
+    not JSON, a row of another shape and a trackers.json of another shape are one line naming the file (and the
+    line), exit 2, nothing written. A last row cut short (a crash in the middle of an append) is not a mistake."""
+    run = tmp_path / "run"
+    argv = ["--config", base / "cfg.yaml", "--output-dir", run, "--set", "log_with=[tensorboard]"]
+    assert call(capsys, TRAIN.main, argv)[0] == 0
+    metrics, trackers = run / "metrics.jsonl", run / "trackers.json"
+    rows = metrics.read_text()
+    first, rest = rows.split("\n", 1)
+    for line, said, fix in (("{not json", "line 2: not JSON at column 2", "restore the line"),
+                            ("[1, 2]", "line 2: list where a row is an object", "restore the line"),
+                            ('{"kind": "epoch", "step": 2}', "line 2: an epoch row's epoch None is not a whole number",
+                             "restore the line"),
+                            ('{"kind": "train", "step": 1, "step": 2}', "line 2: duplicate key 'step'", "once")):
+        metrics.write_text(f"{first}\n{line}\n{rest}")
+        refused(capsys, TRAIN.main, [*argv, "--resume", "auto"], tmp_path, f"{metrics} {said}", fix)
+    metrics.write_text(rows)
+    for record, said in (("[]", "not a record of tracker runs"), ('{"wandb": "x"}', "not a record of tracker runs"),
+                         ("{", "not JSON at line 1 column 2")):
+        trackers.write_text(record)
+        refused(capsys, TRAIN.main, [*argv, "--resume", "auto"], tmp_path, f"{trackers}: {said}")
+    trackers.unlink()
+    metrics.write_text(rows + '{"kind": "tr')  # cut short: left out, the run resumes (here: it had finished)
+    code, out, err = call(capsys, TRAIN.main, [*argv, "--resume", "auto"])
+    assert code == 0 and "error" not in err, err
+
+
 def test_a_choice_yaml_reads_as_a_boolean_is_the_word_in_a_file_as_in_set(tmp_path):
     words = {key: "no" for key, choices in CHOICES.items() if "no" in choices}  # YAML 1.1: no is false
     assert "mixed_precision" in words

@@ -17,6 +17,7 @@ from ..run_folder import MANIFEST, RunFolder, checkpoint_step
 from ..settings import read_yaml
 from ..weights import CheckpointError
 from .checkpoint import TrainState, intact_checkpoint, latest_checkpoint, verify_checkpoint
+from .trackers import read_record
 
 _logger = logging.getLogger(__name__)
 
@@ -64,9 +65,14 @@ def resume_point(folder: RunFolder, resume: Optional[str]) -> Optional[Path]:
 
 def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
     """Refuse a resume whose config changes what the checkpoint restores (the optimizer's hyperparameters, the lr
-    schedule): the checkpoint's values would win silently. Compared with the run's ``config.yaml``."""
+    schedule): the checkpoint's values would win silently. Compared with the run's ``config.yaml``. The run's rows
+    (``metrics.jsonl``) and tracker runs (``trackers.json``), which a resume continues, are read here, before
+    anything is written: one edited into another shape is a SettingError naming the file."""
     if resume_from is None:
         return
+    RunFolder(cfg.output_dir).read_metrics()
+    if cfg.log_with:
+        read_record(RunFolder(cfg.output_dir).tracker_runs)
     saved_config = RunFolder(resume_from.parent.parent).config
     if not saved_config.is_file():
         return

@@ -9,13 +9,13 @@ flat values (:func:`hparams`); ``trackers.json`` in the run folder records what 
 that can continue one (wandb's run ``id``, MLflow's ``run_id``), and a resumed run passes it back, so its rows go on
 in the same tracker run.
 """
-import json
 import logging
 from typing import Any, Callable, Dict, List
 
 from ..errors import Mistake, Preempted
 from ..extras import TRACKERS, MissingExtra, require
 from ..run_folder import on_main
+from ..settings import SettingError, read_json
 from ..writer import TRACKER, to_json, write_json
 
 _logger = logging.getLogger(__name__)
@@ -66,13 +66,16 @@ def hparams(cfg) -> Dict[str, Any]:
 
 
 def read_record(path) -> Dict[str, dict]:
-    """What ``trackers.json`` records (none when it does not exist)."""
+    """What ``trackers.json`` records (none when it does not exist): each tracker's keys that continue its run. A
+    file of another shape is a SettingError naming it."""
     try:
-        with open(path) as f:
-            record = json.load(f)
+        record = read_json(path)
     except FileNotFoundError:
         return {}
-    return record if isinstance(record, dict) else {}
+    if not isinstance(record, dict) or not all(isinstance(keys, dict) for keys in record.values()):
+        raise SettingError(f"{path}: not a record of tracker runs (an object of tracker name: the keys that continue "
+                           f"its run); restore it as the run wrote it, or remove it to start new tracker runs")
+    return record
 
 
 def _tensorboard(root):
