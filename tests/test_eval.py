@@ -19,7 +19,7 @@ from lipsformer.engine.evaluate import evaluate_dataset, score
 from lipsformer.sources import export
 
 from conftest import TINY, load_script, reset_accelerate
-from helpers import NUM_CLASSES, write_image
+from helpers import EVAL, NUM_CLASSES, call, write_image
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -189,7 +189,7 @@ def test_a_table_ranks_rows_without_accuracy_after_every_scored_one():
 
 
 # -- eval.py, one and two processes -------------------------------------------------------------------
-def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
+def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path, capsys):
     model = timm.create_model("lipsformer_swin_t", num_classes=NUM_CLASSES, **TINY["swin"])
     export(model, tmp_path / "weights")
     rng = np.random.default_rng(0)
@@ -199,20 +199,23 @@ def test_eval_cli_two_processes_equal_one_on_an_odd_image_count(tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels).save(folder / f"{i}.png")
 
-    def run(*launcher, tag):
+    def argv(tag):
         out = tmp_path / tag
-        proc = subprocess.run(
-            [*launcher, str(ROOT / "eval.py"), "--model", "lipsformer_swin_t",
-             "--checkpoint", str(tmp_path / "weights"), "--data-dir", str(tmp_path / "v2"), "--dataset", "imagenet_v2",
-             "--batch-size", "4", "--workers", "0", "--output", str(out.with_suffix(".json")),
-             "--predictions", str(out.with_suffix(".csv"))],
-            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return (json.loads(out.with_suffix(".json").read_text()),
-                list(csv.DictReader(out.with_suffix(".csv").open())), proc.stdout)
+        return ["--model", "lipsformer_swin_t", "--checkpoint", str(tmp_path / "weights"), "--data-dir",
+                str(tmp_path / "v2"), "--dataset", "imagenet_v2", "--batch-size", "4", "--workers", "0", "--output",
+                str(out.with_suffix(".json")), "--predictions", str(out.with_suffix(".csv"))]
 
-    one, rows_one, stdout = run(PY, tag="one")
-    two, rows_two, _ = run(str(Path(PY).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", tag="two")
+    def read(tag):
+        out = tmp_path / tag
+        return json.loads(out.with_suffix(".json").read_text()), list(csv.DictReader(out.with_suffix(".csv").open()))
+
+    code, stdout, err = call(capsys, EVAL.main, argv("one"))  # one process: this one
+    assert code == 0, err
+    proc = subprocess.run([str(Path(PY).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "eval.py"), *argv("two")], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (one, rows_one), (two, rows_two) = read("one"), read("two")
     assert (one["processes"], two["processes"]) == (1, 2)
     assert one["count"] == two["count"] == one["images"] == 13
     assert (one["top1"], one["top5"]) == (two["top1"], two["top5"])

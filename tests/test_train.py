@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from conftest import reset_accelerate
-from helpers import (ROOT, TINY_MODEL, TINY_RUN, TRAIN, assert_killed_run_resumes_exactly, call, make_folder, make_wds,
+from helpers import (ROOT, TINY_MODEL, TINY_RUN, TRAIN, call, make_folder, make_wds,
                      read_metrics, torchrun, write_config)
 
 from lipsformer.engine.checkpoint import latest_checkpoint
@@ -141,13 +141,6 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path):
     with pytest.raises(ConfigError, match="--resume auto"):
         train(cfg)
     assert (Path(cfg.output_dir) / "last.safetensors").read_bytes() == before
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_to_bit_identical_weights(tmp_path):
-    """In the main process; with loader workers (2), as the flagship recipe resumes, in tests/test_configs.py."""
-    config = write_config(tmp_path, epochs=3, checkpoint_every_steps=1)
-    assert_killed_run_resumes_exactly(config, tmp_path, total_steps=18)
 
 
 def _draw_from_every_rng(img):
