@@ -8,11 +8,13 @@ from timm.layers import register_notrace_function
 
 @register_notrace_function  # reason: the window count comes from the input's shape
 def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
-    """(B, H, W, C) -> (B * nH * nW, wh * ww, C); windows in raster order, tokens row-major inside."""
-    B, H, W, C = x.shape
+    """(B, H, W, *C) -> (B * nH * nW, wh * ww, *C); windows in raster order, tokens row-major inside. The channel
+    dims ``C`` are kept as given and need not be contiguous with each other (one stripe branch's q, k and v, a
+    slice of the projection): one copy either way."""
+    B, H, W, *C = x.shape
     wh, ww = window
-    x = x.view(B, H // wh, wh, W // ww, ww, C).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(-1, wh * ww, C)
+    x = x.view(B, H // wh, wh, W // ww, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
+    return x.reshape(-1, wh * ww, *C)
 
 
 @register_notrace_function  # reason: int arguments may be traced values
