@@ -18,9 +18,13 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# pytest in TEST_WORKERS processes (pytest-xdist), one test file each at a time, each worker's torch on one thread:
+# two workers' torch threads on two cores contend, one each keeps both cores busy through the seconds a test spends
+# starting processes and reading files (docs/README.md, the suite's own time).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The oldest versions pyproject.toml allows, in a venv of their own, on the suite's fast subset (not part of CI,
 # which tests what pip resolves today): every test not marked slow (pyproject.toml's markers), the shipped recipes
