@@ -9,6 +9,7 @@ CenterNorm, average pooling and a linear head; spectral initialisation.
 """
 import collections
 import math
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -32,6 +33,21 @@ def relative_position_index(window: Tuple[int, int]) -> torch.Tensor:
     coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij")).flatten(1)
     rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
     return (rel[..., 0] + wh - 1) * (2 * ww - 1) + (rel[..., 1] + ww - 1)
+
+
+# What timm's resize_rel_pos_bias_table makes torch warn about on each call (its grid interpolator's list index and
+# non-contiguous searchsorted input): timm's code, nothing a user can change, so not shown to one.
+_TIMM_RESIZE_WARNINGS = (r"torch\.searchsorted\(\): input value tensor is non-contiguous",
+                         r"Using a non-tuple sequence for multidimensional indexing")
+
+
+def resize_bias_table(table: torch.Tensor, window: Tuple[int, int], shape: Tuple[int, int]) -> torch.Tensor:
+    """timm's ``resize_rel_pos_bias_table`` (bicubic), the table timm's Swin resizes to, without torch's warnings
+    about timm's interpolator."""
+    with warnings.catch_warnings():
+        for message in _TIMM_RESIZE_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        return resize_rel_pos_bias_table(table, new_window_size=window, new_bias_shape=shape)
 
 
 @register_notrace_module  # reason: window partitioning and padding read the input's shape
@@ -63,8 +79,7 @@ class WindowAttention(nn.Module, ScaledOutput):
         table = self.relative_position_bias_table
         with torch.no_grad():
             entries = (2 * window[0] - 1) * (2 * window[1] - 1)
-            resized = resize_rel_pos_bias_table(table.detach(), new_window_size=window,
-                                                new_bias_shape=(entries, self.num_heads))
+            resized = resize_bias_table(table.detach(), window, (entries, self.num_heads))
         self.relative_position_bias_table = nn.Parameter(resized.to(table.dtype), requires_grad=table.requires_grad)
         self.register_buffer("relative_position_index", relative_position_index(window).to(table.device),
                              persistent=False)
@@ -263,7 +278,7 @@ def _resize_bias_tables(state_dict: dict, model: LipsFormerSwin) -> Tuple[dict, 
         side = math.isqrt(value.shape[0])  # a square window w's table has (2w - 1)^2 rows
         if side * side != value.shape[0] or side % 2 == 0:
             continue
-        out[key] = resize_rel_pos_bias_table(value.float(), new_window_size=attn.window, new_bias_shape=shape)
+        out[key] = resize_bias_table(value.float(), attn.window, shape)
         resized[((side + 1) // 2, tuple(attn.window))] += 1
     return out, [f"{n} relative position bias table{'s' * (n > 1)} (window {w}x{w} -> {a}x{b}, bicubic)"
                  for (w, (a, b)), n in resized.items()]
