@@ -88,6 +88,14 @@ def test_gelu_residual_kernels_match_the_plain_ops(interpreted, dtype, dropped):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_and_grad_kernels_match_the_plain_ops(interpreted, dtype):
+    u, g = torch.randn(3, 5, 700, dtype=dtype) * 3, torch.randn(3, 5, 700, dtype=dtype)  # more than one block
+    got = interpreted.gelu_and_grad(g, u)
+    assert [t.dtype for t in got] == [dtype, dtype]
+    _close(got, _reference(fused._gg, g, u), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_normalize_kernels_match_the_plain_ops_on_strided_views(interpreted, dtype):
     qkv = torch.randn(2, 7, 3, 3, 8, dtype=dtype)  # (windows, tokens, q/k/v, heads, d), as the projection lays out
     q, k = (t.transpose(1, 2) for t in qkv.unbind(2)[:2])

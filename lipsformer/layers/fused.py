@@ -10,6 +10,8 @@ aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``).
   the outputs and the row norms.
 - :func:`scale_rows`: a linear map's weight and bias with a per-output-channel scale folded in (a weighted residual's
   alpha, :func:`lipsformer.layers.gelu.fused_linear`).
+- :func:`gelu_and_grad`: ``GELU(u)`` and ``grad * GELU'(u)`` in one pass over ``u``, for the backward of
+  :func:`lipsformer.layers.gelu.gelu_linear`, which recomputes the GELU rather than keep it (a backward op only).
 
 A DropPath factor is timm's: the per-sample draw ``bernoulli(keep)`` (0 or 1, the same random stream as
 ``timm.layers.DropPath``) divided by ``keep``. Backward runs the fused backward op; under ``create_graph`` (a
@@ -277,6 +279,33 @@ def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = 
     if not fusable(x, u, alpha, mask) or alpha.shape != x.shape[-1:]:
         return gelu_residual_plain(x, u, alpha, mask, keep)
     return _gr(x.contiguous(), u.contiguous(), alpha, mask, float(keep))
+
+
+# -- GELU(u) and grad * GELU'(u), in a backward that recomputes the GELU ---------------------------------------------
+def gelu_and_grad_plain(grad_h, u):
+    return F.gelu(u), torch.ops.aten.gelu_backward(grad_h.to(u.dtype), u)
+
+
+@torch.library.custom_op("lipsformer::gelu_and_grad", mutates_args=())
+def _gg(grad_h: Tensor, u: Tensor) -> Tuple[Tensor, Tensor]:
+    kernels = _kernels(u)
+    if kernels is not None:
+        return kernels.gelu_and_grad(grad_h, u)
+    return gelu_and_grad_plain(grad_h, u)
+
+
+@_gg.register_fake
+def _(grad_h, u):
+    return torch.empty_like(u), torch.empty_like(u)
+
+
+def gelu_and_grad(grad_h: Tensor, u: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(GELU(u), grad_h * GELU'(u))`` in ``u``'s dtype: what a backward that recomputes a GELU needs for the next
+    weight's gradient and for ``u``'s, reading ``u`` once. Not differentiable: under ``create_graph`` or a
+    ``torch.func`` transform the plain ops run."""
+    if not fusable(grad_h, u) or _math_backward() or grad_h.shape != u.shape:
+        return gelu_and_grad_plain(grad_h, u)
+    return _gg(grad_h.contiguous(), u.contiguous())
 
 
 # -- SCSA's q and k --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from .fused import scale_rows, scale_rows_backward
+from .fused import gelu_and_grad, scale_rows, scale_rows_backward
 
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -48,13 +48,16 @@ class _FusedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         u, weight, bias, scale = ctx.saved_tensors
         need_u, need_w, need_b, need_s = ctx.needs_input_grad[:4]
-        grad_u = grad_w = grad_b = grad_s = None
+        grad_u = grad_w = grad_b = grad_s = h = None
         if need_u:
             grad_h = grad @ _folded(weight, None, scale, ctx.input_scale)[0].to(grad.dtype)
-            grad_u = _gelu_grad(grad_h, u) if ctx.gelu else grad_h.to(u.dtype)
+            if ctx.gelu and (need_w or need_s):  # the GELU again for the weight's gradient, and its derivative
+                h, grad_u = gelu_and_grad(grad_h, u)
+            else:
+                grad_u = _gelu_grad(grad_h, u) if ctx.gelu else grad_h.to(u.dtype)
         flat = grad.reshape(-1, grad.shape[-1])
         if need_w or need_s:
-            h = (F.gelu(u) if ctx.gelu else u).to(grad.dtype)
+            h = (h if h is not None else F.gelu(u) if ctx.gelu else u).to(grad.dtype)
             grad_w = (flat.t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)  # the scaled weight's gradient
         if bias is not None and (need_w or need_b or need_s):
             grad_b = flat.sum(0).to(bias.dtype)

@@ -121,6 +121,16 @@ def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, R, C, rows_per_prog
 
 
 @triton.jit
+def _gg(g_ptr, u_ptr, h_ptr, gu_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, _gelu(u).to(h_ptr.dtype.element_ty), mask=ok)
+    tl.store(gu_ptr + offs, (g * _gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _l2_rows(src, s0, s1, s2, s3, d1, d2, dst, r_ptr, R, D, scale, eps, rows, ROWS: tl.constexpr,
              BLOCK: tl.constexpr):
     """Rows ``rows`` of a 4-d strided ``src`` (rows in (d0, d1, d2) order) normalised into contiguous ``dst``."""
@@ -283,6 +293,13 @@ def gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype):
     _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
                                          inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
     return gu, parts.sum(0).to(sum_dtype)
+
+
+def gelu_and_grad(grad_h, u):
+    h, gu = torch.empty_like(u), torch.empty_like(u)
+    n = u.numel()
+    _gg[(triton.cdiv(n, 1024),)](grad_h, u, h, gu, n, BLOCK=1024)
+    return h, gu
 
 
 def qk_normalize(q, k, q_scale, eps):
