@@ -74,7 +74,9 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         qkv = self.qkv(x).view(B, Hp, Wp, P, nb, C // nb)
         outs = []
         for b, (part, window, lepe) in enumerate(zip(qkv.unbind(4), windows, self.lepe)):
-            windows = window_partition(part, window)  # (Bw, N, P, Cb)
+            # (Bw, N, P, Cb), a copy: a stripe that spans the map is otherwise a view of the whole projection,
+            # which the attention's saved q, k, v would keep alive (both branches' channels)
+            windows = window_partition(part, window).contiguous()
             Bw, N = windows.shape[:2]
             q, k, v = self.kernel.split(windows.view(Bw, N, P, self.branch_heads, -1))
             v_map = v.transpose(1, 2).reshape(Bw, window[0], window[1], -1).permute(0, 3, 1, 2)  # LePE's input
