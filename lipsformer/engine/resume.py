@@ -70,9 +70,10 @@ def check_resumable(cfg: TrainConfig, resume_from: Optional[Path]) -> None:
     anything is written: one edited into another shape is a SettingError naming the file."""
     if resume_from is None:
         return
-    RunFolder(cfg.output_dir).read_metrics()
+    folder = RunFolder(cfg.output_dir)
+    folder.read_metrics()
     if cfg.log_with:
-        read_record(RunFolder(cfg.output_dir).tracker_runs)
+        read_record(folder.tracker_runs)
     saved_config = RunFolder(resume_from.parent.parent).config
     if not saved_config.is_file():
         return

@@ -57,7 +57,9 @@ class _FusedLinear(torch.autograd.Function):
                 grad_u = _gelu_grad(grad_h, u) if ctx.gelu else grad_h.to(u.dtype)
         flat = grad.reshape(-1, grad.shape[-1])
         if need_w or need_s:
-            h = (h if h is not None else F.gelu(u) if ctx.gelu else u).to(grad.dtype)
+            if h is None:
+                h = F.gelu(u) if ctx.gelu else u
+            h = h.to(grad.dtype)
             grad_w = (flat.t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)  # the scaled weight's gradient
         if bias is not None and (need_w or need_b or need_s):
             grad_b = flat.sum(0).to(bias.dtype)

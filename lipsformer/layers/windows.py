@@ -10,7 +10,8 @@ from timm.layers import register_notrace_function
 def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
     """(B, H, W, *C) -> (B * nH * nW, wh * ww, *C); windows in raster order, tokens row-major inside. The channel
     dims ``C`` are kept as given and need not be contiguous with each other (one stripe branch's q, k and v, a
-    slice of the projection): one copy either way."""
+    slice of the projection). One copy, or a view of ``x`` where its windows already lie in that order (a window
+    as wide as the map, rows of ``x`` contiguous)."""
     B, H, W, *C = x.shape
     wh, ww = window
     x = x.view(B, H // wh, wh, W // ww, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
