@@ -840,3 +840,54 @@ def test_bound_keeping_keys_are_keep_bounds_arguments_and_the_resume_record_comp
               "lipschitz_conv_max", "margin_eps", "margin_bound")  # the order written checkpoints hold
     distinct = TrainConfig(**{k: 0.5 + i for i, k in enumerate(stored)})
     assert keep_settings(distinct) == [getattr(distinct, k) for k in stored]
+
+
+# -- the attention-free mixer of the same parameters ----------------------------------------------------
+def test_shift_tokens_moves_four_channel_groups_one_token_each_way_with_zeros_in():
+    from lipsformer.layers.shift import shift_tokens
+
+    x = torch.randn(2, 3, 4, 9)  # four groups of 2 channels and one channel that stays
+    out = shift_tokens(x)
+    zero = torch.zeros_like
+    torch.testing.assert_close(out[..., 0:2], torch.cat([zero(x[:, :1, :, 0:2]), x[:, :-1, :, 0:2]], 1))  # down
+    torch.testing.assert_close(out[..., 2:4], torch.cat([x[:, 1:, :, 2:4], zero(x[:, :1, :, 2:4])], 1))  # up
+    torch.testing.assert_close(out[..., 4:6], torch.cat([zero(x[:, :, :1, 4:6]), x[:, :, :-1, 4:6]], 2))  # right
+    torch.testing.assert_close(out[..., 6:8], torch.cat([x[:, :, 1:, 6:8], zero(x[:, :, :1, 6:8])], 2))  # left
+    torch.testing.assert_close(out[..., 8:], x[..., 8:])
+    # a partial permutation: differences never grow
+    y = torch.randn_like(x)
+    assert (shift_tokens(x) - shift_tokens(y)).norm() <= (x - y).norm()
+    assert shift_tokens(torch.ones(1, 1, 1, 8)).abs().sum() == 0  # one token: every shifted channel leaves
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_shift_mixer_replaces_attention_with_its_parameters_and_its_certificate_holds(name):
+    from lipsformer.layers.shift import ShiftMixer
+    from lipsformer.lipschitz import lipschitz_report, maximize_difference_quotient
+    from lipsformer.lipschitz.certify import normalization, pgd_l2, predict_certified
+    from lipsformer.lipschitz.registry import module_bound
+
+    torch.manual_seed(0)
+    shift = certifiable(name, attn="shift", linear="normalized").eval()
+    mixers = [b.attn for s in shift.stages for b in s.blocks]
+    assert mixers and all(isinstance(m, ShiftMixer) for m in mixers)
+    # the parameters of one output map: Swin's orthogonal AttLip has a C x C rotation (and a scale a head)
+    assert all(sum(p.numel() for p in m.parameters()) == m.proj.in_features * (m.proj.in_features + 1)
+               for m in mixers)
+    mixer = ShiftMixer(8)
+    with torch.no_grad():
+        mixer.proj.weight.mul_(3.0)
+    bound = module_bound(mixer, (4, 4)).lip
+    assert bound == pytest.approx(float(torch.linalg.matrix_norm(mixer.proj.weight.detach(), ord=2)), rel=1e-6)
+    q = maximize_difference_quotient(mixer, torch.randn(1, 4, 4, 8), radius=1.0, steps=20)["lower_bound"]
+    assert 0.5 * bound < q <= bound * (1 + 1e-5)
+    report = lipschitz_report(shift)
+    assert report.bound <= 1.0 + 1e-5 and report.defect == 0  # no solver: nothing to charge
+    # sound: PGD at 0.98x each image's certified radius flips nothing
+    mean, std = normalization(shift)
+    pixels = torch.rand(6, 3, 32, 32)
+    _, pred, radius = predict_certified(shift, (pixels - mean) / std)
+    assert (radius > 0).all()
+    assert not pgd_l2(shift, pixels, pred, radius.float() * 0.98, mean, std, steps=10, restarts=2).any()
+    shift.set_input_size(img_size=64)  # no windows: any size, the weights kept
+    assert shift(torch.randn(1, 3, 64, 64)).shape == (1, 4)

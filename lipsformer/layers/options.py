@@ -25,6 +25,7 @@ from .init import INITS
 from .norm import NORMS
 from .normalized import LINEARS
 from .residual import RESIDUALS
+from .shift import ShiftMixer
 
 
 class _Unset:
@@ -47,8 +48,11 @@ class _Unset:
 UNSET: Any = _Unset()
 
 STAGE_ACTS = ("none", *ACTS)
+# the ``attn`` choices that replace the family's attention by a mixer of their own (``LipschitzOptions.token_mixer``)
+TOKEN_MIXERS = ("attlip", "shift")
+MIXER_TYPES = (AttLipMixer, ShiftMixer)  # their modules, which keep their own windows (``set_windows``)
 # the fields that name a choice, and their choices: checked when the options are made
-CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, "attlip"), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
+CHOICES = dict(norm=NORMS, attn=(*ATTENTIONS, *TOKEN_MIXERS), init=INITS, conv_blocks=CONV_BLOCKS, residual=RESIDUALS,
                act=ACTS, linear=tuple(LINEARS), stage_act=STAGE_ACTS, mlp=MLPS, attlip_form=tuple(FORMS))
 
 
@@ -87,7 +91,8 @@ class LipschitzOptions:
 
     Args (the released Swin's value, :data:`RELEASED`, in brackets):
         norm: ``center`` | ``layer`` | ``none`` (Table 3) [center].
-        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip`` [scsa].
+        attn: ``scsa`` | ``dot`` | ``l2`` (Table 3) | ``attlip`` | ``shift`` (no attention: the attention-free
+            mixer of the same parameters, :class:`lipsformer.layers.shift.ShiftMixer`) [scsa].
         tau, learn_tau, v_norm, nu, tied_qk: see :class:`lipsformer.layers.AttentionKernel`
             (``l2`` with ``tied_qk`` is Kim et al.'s Lipschitz form) [10, False, False, 1, False].
         alpha_init: initial residual weights; ``None`` means ``1 / sum(depths)`` (released Swin) [None].
@@ -191,8 +196,11 @@ class LipschitzOptions:
         return AttentionKernel(self.attn, tau=self.tau, learn_tau=self.learn_tau, v_norm=self.v_norm, nu=self.nu,
                                tied_qk=self.tied_qk, fused=self.fused_attn)
 
-    def attlip_mixer(self, dim: int, heads: int, windows: Sequence[Tuple[int, int]]) -> AttLipMixer:
-        """The token mixer of ``attn="attlip"`` (both families'): AttLip over ``windows`` with these options."""
+    def token_mixer(self, dim: int, heads: int, windows: Sequence[Tuple[int, int]]) -> nn.Module:
+        """The token mixer of ``attn`` in :data:`TOKEN_MIXERS` (both families'): AttLip over ``windows`` with these
+        options, or the shift mixer (which has no windows)."""
+        if self.attn == "shift":
+            return ShiftMixer(dim)
         return AttLipMixer(dim, heads, windows, self.attlip_eta, *self.attlip_steps, self.attlip_tol,
                            delta=not self.attlip_prox, reflect=self.attlip_reflect, form=self.attlip_form)
 

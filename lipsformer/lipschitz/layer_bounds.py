@@ -22,6 +22,7 @@ from ..layers.attention import KimL2Attention
 from ..layers.attlip import OrthogonalAttLip
 from ..layers.block import CPLMlp, GeluMlp
 from ..layers.residual import WeightedResidual
+from ..layers.shift import ShiftMixer
 from ..layers.spectral import gram_norm_upper, largest_singular_value
 from ..models.lipsformer_cswin import CrossShapedAttention
 from ..models.lipsformer_swin import WindowAttention
@@ -401,6 +402,13 @@ def attlip_mixer_bound(mixer: AttLipMixer, hw: HW) -> Bound:
         return Bound(attlip_bound(), f"AttLip Thm 4: {what}")
     return Bound(math.nextafter(attlip_bound() + (2 if mixer.delta or mixer.reflect else 1) * delta, INF),
                  f"AttLip Thm 4: {what}; rotation rounding {delta:.1e} charged")
+
+
+@register_bound(ShiftMixer)
+def shift_mixer_bound(mixer: ShiftMixer, hw: HW) -> Bound:
+    """``proj(shift(x))``: the zero-fill shift is a partial permutation (norm at most 1), so ``proj``'s bound."""
+    lip, note = module_bound(mixer.proj, hw)
+    return Bound(lip, "zero-fill shift (a partial permutation), then proj")
 
 
 # -- pools ---------------------------------------------------------------------------------------------

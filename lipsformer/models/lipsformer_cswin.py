@@ -17,9 +17,10 @@ from timm.layers import register_notrace_module, to_2tuple
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
-from ..layers.options import CERTIFIABLE, preset
+from ..layers import AttentionKernel, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
 from ..layers.residual import ScaledOutput, scaled_linear
+from ..layers.shift import ShiftMixer
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
                     check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
@@ -186,9 +187,11 @@ class LipsFormerCSwin(LipsFormerBase):
             full, windows = stage_stripes(i, res, split_size[i], i == len(depths) - 1)
             blocks = []
             for j in range(depth):
-                attn = lips.attlip_mixer(dim, num_heads[i], windows) if lips.attn == "attlip" else CrossShapedAttention(
-                    dim, num_heads[i], res, split_size[i], lips.kernel(), full=full, qkv_bias=qkv_bias,
-                    proj_drop=proj_drop_rate)
+                if lips.attn in TOKEN_MIXERS:
+                    attn = lips.token_mixer(dim, num_heads[i], windows)
+                else:
+                    attn = CrossShapedAttention(dim, num_heads[i], res, split_size[i], lips.kernel(), full=full,
+                                                qkv_bias=qkv_bias, proj_drop=proj_drop_rate)
                 blocks.append(LipsBlock(dim, attn, drop_path=dpr[sum(depths[:i]) + j], **block_kwargs))
             stages.append(LipsStage(downsample, blocks, lips.stage_activation()))
         self._set_stages(stages, embed_dim, lips)
@@ -210,6 +213,8 @@ class LipsFormerCSwin(LipsFormerBase):
             plan = [stage_stripes(i, res, split, i == len(self.stages) - 1)
                     for i, (res, split) in enumerate(zip(self._stage_resolutions(), split_size))]
             for i, (stage, (full, _)) in enumerate(zip(self.stages, plan)):
+                if isinstance(stage.blocks[0].attn, ShiftMixer):  # no windows, no weights that depend on them
+                    continue
                 now = len(stage.blocks[0].attn.windows) == 1
                 if full != now:
                     raise ValueError(f"stage {i} would change from {'full attention' if now else 'stripes'} to "
@@ -220,7 +225,7 @@ class LipsFormerCSwin(LipsFormerBase):
             raise
         for stage, res, split, (_, windows) in zip(self.stages, self._stage_resolutions(), split_size, plan):
             for block in stage.blocks:
-                if isinstance(block.attn, AttLipMixer):
+                if isinstance(block.attn, MIXER_TYPES):
                     block.attn.set_windows(windows)
                 else:
                     block.attn.split_size = split

@@ -17,8 +17,8 @@ from timm.layers import register_notrace_module, resize_rel_pos_bias_table, to_2
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import AttentionKernel, AttLipMixer, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
-from ..layers.options import CERTIFIABLE, preset
+from ..layers import AttentionKernel, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse_heads
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
@@ -208,8 +208,11 @@ class LipsFormerSwin(LipsFormerBase):
             window = stage_window(i, res, window_size)
             blocks = []
             for j in range(depth):
-                attn = lips.attlip_mixer(dim, num_heads[i], [window]) if lips.attn == "attlip" else WindowAttention(
-                    dim, num_heads[i], window, lips.kernel(), qkv_bias=qkv_bias, proj_drop=proj_drop_rate)
+                if lips.attn in TOKEN_MIXERS:
+                    attn = lips.token_mixer(dim, num_heads[i], [window])
+                else:
+                    attn = WindowAttention(dim, num_heads[i], window, lips.kernel(), qkv_bias=qkv_bias,
+                                           proj_drop=proj_drop_rate)
                 blocks.append(LipsBlock(dim, attn, drop_path=dpr[sum(depths[:i]) + j], **block_kwargs))
             stages.append(LipsStage(downsample, blocks, lips.stage_activation()))
         self._set_stages(stages, embed_dim, lips)
@@ -233,7 +236,7 @@ class LipsFormerSwin(LipsFormerBase):
             raise
         for stage, window in zip(self.stages, windows):
             for block in stage.blocks:
-                if isinstance(block.attn, AttLipMixer):
+                if isinstance(block.attn, MIXER_TYPES):
                     block.attn.set_windows([window])
                 else:
                     block.attn.set_window(window)
