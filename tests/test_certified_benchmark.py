@@ -1,5 +1,6 @@
-"""benchmarks/paper/certified.py in miniature: both datasets, the LipsFormers with branches on and forced off,
-our CNN and deel-torchlip's, trained by the same loop, certified under the pairwise and the global rule."""
+"""benchmarks/paper/certified.py in miniature: every dataset, the LipsFormers with branches on, forced off and with
+the shift mixer, our CNN and deel-torchlip's, trained by the same loop, certified under the pairwise and the global
+rule."""
 import json
 import sys
 
@@ -12,12 +13,12 @@ from conftest import ROOT, reset_accelerate
 
 @pytest.fixture
 def data(tmp_path):
-    """Tiny stand-ins for both datasets (marked complete, so the benchmark does not write the real ones): digits as
-    32x32 RGB, MNIST as 28x28 grey, 2 train and 1 val image per class."""
+    """Tiny stand-ins for every dataset (marked complete, so the benchmark does not write the real ones): digits as
+    32x32 RGB, MNIST as 28x28 grey, grids as 56x56 grey of two classes, 2 train and 1 val image per class."""
     rng = np.random.default_rng(0)
-    for name, shape in (("digits", (32, 32, 3)), ("mnist", (28, 28))):
+    for name, shape, classes in (("digits", (32, 32, 3), 10), ("mnist", (28, 28), 10), ("grid", (56, 56), 2)):
         for split, n in (("train", 2), ("val", 1)):
-            for c in range(10):
+            for c in range(classes):
                 d = tmp_path / name / split / str(c)
                 d.mkdir(parents=True)
                 for i in range(n):
@@ -53,9 +54,41 @@ def test_every_model_on_both_datasets_under_both_rules(data, tmp_path, capsys):
         else:
             assert total == 8 and len(r["alphas"]) == 8
     saved = json.loads((tmp_path / "out" / "certified.json").read_text())
-    assert len(saved["rows"]) == 12 and saved["wall_s"] > 0
+    assert len(saved["rows"]) == 2 * len(bench.MODELS) and saved["wall_s"] > 0
     out = capsys.readouterr().out
     assert "\nmnist (1 epochs; certified images broken by PGD: 0;" in out and "| cert. 1.58 |" in out
     assert "| global 0.25 |" in out and "wall time" in out
+    # the grids: 64 px frames, 8 px patches, two classes; the shift mixer's blocks keep their branches
+    try:
+        rows = bench.main(["--datasets", "grid", "--epochs", "1", "--data", str(data), "--out", str(tmp_path / "out2"),
+                           "--models", "LipsFormer-CSwin", "LipsFormer-Swin (shift mixer)", "--attack-images", "2",
+                           "--pgd-steps", "2", "--restarts", "1", "--quotient-images", "1", "--quotient-steps", "2",
+                           "--set", "batch_size=2", "global_batch=4", "model_kwargs.embed_dim=8"])
+    finally:
+        reset_accelerate()
+    assert [r["model"] for r in rows] == ["LipsFormer-CSwin", "LipsFormer-Swin (shift mixer)"]
+    for r in rows:
+        assert r["branches_in_use"][1] == 8 and all(r[f"certified_but_broken@{e}"] == 0 for e in (0.25, 0.5, 1.0))
     with pytest.raises(SystemExit):  # argparse's one line
         bench.main(["--datasets", "cifar"])
+
+
+def test_the_images_certified_are_the_images_the_run_validated_on(data):
+    """The recipe's crop_pct above 1 pads the 28x28 digits (56x56 grids) into the frame, as the run's validation
+    does: the certified pixels are the dataset's own, a zero border around them, not an enlarged crop."""
+    import timm
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "paper"))
+    import certified as bench
+    from lipsformer.config import load_config
+    from lipsformer.data.scanner import read_image, scan_classes
+
+    for dataset, side, frame in (("mnist", 28, 32), ("grid", 56, 64)):
+        cfg = load_config(ROOT / "configs" / bench.DATASETS[dataset].configs["swin"], [])
+        model = timm.create_model(cfg.model, **dict(cfg.model_args(), embed_dim=8))
+        pixels, labels = bench.load_images(str(data / dataset / "val"), model, cfg)
+        first = np.asarray(read_image(scan_classes(str(data / dataset / "val")).samples[0][0]).convert("L"))
+        pad = (frame - side) // 2
+        assert pixels.shape[1:] == (1, frame, frame) and labels[0] == 0
+        np.testing.assert_allclose(pixels[0, 0, pad:pad + side, pad:pad + side].numpy(), first / 255, atol=1e-6)
+        assert pixels[:, :, :pad].abs().max() == 0 and pixels[:, :, :, -pad:].abs().max() == 0

@@ -55,10 +55,12 @@ def awkward_folder(root: Path, classes: int = 2) -> Path:
 
 
 def tiny_model(path: Path) -> list:
-    """``--set`` overrides giving ``path``'s model the tiny width and depth (its other model arguments kept)."""
-    kwargs = TINY[family(load_config(path).model)]
+    """``--set`` overrides giving ``path``'s model the tiny width and depth (its other model arguments kept), at
+    32 px for 4 px patches (8 x 8 tokens; a recipe of larger patches gets the same tokens)."""
+    cfg = load_config(path)
+    kwargs = TINY[family(cfg.model)]
     return [f"model_kwargs.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}"
-            for k, v in kwargs.items() if k != "img_size"] + ["img_size=32"]
+            for k, v in kwargs.items() if k != "img_size"] + [f"img_size={8 * cfg.model_kwargs.get('patch_size', 4)}"]
 
 
 # bf16 autocast where the machine computes in bf16 (a GPU, or a CPU with AVX512-BF16 / AMX); elsewhere oneDNN

@@ -24,7 +24,7 @@ def _rows(root):
     return list(csv.DictReader((root / "cells.csv").open()))
 
 
-@pytest.mark.parametrize("label, grid", [("equal", 2), ("sum", 3)])
+@pytest.mark.parametrize("label, grid", [("equal", 2), ("sum", 3), ("larger", 2)])
 def test_the_label_is_the_corner_digits_and_the_splits_share_no_source(fake, tmp_path, label, grid):
     root = digit_grid.write_digit_grid(tmp_path / "g", label, grid=grid, train=40, val=20)
     images, digits = fake_digits()
@@ -42,8 +42,8 @@ def test_the_label_is_the_corner_digits_and_the_splits_share_no_source(fake, tmp
         assert np.array_equal(image[:28, :28], images[cells[0]]) and np.array_equal(image[-28:, -28:],
                                                                                      images[cells[-1]])
     assert not sources["train"] & sources["val"]
-    if label == "equal":
-        assert [r["class"] for r in rows if r["split"] == "train"].count("same") == 20  # balanced
+    if label != "sum":  # balanced
+        assert [r["class"] for r in rows if r["split"] == "train"].count(names[1]) == 20
     found = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.png"))
     assert found == sorted(f"{r['split']}/{r['class']}/{r['image']}.png" for r in rows)
 

@@ -51,7 +51,7 @@ def main(argv=None):
         model.load_state_dict(load_file(args.weights))
     model.eval()  # no dropout / DropPath in these models; eval keeps the AttLip steps of evaluation
     mean, std = normalization(model)
-    x, y = load_images(str(Path(args.data) / "train"), model)
+    x, y = load_images(str(Path(args.data) / "train"), model, cfg)
     idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))[:args.images]
     x, y = (x[idx] - mean) / std, y[idx]
     residuals = [(n, m) for n, m in model.named_modules() if isinstance(m, ConvexResidual)]

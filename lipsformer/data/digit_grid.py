@@ -10,7 +10,11 @@ another, far away, sees; the other cells are distractors. Label functions (``--l
 
 - ``equal``: whether the two corner digits are the same digit (classes ``different`` and ``same``, balanced: every
   other image is a pair of one digit);
-- ``sum``: their sum modulo 10 (classes ``0`` to ``9``).
+- ``sum``: their sum modulo 10 (classes ``0`` to ``9``);
+- ``larger``: whether the top-left digit is larger than the bottom-right one (classes ``no`` and ``yes``, balanced: two
+  different digits, the larger one top-left in every other image). Unlike the two above, each corner alone says
+  something about the label (a 9 top-left is always ``yes``), so gradient descent has a signal before the model
+  relates the two: the 1-Lipschitz models here learn it, where on ``equal`` at 4,000 images they stayed at chance.
 
 Cells are drawn from a seed (``--seed``) by NumPy's PCG64: train images only from the digits the MNIST writer puts in
 ``train`` (every digit but each fifth), val images only from the others, so no source digit is in both. The same
@@ -31,12 +35,18 @@ from .mnist import SIZE, load_mnist_5k
 LABELS = {
     "equal": (("different", "same"), lambda a, b: int(a == b)),
     "sum": (tuple(str(d) for d in range(10)), lambda a, b: (a + b) % 10),
+    "larger": (("no", "yes"), lambda a, b: int(a > b)),
 }
 
 
 def _corner_pair(rng: np.random.Generator, label: str, i: int, by_digit: list) -> tuple:
     """The two corner source indices of image ``i``: for ``equal``, a pair of one digit for every other image (so the
-    classes are balanced), two different digits otherwise; for ``sum``, any two digits."""
+    classes are balanced), two different digits otherwise; for ``larger``, two different digits, the larger one first
+    in every other image; for ``sum``, any two digits."""
+    if label == "larger":
+        low, high = sorted(int(d) for d in rng.choice(10, size=2, replace=False))
+        first, second = (high, low) if i % 2 else (low, high)
+        return int(rng.choice(by_digit[first])), int(rng.choice(by_digit[second]))
     if label == "equal":
         a = int(rng.integers(10))
         b = a if i % 2 else int((a + rng.integers(1, 10)) % 10)
@@ -108,7 +118,8 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m lipsformer.data.digit_grid", description=__doc__)
     parser.add_argument("root", type=output_folder, help="output folder (train/, val/ and cells.csv are written in it)")
     parser.add_argument("--label", choices=sorted(LABELS), default="equal",
-                        help="what the two corner digits give: equal (same digit or not) or sum (modulo 10)")
+                        help="what the two corner digits give: equal (same digit or not), sum (modulo 10) or larger "
+                             "(top-left above bottom-right or not)")
     parser.add_argument("--grid", type=_positive, default=2, help="cells per side (at least 2; default 2: 56x56)")
     parser.add_argument("--train", type=_positive, default=4000, help="train images (default 4000)")
     parser.add_argument("--val", type=_positive, default=1000, help="val images (default 1000)")
