@@ -92,3 +92,30 @@ def test_the_images_certified_are_the_images_the_run_validated_on(data):
         assert pixels.shape[1:] == (1, frame, frame) and labels[0] == 0
         np.testing.assert_allclose(pixels[0, 0, pad:pad + side, pad:pad + side].numpy(), first / 255, atol=1e-6)
         assert pixels[:, :, :pad].abs().max() == 0 and pixels[:, :, :, -pad:].abs().max() == 0
+
+
+def test_a_diverged_run_is_a_row_saying_so_and_the_others_go_on(data, tmp_path, capsys, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks" / "paper"))
+    import certified as bench
+    from lipsformer.engine.train import TrainingDiverged
+
+    trained = bench.train_run
+
+    def train_run(dataset, name, seed, args):
+        if seed == 1:
+            raise TrainingDiverged("non-finite loss at step 2 (epoch 1; stopped at step 2)")
+        return trained(dataset, name, seed, args)
+
+    monkeypatch.setattr(bench, "train_run", train_run)
+    try:
+        rows = bench.main(["--datasets", "mnist", "--epochs", "1", "--data", str(data), "--out", str(tmp_path / "out"),
+                           "--models", "1-Lipschitz CNN (ours)", "--seeds", "0", "1", "--attack-images", "2",
+                           "--pgd-steps", "1", "--restarts", "1", "--quotient-images", "1", "--quotient-steps", "1",
+                           "--set", "batch_size=4", "global_batch=8"])
+    finally:
+        reset_accelerate()
+    assert [("diverged" in r, r["seed"]) for r in rows] == [(False, 0), (True, 1)]
+    out = capsys.readouterr().out
+    assert "| 1-Lipschitz CNN (ours) | 1 (1 diverged) |" in out
+    assert "1-Lipschitz CNN (ours), seed 1: non-finite loss at step 2" in out
+    assert "| x | 0 (2 diverged) |" + " |" * 9 in bench.table([dict(model="x", diverged="d")] * 2)

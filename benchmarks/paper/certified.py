@@ -345,11 +345,16 @@ def evaluate_run(name: str, model, args, xv, yv, eps) -> dict:
 
 
 def run_one(dataset: str, name: str, seed: int, args) -> dict:
-    """Train one model with one seed on one dataset and evaluate it (a whole job: ``--jobs`` runs several at once)."""
+    """Train one model with one seed on one dataset and evaluate it (a whole job: ``--jobs`` runs several at once).
+    A run whose training diverges (a non-finite loss) is a row saying so, ``diverged``, and the other runs go on."""
     import lipsformer  # noqa: F401  (registers the models, torchlip_cnn among them)
+    from lipsformer.engine.train import TrainingDiverged
     register_cnn()
     start = time.perf_counter()
-    model, cfg, _ = train_run(dataset, name, seed, args)
+    try:
+        model, cfg, _ = train_run(dataset, name, seed, args)
+    except TrainingDiverged as e:
+        return dict(model=name, dataset=dataset, seed=seed, diverged=str(e), seconds=time.perf_counter() - start)
     xv, yv = load_images(str(Path(args.data) / dataset / "val"), model, cfg)
     row = evaluate_run(name, model, args, xv, yv, DATASETS[dataset].eps)
     return dict(row, dataset=dataset, seed=seed, seconds=time.perf_counter() - start)
@@ -367,13 +372,18 @@ def table(rows, eps=EPS) -> str:
             + " | ".join(f"global {e}" for e in eps) + " | branches in use | s / run |")
     lines = [head, "|" + " --- |" * (5 + 2 * len(eps))]
     for name in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == name]
+        diverged = sum("diverged" in r for r in rows if r["model"] == name)
+        mine = [r for r in rows if r["model"] == name and "diverged" not in r]
+        if not mine:
+            lines.append(f"| {name} | 0 ({diverged} diverged) |" + " |" * (3 + 2 * len(eps)))
+            continue
         cells = []
         for c in columns(eps):
             values = np.array([r[c] for r in mine])
             cells.append(f"{values.mean():.1f}" + (f" ± {values.std(ddof=1):.1f}" if len(values) > 1 else ""))
         seconds = np.mean([r.get("seconds", 0.0) for r in mine])
-        lines.append(f"| {name} | {len(mine)} | " + " | ".join(cells) + " | "
+        seeds = f"{len(mine)}" + (f" ({diverged} diverged)" if diverged else "")
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " | "
                      + ", ".join(f"{a}/{b}" for a, b in (r["branches_in_use"] for r in mine)) + f" | {seconds:.0f} |")
     return "\n".join(lines)
 
@@ -416,9 +426,12 @@ def main(argv=None):
     for dataset in args.datasets:
         mine = [r for r in rows if r["dataset"] == dataset]
         broken = sum(v for r in mine for k, v in r.items() if k.startswith("certified_but_broken@"))
-        ratios = [r["bound_over_lower"] for r in mine]
+        ratios = [r["bound_over_lower"] for r in mine if "diverged" not in r] or [math.nan]
         print(f"\n{dataset} ({args.epochs[dataset]} epochs; certified images broken by PGD: {broken}; "
               f"L / measured lower {min(ratios):.2f} to {max(ratios):.2f})")
+        for r in mine:
+            if "diverged" in r:
+                print(f"{r['model']}, seed {r['seed']}: {r['diverged']}")
         print(table(mine, DATASETS[dataset].eps))
     print(f"\nwall time {wall:.0f} s ({args.jobs} job(s) at a time)")
     return rows
