@@ -1,6 +1,7 @@
 """benchmarks/paper/certified.py in miniature: every dataset, the LipsFormers with branches on, forced off and with
 the shift mixer, our CNN and deel-torchlip's, trained by the same loop, certified under the pairwise and the global
 rule."""
+import argparse
 import json
 import sys
 
@@ -71,6 +72,26 @@ def test_every_model_on_both_datasets_under_both_rules(data, tmp_path, capsys):
         assert r["branches_in_use"][1] == 8 and all(r[f"certified_but_broken@{e}"] == 0 for e in (0.25, 0.5, 1.0))
     with pytest.raises(SystemExit):  # argparse's one line
         bench.main(["--datasets", "cifar"])
+
+
+def test_the_peer_cnn_trains_on_the_grids(data, tmp_path):
+    """deel-torchlip's CNN at the grids' 64 px (an 8,192-wide flattening) diverges at the shared lr 5e-3 (its
+    Bjorck orthonormalisation, after one step); the grids give it its own lr, and it trains."""
+    pytest.importorskip("deel.torchlip")
+    sys.path.insert(0, str(ROOT / "benchmarks" / "paper"))
+    import certified as bench
+    peer = "deel-torchlip CNN (peer)"
+    args = argparse.Namespace(epochs={"grid": 2, "mnist": 2}, out=str(tmp_path), data="d", seeds=[0], set=["lr=0.5"])
+    assert "lr=1e-3" in bench.run_overrides("grid", peer, 0, args)[-2:]  # --set still comes last
+    assert not any(s.startswith("lr=1e-3") for s in bench.run_overrides("mnist", peer, 0, args))
+    try:
+        rows = bench.main(["--datasets", "grid", "--epochs", "3", "--data", str(data), "--out", str(tmp_path / "out"),
+                           "--models", peer, "--attack-images", "2", "--pgd-steps", "2", "--restarts", "1",
+                           "--quotient-images", "1", "--quotient-steps", "2", "--set", "batch_size=2",
+                           "global_batch=4"])
+    finally:
+        reset_accelerate()
+    assert "diverged" not in rows[0] and rows[0]["clean"] >= 0
 
 
 def test_the_images_certified_are_the_images_the_run_validated_on(data):
