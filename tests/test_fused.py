@@ -16,7 +16,7 @@ import timm
 import torch
 
 from conftest import TINY, family
-from lipsformer.layers import fused
+from lipsformer.layers import fused, stripes
 from lipsformer.layers.fused import use_fused_ops
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
@@ -108,6 +108,40 @@ def test_qk_normalize_kernels_match_the_plain_ops_on_strided_views(interpreted, 
            _reference(fused._qkn_backward, gq, gk, *got, 10.0), dtype)
 
 
+STRIPES = {"two branches": [(6, 2), (2, 4)], "one": [(6, 4)]}  # CSwin's stripes of a 6x4 map; full attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("branches", list(STRIPES))
+def test_stripe_kernels_match_the_plain_ops(interpreted, dtype, branches):
+    """CSwin's gather (q, k, v into each branch's stripes, q and k normalised) and merge (attention plus LePE back to
+    the map), forward and backward, against the plain composition; the gradients given in the strides autograd
+    hands them (transposed views)."""
+    windows = STRIPES[branches]
+    flat = [s for w in windows for s in w]
+    heads, d, nb = 2, 3, len(windows)
+    qkv = torch.randn(2, 6, 4, 3 * nb * heads * d, dtype=dtype)
+    got = interpreted.stripe_qkv(qkv, windows, heads, 12.0, 1e-12)
+    want = _reference(stripes._sqkv, qkv, flat, heads, 12.0, 1e-12)
+    assert all(t.is_contiguous() for t in got)
+    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
+    grads = [torch.randn(t.shape[0], t.shape[2], t.shape[1], d, dtype=dtype).transpose(1, 2) if t.numel()
+             else t.new_empty(0) for t in got[:6]]
+    outs = [got[0], got[1], got[3], got[4]]
+    _close([interpreted.stripe_qkv_backward(grads, outs, got[6], windows, 6, 4, 12.0)],
+           [_reference(stripes._sqkv_backward, *grads, *outs, got[6], flat, 6, 4, 12.0)], dtype)
+    attn = [torch.randn(2 * 24 // (wh * ww), wh * ww, heads, d, dtype=dtype).transpose(1, 2) for wh, ww in windows]
+    lepe = [torch.randn(2 * 24 // (wh * ww), wh, ww, heads * d, dtype=dtype).permute(0, 3, 1, 2)
+            for wh, ww in windows]
+    empty = [qkv.new_empty(0)] * 2
+    args = [attn[0], lepe[0], *((attn[1], lepe[1]) if nb == 2 else empty), flat, 6, 4]
+    _close([interpreted.stripe_merge(attn, lepe, windows, 6, 4)], [_reference(stripes._smerge, *args)], dtype)
+    g = torch.randn(2, 6, 4, nb * heads * d, dtype=dtype)
+    got = interpreted.stripe_merge_backward(g, windows, heads)
+    want = _reference(stripes._smerge_backward, g, flat, heads)
+    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, with_bias):
@@ -159,11 +193,15 @@ def test_torch_compile_sees_each_fused_op_as_one_node():
 
     x, h, w, b = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8), torch.randn(8)
     q, k, mask = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4), torch.tensor([1.0, 0.0])
+    o, qkv = torch.randn(5, 1, 5, 2), torch.randn(1, 4, 4, 12)
     calls = {
         "residual_center_norm": lambda: torch.ops.lipsformer.residual_center_norm(x, h, mask, 0.5, w, b, 8 / 7, False),
         "gelu_residual": lambda: torch.ops.lipsformer.gelu_residual(x, h, w, mask, 0.5),
         "qk_normalize": lambda: torch.ops.lipsformer.qk_normalize(q, k, 10.0, 1e-12),
         "scale_rows": lambda: torch.ops.lipsformer.scale_rows(w.view(2, 4), b[:2], b[2:4], 1.0),
+        "stripe_qkv": lambda: torch.ops.lipsformer.stripe_qkv(qkv, [4, 2, 2, 4], 1, 12.0, 1e-12),
+        "stripe_merge": lambda: torch.ops.lipsformer.stripe_merge(  # a 5x5 map's stripes, 1 wide, 1 head of 2
+            o, o.view(5, 2, 5, 1), o, o.view(5, 2, 1, 5), [5, 1, 1, 5], 5, 5),
     }
     for name, call in calls.items():
         torch._dynamo.reset()

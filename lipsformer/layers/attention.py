@@ -164,6 +164,16 @@ class AttentionKernel(nn.Module):
         b = qkv.bias.view(2, dim)[:, rows].reshape(2, heads, 1, -1)
         return (q - b[0]) @ value_map + b[1]
 
+    @property
+    def normalizes_apart(self) -> bool:
+        """SCSA as released (a fixed temperature, v as it is), fused: its q and k may come normalised from the op
+        that gathers them (:func:`lipsformer.layers.fused.stripe_qkv`), and :meth:`attend_normalized` attends."""
+        return self.kind == "scsa" and not isinstance(self.tau, torch.Tensor) and self.nu is None and self.fused
+
+    def attend_normalized(self, q, k, v) -> torch.Tensor:
+        """SCSA on q and k already normalised, q times tau (:attr:`normalizes_apart`)."""
+        return _softmax_attention(q, k, v, 1.0, None, True)
+
     def forward(self, q, k, v, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.kind == "scsa":
             return scsa(q, k, v, self.tau, bias, nu=self.nu, eps=self.eps, fused=self.fused)

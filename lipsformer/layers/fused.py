@@ -18,6 +18,7 @@ A DropPath factor is timm's: the per-sample draw ``bernoulli(keep)`` (0 or 1, th
 gradient penalty) or a ``torch.func`` transform (batched gradients) it computes the same formulas in aten ops, which
 autograd differentiates again (exactly, but for what a saved output hides: CenterNorm's weight gradient is not
 differentiated with respect to its input, and SCSA's normalisation is differentiable once).
+CSwin's stripes have ops of their own in :mod:`lipsformer.layers.stripes`, on the same helpers.
 ``LAUNCHES`` says how many CUDA kernels an op is (two backward ops reduce their per-block sums in a second one).
 :func:`fusable` decides where the ops run at all: eager mode, outside tracing, exporting, compiling and
 ``torch.func`` transforms, where the plain composition runs (the compiler fuses it itself, the exporters need aten
@@ -492,3 +493,4 @@ def scale_rows(weight: Tensor, bias: Optional[Tensor], scale: Tensor, input_scal
         return _scaled_plain(weight, bias, scale, input_scale)
     w, b = _sr(weight, bias, scale, float(input_scale))
     return w, b if bias is not None else None
+

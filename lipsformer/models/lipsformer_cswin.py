@@ -18,9 +18,11 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers import AttentionKernel, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
+from ..layers.fused import fusable
 from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
 from ..layers.residual import ScaledOutput, scaled_linear
 from ..layers.shift import ShiftMixer
+from ..layers.stripes import stripe_merge, stripe_qkv
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
                     check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
@@ -72,25 +74,45 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         Hp, Wp = x.shape[1:3]
         windows = [(Hp, Wp)] if self.full else [(Hp, self.split_size), (self.split_size, Wp)]
         P, nb = self.kernel.num_proj, len(windows)
-        qkv = self.qkv(x).view(B, Hp, Wp, P, nb, C // nb)
+        qkv = self.qkv(x)
+        if self.kernel.normalizes_apart and fusable(qkv):
+            x = self._fused_stripes(qkv, windows)
+        else:
+            x = self._stripes(qkv.view(B, Hp, Wp, P, nb, C // nb), windows)
+        if (Hp, Wp) != (H, W):
+            x = x[:, :H, :W]
+        # each branch divided by sqrt(its heads), folded into the projection's weight
+        return self.proj_drop(scaled_linear(x, self.proj, out_scale, 1.0 / math.sqrt(self.branch_heads)))
+
+    def _fused_stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:
+        """The branches with SCSA as released, through the gather and merge ops (:func:`stripe_qkv`,
+        :func:`stripe_merge`): the stripes' copies in and out, q and k's normalisation and each LePE's sum, one pass
+        each way on a GPU."""
+        parts = stripe_qkv(qkv, windows, self.branch_heads, self.kernel.tau, self.kernel.eps)
+        outs, lepes = [], []
+        for (q, k, v), window, lepe in zip(parts, windows, self.lepe):
+            outs.append(self.kernel.attend_normalized(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+            lepes.append(lepe(v.view(v.shape[0], window[0], window[1], -1).permute(0, 3, 1, 2)))
+        return stripe_merge(outs, lepes, windows, qkv.shape[1], qkv.shape[2])
+
+    def _stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:
+        """The branches in aten ops, for any attention kernel: (B, H, W, P, branches, C_b) -> (B, H, W, C)."""
+        B, Hp, Wp, P, nb, _ = qkv.shape
+        C = nb * qkv.shape[-1]
         outs = []
         for b, (part, window, lepe) in enumerate(zip(qkv.unbind(4), windows, self.lepe)):
             # (Bw, N, P, Cb), a copy: a stripe that spans the map is otherwise a view of the whole projection,
             # which the attention's saved q, k, v would keep alive (both branches' channels)
-            windows = window_partition(part, window).contiguous()
-            Bw, N = windows.shape[:2]
-            q, k, v = self.kernel.split(windows.view(Bw, N, P, self.branch_heads, -1))
+            stripes = window_partition(part, window).contiguous()
+            Bw, N = stripes.shape[:2]
+            q, k, v = self.kernel.split(stripes.view(Bw, N, P, self.branch_heads, -1))
             v_map = v.transpose(1, 2).reshape(Bw, window[0], window[1], -1).permute(0, 3, 1, 2)  # LePE's input
             if self.kernel.kim:
                 v = self.kernel.kim_values(q, self.qkv, self.branch_heads, slice(b * (C // nb), (b + 1) * (C // nb)))
             out = self.kernel(q, k, v).transpose(1, 2).reshape(Bw, N, -1)
             out = out + lepe(v_map).flatten(2).transpose(1, 2)
             outs.append(window_reverse(out, window, Hp, Wp))
-        x = outs[0] if nb == 1 else torch.cat(outs, dim=-1)
-        if (Hp, Wp) != (H, W):
-            x = x[:, :H, :W]
-        # each branch divided by sqrt(its heads), folded into the projection's weight
-        return self.proj_drop(scaled_linear(x, self.proj, out_scale, 1.0 / math.sqrt(self.branch_heads)))
+        return outs[0] if nb == 1 else torch.cat(outs, dim=-1)
 
     def extra_repr(self) -> str:
         return f"windows={self.windows}, branch_heads={self.branch_heads}"

@@ -1,0 +1,235 @@
+"""CSwin's stripes as two fused ops (:mod:`lipsformer.layers.fused`'s pattern: ``torch.library`` custom ops, a Triton
+kernel each way on CUDA in :mod:`lipsformer.layers.triton_kernels`, the plain composition elsewhere, one node each for
+``torch.compile``):
+
+- :func:`stripe_qkv`, the gather: from the qkv projection, each branch's q and k normalised as SCSA does (q times the
+  temperature) and v, in its stripes, (windows, tokens, heads, d) contiguous, where SDPA takes them as transposed
+  views and LePE takes v as a channels-last map; backward writes the projection's gradient from both branches' in one
+  pass.
+- :func:`stripe_merge`: each branch's attention output plus its LePE, back into the map's channels; backward writes
+  each branch's part of the gradient once, in the layout both the attention's and the LePE's backward read.
+
+:class:`lipsformer.models.lipsformer_cswin.CrossShapedAttention` runs them where :func:`fusable` says the fused ops
+run and its SCSA is the released form (a fixed temperature, v as it is).
+"""
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from . import fused  # fused._kernels looked up on the module, where the tests replace it
+from .fused import _DifferentiableOnce, _math_backward
+
+# -- CSwin's stripes: q, k and v into their windows, attention and LePE back to the map ------------------------------
+def _windows(windows: List[int]) -> List[Tuple[int, int]]:
+    """The flat ``[h0, w0, h1, w1]`` of an op's schema as (height, width) pairs."""
+    return [(windows[i], windows[i + 1]) for i in range(0, len(windows), 2)]
+
+
+def _in_windows(t: Tensor, window: Tuple[int, int]) -> Tensor:
+    """(B, H, W, *C) -> (B * nH * nW, wh * ww, *C), windows in raster order (:func:`windows.window_partition`)."""
+    B, H, W, *C = t.shape
+    wh, ww = window
+    t = t.view(B, H // wh, wh, W // ww, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
+    return t.reshape(-1, wh * ww, *C)
+
+
+def _to_map(t: Tensor, window: Tuple[int, int], H: int, W: int) -> Tensor:
+    """(B * nH * nW, wh * ww, *C) -> (B, H, W, *C): the inverse of :func:`_in_windows`."""
+    wh, ww = window
+    C = t.shape[2:]
+    t = t.reshape(-1, H // wh, W // ww, wh, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
+    return t.reshape(-1, H, W, *C)
+
+
+def _fresh(t: Tensor) -> Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lipsformer::stripe_qkv", mutates_args=())
+def _sqkv(qkv: Tensor, windows: List[int], heads: int, q_scale: float, eps: float
+          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """From a (B, H, W, 3 * C) projection laid out (q, k, v) x (branches) x (heads, d): for each branch (one or two),
+    its windows' q and k normalised (q times ``q_scale``) and v, each (windows, tokens, heads, d) contiguous (empty
+    for an absent second branch); and the rows' ``1 / norm``, (branches, 2, windows * tokens * heads)."""
+    kernels = fused._kernels(qkv)
+    if kernels is not None:
+        return kernels.stripe_qkv(qkv, _windows(windows), heads, q_scale, eps)
+    B, H, W, _ = qkv.shape
+    wins = _windows(windows)
+    parts = qkv.view(B, H, W, 3, len(wins), heads, -1).unbind(4)
+    outs, norms = [], []
+    for part, window in zip(parts, wins):
+        q, k, v = _in_windows(part, window).unbind(2)  # each (windows, tokens, heads, d)
+        rq, rk = (torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps) for t in (q, k))
+        outs += [_fresh(q * (rq * q_scale)), _fresh(k * rk), _fresh(v)]
+        norms.append(torch.stack((rq.flatten(), rk.flatten())))
+    outs += [qkv.new_empty(0) for _ in range(6 - len(outs))]  # distinct: outputs may not alias
+    return (*outs, torch.stack(norms))
+
+
+@_sqkv.register_fake
+def _(qkv, windows, heads, q_scale, eps):
+    B, H, W, C3 = qkv.shape
+    wins = _windows(windows)
+    d = C3 // (3 * len(wins) * heads)
+    outs = [qkv.new_empty(B * (H // wh) * (W // ww), wh * ww, heads, d) for wh, ww in wins for _ in range(3)]
+    outs += [qkv.new_empty(0) for _ in range(6 - len(outs))]  # distinct: outputs may not alias
+    return (*outs, qkv.new_empty(len(wins), 2, B * H * W * heads))
+
+
+def _sqkv_backward_math(grads, outs, norms, windows, H, W, q_scale):
+    """The projection's gradient, (B, H, W, 3 * C), from the gradients of :func:`_sqkv`'s q, k and v."""
+    parts = []
+    for b, window in enumerate(windows):
+        gq, gk, gv = grads[3 * b:3 * b + 3]
+        qn, kn = outs[2 * b:2 * b + 2]
+        rq, rk = (r.view(qn.shape[:-1] + (1,)) for r in norms[b])
+        gx = []
+        for g, out, r, s in ((gq, qn, rq, q_scale), (gk, kn, rk, 1.0)):
+            dot = (out * g).sum(-1, keepdim=True)
+            gx.append(torch.addcmul(g, out, dot, value=-1.0 / (s * s)) * (r * s))
+        parts.append(_to_map(torch.stack((*gx, gv), 2), window, H, W))  # (B, H, W, 3, heads, d)
+    return torch.stack(parts, 4).flatten(3)  # (B, H, W, 3 * branches * heads * d)
+
+
+@torch.library.custom_op("lipsformer::stripe_qkv_backward", mutates_args=())
+def _sqkv_backward(gq0: Tensor, gk0: Tensor, gv0: Tensor, gq1: Tensor, gk1: Tensor, gv1: Tensor, qn0: Tensor,
+                   kn0: Tensor, qn1: Tensor, kn1: Tensor, norms: Tensor, windows: List[int], H: int, W: int,
+                   q_scale: float) -> Tensor:
+    kernels = fused._kernels(qn0)
+    grads, outs, wins = (gq0, gk0, gv0, gq1, gk1, gv1), (qn0, kn0, qn1, kn1), _windows(windows)
+    if kernels is not None:
+        return kernels.stripe_qkv_backward(grads, outs, norms, wins, H, W, q_scale)
+    return _sqkv_backward_math(grads, outs, norms, wins, H, W, q_scale)
+
+
+@_sqkv_backward.register_fake
+def _(gq0, gk0, gv0, gq1, gk1, gv1, qn0, kn0, qn1, kn1, norms, windows, H, W, q_scale):
+    n, heads, d = qn0.shape[0] * qn0.shape[1], qn0.shape[2], qn0.shape[3]
+    return qn0.new_empty(n // (H * W), H, W, 3 * norms.shape[0] * heads * d)
+
+
+def _sqkv_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
+    qkv, windows, heads, q_scale, eps = inputs
+    q0, k0, _, q1, k1, _, norms = output
+    ctx.save_for_backward(q0, k0, q1, k1, norms)
+    ctx.windows, ctx.H, ctx.W, ctx.q_scale = windows, qkv.shape[1], qkv.shape[2], q_scale
+    ctx.shapes = [t.shape for t in output[:6]]
+    ctx.mark_non_differentiable(norms)
+
+
+def _sqkv_grad(ctx, *grads):
+    outs = ctx.saved_tensors
+    norms = outs[4]
+    grads = [torch.zeros(shape, dtype=norms.dtype, device=norms.device) if g is None else g
+             for g, shape in zip(grads[:6], ctx.shapes)]
+    if torch._C._are_functorch_transforms_active():
+        grad = _sqkv_backward_math(grads, outs[:4], norms, _windows(ctx.windows), ctx.H, ctx.W, ctx.q_scale)
+    else:
+        with torch.no_grad():
+            grad = _sqkv_backward(*grads, *outs, ctx.windows, ctx.H, ctx.W, ctx.q_scale)
+        if torch.is_grad_enabled():  # create_graph: as qk_normalize, differentiable once
+            grad = _DifferentiableOnce.apply((grad,), *grads)[0]
+    return grad, None, None, None, None
+
+
+torch.library.register_autograd("lipsformer::stripe_qkv", _sqkv_grad, setup_context=_sqkv_setup)
+
+
+def stripe_qkv(qkv: Tensor, windows: List[Tuple[int, int]], heads: int, q_scale: float, eps: float
+               ) -> List[Tuple[Tensor, Tensor, Tensor]]:
+    """CSwin's gather, for a (B, H, W, 3 * C) projection laid out (q, k, v) x (branches) x (heads, d) and one or two
+    branches of ``windows`` (each branch a window size that divides H and W): per branch ``(q, k, v)``, each
+    (windows, tokens, heads, d) contiguous, q and k as SCSA normalises them (:func:`qk_normalize`), in one pass. The
+    caller decides where it runs (:func:`fusable`)."""
+    flat = [int(s) for w in windows for s in w]
+    outs = _sqkv(qkv.contiguous(), flat, int(heads), float(q_scale), float(eps))
+    return [tuple(outs[3 * b:3 * b + 3]) for b in range(len(windows))]
+
+
+def _smerge_math(outs, lepes, windows, H, W):
+    parts = []
+    for o, lepe, window in zip(outs, lepes, windows):
+        n = o.shape[0]
+        parts.append(_to_map(o.transpose(1, 2).reshape(n, o.shape[2], -1) + lepe.flatten(2).transpose(1, 2),
+                             window, H, W))
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
+
+
+@torch.library.custom_op("lipsformer::stripe_merge", mutates_args=())
+def _smerge(o0: Tensor, lepe0: Tensor, o1: Tensor, lepe1: Tensor, windows: List[int], H: int, W: int) -> Tensor:
+    """(B, H, W, C) from each branch's attention output (windows, heads, tokens, d) plus its LePE (windows, C_b,
+    wh, ww), the branches' channels side by side (an absent second branch: empty tensors)."""
+    wins = _windows(windows)
+    outs, lepes = (o0, o1)[:len(wins)], (lepe0, lepe1)[:len(wins)]
+    kernels = fused._kernels(o0)
+    if kernels is not None:
+        return kernels.stripe_merge(outs, lepes, wins, H, W)
+    return _smerge_math(outs, lepes, wins, H, W)
+
+
+@_smerge.register_fake
+def _(o0, lepe0, o1, lepe1, windows, H, W):
+    nb = len(windows) // 2
+    n = o0.shape[0] * o0.shape[2]
+    return o0.new_empty(n // (H * W), H, W, nb * o0.shape[1] * o0.shape[3],
+                        dtype=torch.promote_types(o0.dtype, lepe0.dtype))
+
+
+@torch.library.custom_op("lipsformer::stripe_merge_backward", mutates_args=())
+def _smerge_backward(grad: Tensor, windows: List[int], heads: int) -> Tuple[Tensor, Tensor]:
+    """Each branch's part of the map's gradient, (windows, tokens, heads, d) contiguous (an absent second branch:
+    empty): the gradient of its attention output and, viewed as a map, of its LePE."""
+    wins = _windows(windows)
+    kernels = fused._kernels(grad)
+    if kernels is not None:
+        return kernels.stripe_merge_backward(grad, wins, heads)
+    B, H, W, C = grad.shape
+    parts = grad.view(B, H, W, len(wins), heads, -1).unbind(3)
+    outs = [_fresh(_in_windows(g, w)) for g, w in zip(parts, wins)]
+    return outs[0], outs[1] if len(outs) > 1 else grad.new_empty(0)
+
+
+@_smerge_backward.register_fake
+def _(grad, windows, heads):
+    B, H, W, C = grad.shape
+    wins = _windows(windows)
+    outs = [grad.new_empty(B * (H // wh) * (W // ww), wh * ww, heads, C // (len(wins) * heads)) for wh, ww in wins]
+    return outs[0], outs[1] if len(outs) > 1 else grad.new_empty(0)
+
+
+def _smerge_setup(ctx, inputs, output):
+    o0, lepe0, o1, lepe1, windows, H, W = inputs
+    ctx.windows, ctx.heads = windows, o0.shape[1]
+    ctx.dtypes = (o0.dtype, lepe0.dtype, o1.dtype, lepe1.dtype)
+
+
+def _smerge_grad(ctx, grad):
+    wins = _windows(ctx.windows)
+    if _math_backward():
+        B, H, W, C = grad.shape
+        gs = [_in_windows(g, w) for g, w in zip(grad.view(B, H, W, len(wins), ctx.heads, -1).unbind(3), wins)]
+    else:
+        gs = _smerge_backward(grad.contiguous(), ctx.windows, ctx.heads)[:len(wins)]
+    out = []
+    for g, (wh, ww), (o_dtype, l_dtype) in zip(gs, wins, (ctx.dtypes[:2], ctx.dtypes[2:])):
+        # one buffer, two views: the attention's gradient (windows, heads, tokens, d) and the LePE's as a
+        # channels-last map (windows, C_b, wh, ww); each is read once, by its own backward
+        out += [g.transpose(1, 2).to(o_dtype), g.reshape(g.shape[0], wh, ww, -1).permute(0, 3, 1, 2).to(l_dtype)]
+    out += [None, None] * (2 - len(wins))
+    return (*out, None, None, None)
+
+
+torch.library.register_autograd("lipsformer::stripe_merge", _smerge_grad, setup_context=_smerge_setup)
+
+
+def stripe_merge(outs: List[Tensor], lepes: List[Tensor], windows: List[Tuple[int, int]], H: int, W: int) -> Tensor:
+    """CSwin's merge: (B, H, W, C) from each branch's attention output (windows, heads, tokens, d) and LePE
+    (windows, C_b, wh, ww), in one pass; backward one pass giving each branch one buffer that both take views of.
+    The caller decides where it runs (:func:`fusable`)."""
+    flat = [int(s) for w in windows for s in w]
+    empty = outs[0].new_empty(0)
+    o1, l1 = (outs[1], lepes[1]) if len(outs) > 1 else (empty, empty)
+    return _smerge(outs[0], lepes[0], o1, l1, flat, int(H), int(W))
