@@ -34,23 +34,24 @@ def _folded(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[
 class _FusedLinear(torch.autograd.Function):
     """``F.linear(h * c, weight * scale[:, None], bias * scale)`` with ``h = GELU(u)`` or ``u`` and a constant ``c``
     (``input_scale``, folded into the weight), keeping for backward
-    only ``u`` and the parameters: not the GELU's output (recomputed), not the scaled weight (recomputed), not the
-    output (the scale's gradient comes from the weight's: ``rowsum(W * grad_W') + b * grad_b'``, in the fused
-    backward of :func:`lipsformer.layers.fused.scale_rows`)."""
+    only ``u``, the parameters and the scaled weight (a weight's size, against a launch to fold it again): not the
+    GELU's output (recomputed), not the output (the scale's gradient comes from the weight's:
+    ``rowsum(W * grad_W') + b * grad_b'``, in the fused backward of :func:`lipsformer.layers.fused.scale_rows`)."""
 
     @staticmethod
     def forward(ctx, u, weight, bias, scale, gelu, input_scale):
-        ctx.save_for_backward(u, weight, bias, scale)
+        folded_w, folded_b = _folded(weight, bias, scale, input_scale)
+        ctx.save_for_backward(u, weight, bias, scale, folded_w)
         ctx.gelu, ctx.input_scale = gelu, input_scale
-        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale, input_scale))
+        return F.linear(F.gelu(u) if gelu else u, folded_w, folded_b)
 
     @staticmethod
     def backward(ctx, grad):
-        u, weight, bias, scale = ctx.saved_tensors
+        u, weight, bias, scale, folded_w = ctx.saved_tensors
         need_u, need_w, need_b, need_s = ctx.needs_input_grad[:4]
         grad_u = grad_w = grad_b = grad_s = h = None
         if need_u:
-            grad_h = grad @ _folded(weight, None, scale, ctx.input_scale)[0].to(grad.dtype)
+            grad_h = grad @ folded_w.to(grad.dtype)
             if ctx.gelu and (need_w or need_s):  # the GELU again for the weight's gradient, and its derivative
                 h, grad_u = gelu_and_grad(grad_h, u)
             else:
