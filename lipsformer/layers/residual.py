@@ -92,8 +92,10 @@ class WeightedResidual(DropPathDraw, nn.Module):
         mask, keep = draw if draw is not None else self.drop_mask(x)
         if isinstance(norm, CenterNorm):
             return norm.residual(x, scaled_fx, mask, keep)
-        factor = drop_factor(mask, keep, x)
-        y = x + scaled_fx if factor is None else torch.addcmul(x, scaled_fx, factor)
+        if mask is None:
+            y = x + scaled_fx
+        else:  # the draw's 1 / keep as addcmul's constant: no pass to divide the draw
+            y = torch.addcmul(x, scaled_fx, drop_factor(mask, 1.0, x), value=1.0 / keep)
         return y if norm is None else norm(y)
 
 
