@@ -19,27 +19,17 @@ from torch import Tensor
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
 from .fused import _DifferentiableOnce, _math_backward
+from .windows import window_partition, window_reverse
 
-# -- CSwin's stripes: q, k and v into their windows, attention and LePE back to the map ------------------------------
+
 def _windows(windows: List[int]) -> List[Tuple[int, int]]:
     """The flat ``[h0, w0, h1, w1]`` of an op's schema as (height, width) pairs."""
     return [(windows[i], windows[i + 1]) for i in range(0, len(windows), 2)]
 
 
-def _in_windows(t: Tensor, window: Tuple[int, int]) -> Tensor:
-    """(B, H, W, *C) -> (B * nH * nW, wh * ww, *C), windows in raster order (:func:`windows.window_partition`)."""
-    B, H, W, *C = t.shape
-    wh, ww = window
-    t = t.view(B, H // wh, wh, W // ww, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
-    return t.reshape(-1, wh * ww, *C)
-
-
 def _to_map(t: Tensor, window: Tuple[int, int], H: int, W: int) -> Tensor:
-    """(B * nH * nW, wh * ww, *C) -> (B, H, W, *C): the inverse of :func:`_in_windows`."""
-    wh, ww = window
-    C = t.shape[2:]
-    t = t.reshape(-1, H // wh, W // ww, wh, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
-    return t.reshape(-1, H, W, *C)
+    """(B * nH * nW, wh * ww, *C) -> (B, H, W, *C): :func:`window_reverse` with several channel dims."""
+    return window_reverse(t.reshape(t.shape[0], t.shape[1], -1), window, H, W).view(-1, H, W, *t.shape[2:])
 
 
 def _fresh(t: Tensor) -> Tensor:
@@ -60,7 +50,7 @@ def _sqkv(qkv: Tensor, windows: List[int], heads: int, q_scale: float, eps: floa
     parts = qkv.view(B, H, W, 3, len(wins), heads, -1).unbind(4)
     outs, norms = [], []
     for part, window in zip(parts, wins):
-        q, k, v = _in_windows(part, window).unbind(2)  # each (windows, tokens, heads, d)
+        q, k, v = window_partition(part, window).unbind(2)  # each (windows, tokens, heads, d)
         rq, rk = (torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps) for t in (q, k))
         outs += [_fresh(q * (rq * q_scale)), _fresh(k * rk), _fresh(v)]
         norms.append(torch.stack((rq.flatten(), rk.flatten())))
@@ -188,7 +178,7 @@ def _smerge_backward(grad: Tensor, windows: List[int], heads: int) -> Tuple[Tens
         return kernels.stripe_merge_backward(grad, wins, heads)
     B, H, W, C = grad.shape
     parts = grad.view(B, H, W, len(wins), heads, -1).unbind(3)
-    outs = [_fresh(_in_windows(g, w)) for g, w in zip(parts, wins)]
+    outs = [_fresh(window_partition(g, w)) for g, w in zip(parts, wins)]
     return outs[0], outs[1] if len(outs) > 1 else grad.new_empty(0)
 
 
@@ -210,7 +200,7 @@ def _smerge_grad(ctx, grad):
     wins = _windows(ctx.windows)
     if _math_backward():
         B, H, W, C = grad.shape
-        gs = [_in_windows(g, w) for g, w in zip(grad.view(B, H, W, len(wins), ctx.heads, -1).unbind(3), wins)]
+        gs = [window_partition(g, w) for g, w in zip(grad.view(B, H, W, len(wins), ctx.heads, -1).unbind(3), wins)]
     else:
         gs = _smerge_backward(grad.contiguous(), ctx.windows, ctx.heads)[:len(wins)]
     out = []
