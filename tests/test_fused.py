@@ -142,6 +142,25 @@ def test_stripe_kernels_match_the_plain_ops(interpreted, dtype, branches):
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
 
+@pytest.mark.parametrize("branches", list(STRIPES))
+def test_stripe_ops_have_exact_gradients_and_a_double_backward_says_it_cannot(branches):
+    """float64: the gather and merge against finite differences (their CPU forward and fused backward ops); the
+    gather is differentiable once, as SCSA's normalisation is."""
+    from lipsformer.layers.stripes import stripe_merge, stripe_qkv
+    windows = STRIPES[branches]
+    qkv = torch.randn(2, 6, 4, 3 * len(windows) * 2 * 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda t: [u for part in stripe_qkv(t, windows, 2, 12.0, 1e-12) for u in part], (qkv,))
+    parts = [(torch.randn(48 // (wh * ww), 2, wh * ww, 3, dtype=torch.float64, requires_grad=True),
+              torch.randn(48 // (wh * ww), 6, wh, ww, dtype=torch.float64, requires_grad=True)) for wh, ww in windows]
+    flat = [t for part in parts for t in part]
+    assert torch.autograd.gradcheck(lambda *t: stripe_merge(list(t[::2]), list(t[1::2]), windows, 6, 4), flat)
+    q = stripe_qkv(qkv, windows, 2, 12.0, 1e-12)[0][0]
+    g, = torch.autograd.grad(q.pow(2).sum(), qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        g.pow(2).sum().backward()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, with_bias):

@@ -73,7 +73,7 @@ def _kernels(t: Tensor):
     return triton_kernels
 
 
-def _math_backward() -> bool:
+def math_backward() -> bool:
     """Backward computes in aten ops (differentiable, batchable): a double backward (``create_graph``) or a
     ``torch.func`` transform is on."""
     return torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()
@@ -184,7 +184,7 @@ def _rcn_grad(ctx, grad, _):
         return (None,) * 8
     z, mask, weight = ctx.saved_tensors
     x_dtype, h_dtype, b_dtype = ctx.dtypes
-    if _math_backward():
+    if math_backward():
         grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, ctx.keep, weight, ctx.scale)
     else:
         grad_s, grad_h, sums = _rcn_backward(grad, z, mask, ctx.keep, weight, ctx.scale)
@@ -265,7 +265,7 @@ def _gr_grad(ctx, grad):
     if grad is None:
         return (None,) * 5
     u, alpha, mask = ctx.saved_tensors
-    backward = _gr_backward_math if _math_backward() else _gr_backward
+    backward = _gr_backward_math if math_backward() else _gr_backward
     grad_u, grad_alpha = backward(grad, u, alpha, mask, ctx.keep)
     return grad.to(ctx.x_dtype), grad_u, grad_alpha.to(alpha.dtype), None, None
 
@@ -304,7 +304,7 @@ def gelu_and_grad(grad_h: Tensor, u: Tensor) -> Tuple[Tensor, Tensor]:
     """``(GELU(u), grad_h * GELU'(u))`` in ``u``'s dtype: what a backward that recomputes a GELU needs for the next
     weight's gradient and for ``u``'s, reading ``u`` once. Not differentiable: under ``create_graph`` or a
     ``torch.func`` transform the plain ops run."""
-    if not fusable(grad_h, u) or _math_backward() or grad_h.shape != u.shape:
+    if not fusable(grad_h, u) or math_backward() or grad_h.shape != u.shape:
         return gelu_and_grad_plain(grad_h, u)
     return _gg(grad_h.contiguous(), u.contiguous())
 
@@ -370,7 +370,7 @@ def _qkn_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(rq, rk)
 
 
-class _DifferentiableOnce(torch.autograd.Function):
+class DifferentiableOnce(torch.autograd.Function):
     """``values`` (copies) as a function of ``inputs``, whose derivative raises: what a backward computed without a
     graph returns under ``create_graph``."""
 
@@ -380,8 +380,9 @@ class _DifferentiableOnce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError("qk_normalize is differentiable once (it keeps 1 / norm, which carries no graph): a "
-                           "double backward through SCSA needs lipsformer.layers.fused.use_fused_ops(False)")
+        raise RuntimeError("SCSA's fused q and k normalisation is differentiable once (it keeps 1 / norm, which "
+                           "carries no graph): a double backward through SCSA needs "
+                           "lipsformer.layers.fused.use_fused_ops(False)")
 
 
 def _qkn_grad(ctx, grad_q, grad_k, _rq, _rk):
@@ -394,7 +395,7 @@ def _qkn_grad(ctx, grad_q, grad_k, _rq, _rk):
         with torch.no_grad():
             gq, gk = _qkn_backward(grad_q.contiguous(), grad_k.contiguous(), qn, kn, rq, rk, ctx.q_scale)
         if torch.is_grad_enabled():  # create_graph: a second derivative would miss 1 / norm's
-            gq, gk = _DifferentiableOnce.apply((gq, gk), grad_q, grad_k)
+            gq, gk = DifferentiableOnce.apply((gq, gk), grad_q, grad_k)
     return gq, gk, None, None
 
 
@@ -462,7 +463,7 @@ def scale_rows_backward(grad_w: Tensor, grad_b: Optional[Tensor], weight: Tensor
     by the fused backward op, or in aten ops where a double backward or a transform needs them."""
     if bias is not None and grad_b is None:
         grad_b = torch.zeros_like(bias)
-    if _math_backward() or not fusable(grad_w, grad_b, weight, bias, scale):
+    if math_backward() or not fusable(grad_w, grad_b, weight, bias, scale):
         return _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale)
     gw, gb, gs = _sr_backward(grad_w, grad_b, weight, bias, scale, float(input_scale))
     return gw, gb if bias is not None else None, gs

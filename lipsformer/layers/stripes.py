@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
-from .fused import _DifferentiableOnce, _math_backward
+from .fused import DifferentiableOnce, math_backward
 from .windows import window_partition, window_reverse
 
 
@@ -121,7 +121,7 @@ def _sqkv_grad(ctx, *grads):
         with torch.no_grad():
             grad = _sqkv_backward(*grads, *outs, ctx.windows, ctx.H, ctx.W, ctx.q_scale)
         if torch.is_grad_enabled():  # create_graph: as qk_normalize, differentiable once
-            grad = _DifferentiableOnce.apply((grad,), *grads)[0]
+            grad = DifferentiableOnce.apply((grad,), *grads)[0]
     return grad, None, None, None, None
 
 
@@ -198,7 +198,7 @@ def _smerge_setup(ctx, inputs, output):
 
 def _smerge_grad(ctx, grad):
     wins = _windows(ctx.windows)
-    if _math_backward():
+    if math_backward():
         B, H, W, C = grad.shape
         gs = [window_partition(g, w) for g, w in zip(grad.view(B, H, W, len(wins), ctx.heads, -1).unbind(3), wins)]
     else:
