@@ -151,10 +151,15 @@ def test_stripe_ops_have_exact_gradients_and_a_double_backward_says_it_cannot(br
     qkv = torch.randn(2, 6, 4, 3 * len(windows) * 2 * 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda t: [u for part in stripe_qkv(t, windows, 2, 12.0, 1e-12) for u in part], (qkv,))
-    parts = [(torch.randn(48 // (wh * ww), 2, wh * ww, 3, dtype=torch.float64, requires_grad=True),
-              torch.randn(48 // (wh * ww), 6, wh, ww, dtype=torch.float64, requires_grad=True)) for wh, ww in windows]
+    # in the layouts SDPA and a channels-last convolution give them: those of the gradients' views
+    parts = [(torch.randn(48 // (wh * ww), wh * ww, 2, 3, dtype=torch.float64).transpose(1, 2).requires_grad_(),
+              torch.randn(48 // (wh * ww), wh, ww, 6, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_())
+             for wh, ww in windows]
     flat = [t for part in parts for t in part]
     assert torch.autograd.gradcheck(lambda *t: stripe_merge(list(t[::2]), list(t[1::2]), windows, 6, 4), flat)
+    for _ in range(2):  # leaves: each keeps a gradient of its own, twice the first after two passes
+        stripe_merge(list(flat[::2]), list(flat[1::2]), windows, 6, 4).sum().backward()
+    assert all(t.grad.eq(2.0).all() for t in flat)
     q = stripe_qkv(qkv, windows, 2, 12.0, 1e-12)[0][0]
     g, = torch.autograd.grad(q.pow(2).sum(), qkv, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiable once"):

@@ -167,7 +167,7 @@ class AttentionKernel(nn.Module):
     @property
     def normalizes_apart(self) -> bool:
         """SCSA as released (a fixed temperature, v as it is), fused: its q and k may come normalised from the op
-        that gathers them (:func:`lipsformer.layers.fused.stripe_qkv`), and :meth:`attend_normalized` attends."""
+        that gathers them (:func:`lipsformer.layers.stripes.stripe_qkv`), and :meth:`attend_normalized` attends."""
         return self.kind == "scsa" and not isinstance(self.tau, torch.Tensor) and self.nu is None and self.fused
 
     def attend_normalized(self, q, k, v) -> torch.Tensor:

@@ -494,4 +494,3 @@ def scale_rows(weight: Tensor, bias: Optional[Tensor], scale: Tensor, input_scal
         return _scaled_plain(weight, bias, scale, input_scale)
     w, b = _sr(weight, bias, scale, float(input_scale))
     return w, b if bias is not None else None
-

@@ -194,6 +194,7 @@ def _smerge_setup(ctx, inputs, output):
     o0, lepe0, o1, lepe1, windows, H, W = inputs
     ctx.windows, ctx.heads = windows, o0.shape[1]
     ctx.dtypes = (o0.dtype, lepe0.dtype, o1.dtype, lepe1.dtype)
+    ctx.leaves = (o0.is_leaf and lepe0.is_leaf, o1.is_leaf and lepe1.is_leaf)
 
 
 def _smerge_grad(ctx, grad):
@@ -204,10 +205,12 @@ def _smerge_grad(ctx, grad):
     else:
         gs = _smerge_backward(grad.contiguous(), ctx.windows, ctx.heads)[:len(wins)]
     out = []
-    for g, (wh, ww), (o_dtype, l_dtype) in zip(gs, wins, (ctx.dtypes[:2], ctx.dtypes[2:])):
+    for g, (wh, ww), (o_dtype, l_dtype), leaf in zip(gs, wins, (ctx.dtypes[:2], ctx.dtypes[2:]), ctx.leaves):
         # one buffer, two views: the attention's gradient (windows, heads, tokens, d) and the LePE's as a
-        # channels-last map (windows, C_b, wh, ww); each is read once, by its own backward
-        out += [g.transpose(1, 2).to(o_dtype), g.reshape(g.shape[0], wh, ww, -1).permute(0, 3, 1, 2).to(l_dtype)]
+        # channels-last map (windows, C_b, wh, ww); each is read once, by its own backward. Two leaf inputs would
+        # keep them as their .grad, which later backward passes add into: there, the LePE's gets a copy
+        lepe = g.reshape(g.shape[0], wh, ww, -1).permute(0, 3, 1, 2)
+        out += [g.transpose(1, 2).to(o_dtype), (lepe.clone() if leaf else lepe).to(l_dtype)]
     out += [None, None] * (2 - len(wins))
     return (*out, None, None, None)
 
