@@ -322,6 +322,12 @@ def _qkn(q: Tensor, k: Tensor, q_scale: float, eps: float) -> Tuple[Tensor, Tens
     kernels = _kernels(q)
     if kernels is not None:
         return kernels.qk_normalize(q, k, q_scale, eps)
+    return qk_normalize_math(q, k, q_scale, eps)
+
+
+def qk_normalize_math(q: Tensor, k: Tensor, q_scale: float, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """SCSA's normalisation in aten ops (what :func:`qk_normalize`'s op and CSwin's gather compute on the CPU): q
+    and k normalised into new contiguous tensors, q times ``q_scale``, and their rows' ``1 / norm``."""
     outs = []
     for t, s in ((q, q_scale), (k, 1.0)):
         r = torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps)
@@ -338,7 +344,8 @@ def _(q, k, q_scale, eps):
             q.new_empty(q.shape[:-1] + (1,)), k.new_empty(k.shape[:-1] + (1,)))
 
 
-def _qkn_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale):
+def qk_normalize_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale):
+    """The gradients of q and k through :func:`qk_normalize_math`, in aten ops, from its outputs."""
     grads = []
     for g, out, r, s in ((grad_q, qn, rq, q_scale), (grad_k, kn, rk, 1.0)):
         # d(s x r)/dx g = s r (g - out (out . g) / s^2): the output and 1 / norm are all it needs
@@ -353,7 +360,7 @@ def _qkn_backward(grad_q: Tensor, grad_k: Tensor, qn: Tensor, kn: Tensor, rq: Te
     kernels = _kernels(qn)
     if kernels is not None:
         return kernels.qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale)
-    return _qkn_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale)
+    return qk_normalize_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale)
 
 
 @_qkn_backward.register_fake
@@ -390,7 +397,7 @@ def _qkn_grad(ctx, grad_q, grad_k, _rq, _rk):
     grad_q = torch.zeros_like(qn) if grad_q is None else grad_q
     grad_k = torch.zeros_like(kn) if grad_k is None else grad_k
     if torch._C._are_functorch_transforms_active():
-        gq, gk = _qkn_backward_math(grad_q, grad_k, qn, kn, rq, rk, ctx.q_scale)
+        gq, gk = qk_normalize_backward_math(grad_q, grad_k, qn, kn, rq, rk, ctx.q_scale)
     else:
         with torch.no_grad():
             gq, gk = _qkn_backward(grad_q.contiguous(), grad_k.contiguous(), qn, kn, rq, rk, ctx.q_scale)

@@ -18,22 +18,13 @@ import torch
 from torch import Tensor
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
-from .fused import DifferentiableOnce, math_backward
+from .fused import DifferentiableOnce, math_backward, qk_normalize_backward_math, qk_normalize_math
 from .windows import window_partition, window_reverse
 
 
 def _windows(windows: List[int]) -> List[Tuple[int, int]]:
     """The flat ``[h0, w0, h1, w1]`` of an op's schema as (height, width) pairs."""
     return [(windows[i], windows[i + 1]) for i in range(0, len(windows), 2)]
-
-
-def _to_map(t: Tensor, window: Tuple[int, int], H: int, W: int) -> Tensor:
-    """(B * nH * nW, wh * ww, *C) -> (B, H, W, *C): :func:`window_reverse` with several channel dims."""
-    return window_reverse(t.reshape(t.shape[0], t.shape[1], -1), window, H, W).view(-1, H, W, *t.shape[2:])
-
-
-def _fresh(t: Tensor) -> Tensor:
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("lipsformer::stripe_qkv", mutates_args=())
@@ -51,8 +42,8 @@ def _sqkv(qkv: Tensor, windows: List[int], heads: int, q_scale: float, eps: floa
     outs, norms = [], []
     for part, window in zip(parts, wins):
         q, k, v = window_partition(part, window).unbind(2)  # each (windows, tokens, heads, d)
-        rq, rk = (torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps) for t in (q, k))
-        outs += [_fresh(q * (rq * q_scale)), _fresh(k * rk), _fresh(v)]
+        qn, kn, rq, rk = qk_normalize_math(q, k, q_scale, eps)
+        outs += [qn, kn, v.clone(memory_format=torch.contiguous_format)]
         norms.append(torch.stack((rq.flatten(), rk.flatten())))
     outs += [qkv.new_empty(0) for _ in range(6 - len(outs))]  # distinct: outputs may not alias
     return (*outs, torch.stack(norms))
@@ -75,11 +66,8 @@ def _sqkv_backward_math(grads, outs, norms, windows, H, W, q_scale):
         gq, gk, gv = grads[3 * b:3 * b + 3]
         qn, kn = outs[2 * b:2 * b + 2]
         rq, rk = (r.view(qn.shape[:-1] + (1,)) for r in norms[b])
-        gx = []
-        for g, out, r, s in ((gq, qn, rq, q_scale), (gk, kn, rk, 1.0)):
-            dot = (out * g).sum(-1, keepdim=True)
-            gx.append(torch.addcmul(g, out, dot, value=-1.0 / (s * s)) * (r * s))
-        parts.append(_to_map(torch.stack((*gx, gv), 2), window, H, W))  # (B, H, W, 3, heads, d)
+        gx = qk_normalize_backward_math(gq, gk, qn, kn, rq, rk, q_scale)
+        parts.append(window_reverse(torch.stack((*gx, gv), 2), window, H, W))  # (B, H, W, 3, heads, d)
     return torch.stack(parts, 4).flatten(3)  # (B, H, W, 3 * branches * heads * d)
 
 
@@ -143,8 +131,8 @@ def _smerge_math(outs, lepes, windows, H, W):
     parts = []
     for o, lepe, window in zip(outs, lepes, windows):
         n = o.shape[0]
-        parts.append(_to_map(o.transpose(1, 2).reshape(n, o.shape[2], -1) + lepe.flatten(2).transpose(1, 2),
-                             window, H, W))
+        tokens = o.transpose(1, 2).reshape(n, o.shape[2], -1) + lepe.flatten(2).transpose(1, 2)
+        parts.append(window_reverse(tokens, window, H, W))
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
 
 
@@ -178,7 +166,7 @@ def _smerge_backward(grad: Tensor, windows: List[int], heads: int) -> Tuple[Tens
         return kernels.stripe_merge_backward(grad, wins, heads)
     B, H, W, C = grad.shape
     parts = grad.view(B, H, W, len(wins), heads, -1).unbind(3)
-    outs = [_fresh(window_partition(g, w)) for g, w in zip(parts, wins)]
+    outs = [window_partition(g, w).clone(memory_format=torch.contiguous_format) for g, w in zip(parts, wins)]
     return outs[0], outs[1] if len(outs) > 1 else grad.new_empty(0)
 
 

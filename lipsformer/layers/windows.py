@@ -20,11 +20,11 @@ def window_partition(x: torch.Tensor, window: Tuple[int, int]) -> torch.Tensor:
 
 @register_notrace_function  # reason: int arguments may be traced values
 def window_reverse(windows: torch.Tensor, window: Tuple[int, int], H: int, W: int) -> torch.Tensor:
-    """Inverse of :func:`window_partition`: (B * nH * nW, wh * ww, C) -> (B, H, W, C)."""
+    """Inverse of :func:`window_partition`: (B * nH * nW, wh * ww, *C) -> (B, H, W, *C)."""
     wh, ww = window
-    C = windows.shape[-1]
-    x = windows.view(-1, H // wh, W // ww, wh, ww, C).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(-1, H, W, C)
+    C = windows.shape[2:]
+    x = windows.view(-1, H // wh, W // ww, wh, ww, *C).permute(0, 1, 3, 2, 4, *range(5, 5 + len(C)))
+    return x.reshape(-1, H, W, *C)
 
 
 @register_notrace_function  # reason: int arguments may be traced values
