@@ -387,8 +387,8 @@ def _sqkv_part(qkv, dst, r_ptr, pid, R, heads, d, C3, col0, H, W, wh, ww, scale,
 
 # The stripe kernels pick a branch's and a part's tensors by calling their helper once per case rather than
 # selecting pointers and sizes in an ``if`` and calling it once: Triton specialises an integer argument equal to 1
-# into a constant (CSwin-T's first stripes are 1 wide), and an ``if`` whose branches yield a constant and a value
-# does not compile.
+# into a constant (CSwin-T's first stripes are 1 wide), which such an ``if`` would have to merge with the other
+# branch's value; one call per case keeps each specialisation (and is untested on a GPU either way).
 @triton.jit
 def _sqkv_fwd(qkv, q0, k0, v0, q1, k1, v1, r_ptr, R, heads, d, C, H, W, wh0, ww0, wh1, ww1, q_scale, eps,
               ROWS: tl.constexpr, BLOCK: tl.constexpr):
