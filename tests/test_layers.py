@@ -651,3 +651,34 @@ def test_largest_singular_value_uses_power_iteration_above_the_exact_size(monkey
     monkeypatch.setattr(spectral, "EXACT_MAX_DIM", 16)
     estimate = largest_singular_value(w, iters=2000)
     assert estimate <= 3.0 * (1 + 1e-12) and estimate == pytest.approx(3.0, rel=1e-4)
+
+
+def test_a_block_draws_its_residuals_drop_path_in_one_kernel_on_the_same_stream():
+    """A training block's four DropPath draws are the rows of one ``bernoulli_`` (one kernel, not four); on the CPU
+    the rows are the draws each residual would make itself, in order, so the block's output is the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lipsformer.layers import LipsBlock
+
+    class Draws(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += "bernoulli" in func.__name__
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = LipsBlock(8, nn.Identity(), drop_path=0.5).train()
+    x = torch.randn(32, 4, 4, 8)
+    torch.manual_seed(5)
+    with Draws() as draws:
+        out = block(x)
+    assert draws.n == 1
+    torch.manual_seed(5)
+    alone = block.body(x, (None,) * 4)  # each residual draws its own, in order
+    torch.testing.assert_close(out, alone, rtol=0, atol=0)
+    masks = [d[0] for d in block.drop_draws(x)]
+    assert all(m.shape == (32,) for m in masks) and 0 < sum(float(m.sum()) for m in masks) < 128
+    assert all(d == (None, 1.0) for d in block.eval().drop_draws(x))

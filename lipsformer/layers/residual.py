@@ -1,6 +1,6 @@
 """Residual shortcuts: LipsFormer's weighted residual (Sec. 4.1.3, Table 1) and a convex combination that is
 1-Lipschitz whenever its branch is."""
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from timm.layers import DropPath
@@ -41,13 +41,38 @@ Draw = Tuple[Optional[torch.Tensor], float]
 class DropPathDraw:
     """A residual whose branch timm's DropPath (``self.drop_path``) drops per sample."""
 
+    def drop_keep(self) -> Optional[float]:
+        """The probability of keeping a sample's branch where this residual drops (training with a drop rate),
+        else None."""
+        if not (self.training and isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0):
+            return None
+        return 1.0 - self.drop_path.drop_prob
+
     def drop_mask(self, x: torch.Tensor) -> Draw:
         """DropPath's per-sample draw for a batch ``x`` and what it is divided by: ``(bernoulli(keep), keep)``, the
         same random stream as timm's DropPath, in training with a drop rate; ``(None, 1.0)`` otherwise."""
-        if not (self.training and isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0):
+        keep = self.drop_keep()
+        if keep is None:
             return None, 1.0
-        keep = 1.0 - self.drop_path.drop_prob
-        return x.new_empty(x.shape[0]).bernoulli_(keep), keep if self.drop_path.scale_by_keep else 1.0
+        return x.new_empty(x.shape[0]).bernoulli_(keep), self.divisor(keep)
+
+    def divisor(self, keep: float) -> float:
+        """What a kept branch is divided by: ``keep``, or 1 where timm's DropPath does not scale by it."""
+        return keep if self.drop_path.scale_by_keep else 1.0
+
+
+def drop_masks(residuals: Sequence[Optional[DropPathDraw]], x: torch.Tensor) -> Tuple[Optional[Draw], ...]:
+    """The DropPath draws of several residuals (None: none there) for a batch ``x``, as :meth:`DropPathDraw.drop_mask`
+    makes them, in one ``bernoulli_`` where those that drop share a rate (a block's residuals do): one kernel
+    instead of one a residual. The rows are the residuals' draws in order, so on the CPU the same random stream as
+    one draw each (on CUDA the same distribution, from another split of the generator's stream)."""
+    keeps = [None if r is None else r.drop_keep() for r in residuals]
+    rates = {k for k in keeps if k is not None}
+    if len(rates) != 1:
+        return tuple(None if r is None else r.drop_mask(x) for r in residuals)
+    rows = iter(x.new_empty(sum(k is not None for k in keeps), x.shape[0]).bernoulli_(rates.pop()))
+    return tuple(None if r is None else (None, 1.0) if k is None else (next(rows), r.divisor(k))
+                 for r, k in zip(residuals, keeps))
 
 
 def drawn_factor(draw: Draw) -> Optional[Draw]:
