@@ -891,3 +891,49 @@ def test_shift_mixer_replaces_attention_with_its_parameters_and_its_certificate_
     assert not pgd_l2(shift, pixels, pred, radius.float() * 0.98, mean, std, steps=10, restarts=2).any()
     shift.set_input_size(img_size=64)  # no windows: any size, the weights kept
     assert shift(torch.randn(1, 3, 64, 64)).shape == (1, 4)
+
+
+@pytest.mark.parametrize("mode", ["prox", "I - prox", "2 prox - I"])
+def test_one_token_attlip_windows_are_bounded_by_their_gains_and_exactly(mode):
+    from lipsformer.layers import AttLipMixer
+    from lipsformer.lipschitz.layer_bounds import one_token_gains
+    from lipsformer.lipschitz.registry import module_bound
+
+    torch.manual_seed(0)
+    kw = dict(delta=mode == "I - prox", reflect=mode == "2 prox - I", form="orthogonal", eval_steps=100)
+    mixer = AttLipMixer(16, 4, [(1, 1), (1, 1)], **kw).double().eval()
+    with torch.no_grad():  # s_h from 0.3 to 1.9: gains 1 / (1 + 4 s_h^2 / sqrt(4)) from 0.85 to 0.12
+        for branch, raw in zip(mixer.branches, ([-2.0, 3.0], [0.5, -1.0])):
+            branch.scale.copy_(torch.tensor(raw))
+    x = torch.randn(1, 1, 1, 16, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda t: mixer(t.view(1, 1, 1, 16)).flatten(), x.flatten())
+    exact = float(torch.linalg.matrix_norm(jac, ord=2))
+    bound = module_bound(mixer, (1, 1)).lip
+    assert exact <= bound <= exact * (1 + 1e-9)  # the one-token map is linear: its bound is its norm
+    lo, hi = one_token_gains(mixer.branches[0])
+    assert 0.1 < lo < hi < 0.9
+    assert bound < 0.9  # prox and 2 prox - I shrink every direction here; I - prox by 1 - min(lam) = 0.88
+    wide = AttLipMixer(16, 4, [(2, 2), (2, 2)], **kw).double()
+    wide.load_state_dict(mixer.state_dict())
+    assert module_bound(wide, (2, 2)).lip >= 1.0  # several tokens a window: Theorem 4's 1 (plus rounding)
+
+
+def test_one_token_bound_certifies_a_model_whose_last_stage_contracts():
+    from lipsformer.lipschitz import lipschitz_report
+    from lipsformer.lipschitz.certify import normalization, pgd_l2, predict_certified
+
+    torch.manual_seed(0)
+    model = timm.create_model("lipsformer_swin_t_cert", **TINY["swin"], num_classes=4).eval()
+    last = model.stages[-1].blocks[-1]
+    assert last.attn.windows == [(1, 1)]  # 32 px: the last stage is one token
+    with torch.no_grad():  # the last attention branch fully open: s_h = 1.9, its prox 1 / (1 + 4 s_h^2 / 4) = 0.22
+        last.attn.branches[0].scale.fill_(3.0)
+        last.res_attn.alpha.fill_(1.0)
+    report = lipschitz_report(model)
+    assert report.bound < 0.25  # Theorem 4's 1 would leave it at 1
+    # sound: PGD at 0.98x each image's certified radius flips nothing
+    mean, std = normalization(model)
+    pixels = torch.rand(6, 3, 32, 32)
+    _, pred, radius = predict_certified(model, (pixels - mean) / std)
+    assert (radius > 0).all()
+    assert not pgd_l2(model, pixels, pred, radius.float() * 0.98, mean, std, steps=10, restarts=2).any()
