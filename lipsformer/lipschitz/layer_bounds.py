@@ -418,16 +418,17 @@ def attlip_mixer_bound(mixer: AttLipMixer, hw: HW) -> Bound:
     eigenvalue)."""
     what = "2 prox - I is non-expansive" if mixer.reflect else (
         f"{'I - prox' if mixer.delta else 'prox'} is firmly non-expansive")
-    adds_x = mixer.delta or mixer.reflect
+    k = 2 if mixer.delta or mixer.reflect else 1  # how many times the rotation's rounding enters
     lips, closed = [], False
     for branch, window in zip(mixer.branches, mixer.windows):
         delta = branch.rotation_defect()
-        gain = attlip_bound()
         if isinstance(branch, OrthogonalAttLip) and window[0] * window[1] == 1:
             lo, hi = one_token_gains(branch)
             gain = max(abs(2 * lo - 1), abs(2 * hi - 1)) if mixer.reflect else 1 - lo if mixer.delta else hi
+            lips.append((gain * (1 + delta) + (k - 1) * delta) * (1 + 1e-15))  # (the sum's rounding)
             closed = True
-        lips.append(gain if not delta else gain * (1 + delta) + (delta if adds_x else 0.0))
+        else:
+            lips.append(attlip_bound() + k * delta)
     note = f"AttLip Thm 4: {what}"
     if closed:
         note += "; one token a window: the prox is linear, bounded by its gains"
@@ -435,7 +436,7 @@ def attlip_mixer_bound(mixer: AttLipMixer, hw: HW) -> Bound:
     if delta:
         note += f"; rotation rounding {delta:.1e} charged"
     lip = max(lips)
-    return Bound(lip if lip == attlip_bound() and not delta else math.nextafter(lip * (1 + 1e-15), INF), note)
+    return Bound(lip if lip == attlip_bound() and not closed else math.nextafter(lip, INF), note)
 
 
 @register_bound(ShiftMixer)
