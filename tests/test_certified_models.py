@@ -1,5 +1,7 @@
 """The certifiable configuration as registered timm models: ``timm.create_model`` builds them at
 224 with the zoo's sizes, their bound is finite, and one call gives predictions and certified radii."""
+import math
+
 import pytest
 import timm
 import torch
@@ -36,11 +38,15 @@ SMALL = {"swin": dict(window_size=4, num_heads=(1, 2, 4, 8)),
 @pytest.mark.parametrize("name", sorted(CERTIFIED))
 def test_certified_model_bounds_and_certifies_a_batch_in_one_call(name):
     """A small size for speed (a 1-token last stage, so the bound is that of the layers): the bound is 1 up to
-    rounding, and the one call returns predictions equal to the argmax of its logits and radii >= 0. (The
-    certificate itself is attacked in tests/test_certified_solver.py.)"""
+    rounding but for the last attention residual, ``(1 - a) + a lam`` with its one-token prox's gain
+    ``lam = 1 / (1 + 4 s^2 / sqrt(d_h))`` (s = 1 at initialisation), and the one call returns predictions equal to
+    the argmax of its logits and radii >= 0. (The certificate itself is attacked in tests/test_certified_solver.py.)"""
     model = timm.create_model(name, img_size=32, embed_dim=16, depths=(1, 1, 1, 1), num_classes=5,
                               **SMALL[family(name)]).eval()
-    assert lipschitz_report(model).bound == pytest.approx(1.0, abs=1e-4)
+    last = model.stages[-1].blocks[-1]
+    (branch,), a = last.attn.branches, float(last.res_attn.alpha)
+    lam = 1 / (1 + 4 / math.sqrt(branch.rotation.shape[0] // branch.heads))
+    assert lipschitz_report(model).bound == pytest.approx((1 - a) + a * lam, abs=1e-4)
     mean, std = normalization(model)
     logits, pred, radius = predict_certified(model, (torch.rand(6, 3, 32, 32) - mean) / std)
     assert logits.shape == (6, 5) and torch.isfinite(logits).all() and torch.equal(pred, logits.argmax(-1))

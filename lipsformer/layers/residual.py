@@ -70,9 +70,12 @@ def drop_masks(residuals: Sequence[Optional[DropPathDraw]], x: torch.Tensor) -> 
     rates = {k for k in keeps if k is not None}
     if len(rates) != 1:
         return tuple(None if r is None else r.drop_mask(x) for r in residuals)
-    rows = iter(x.new_empty(sum(k is not None for k in keeps), x.shape[0]).bernoulli_(rates.pop()))
-    return tuple(None if r is None else (None, 1.0) if k is None else (next(rows), r.divisor(k))
-                 for r, k in zip(residuals, keeps))
+    rows = x.new_empty(sum(k is not None for k in keeps), x.shape[0]).bernoulli_(rates.pop())
+    draws, row = [], 0
+    for r, k in zip(residuals, keeps):
+        draws.append(None if r is None else (None, 1.0) if k is None else (rows[row], r.divisor(k)))
+        row += k is not None
+    return tuple(draws)
 
 
 def drawn_factor(draw: Draw) -> Optional[Draw]:
