@@ -39,7 +39,7 @@ SMALL = {"swin": dict(window_size=4, num_heads=(1, 2, 4, 8)),
 def test_certified_model_bounds_and_certifies_a_batch_in_one_call(name):
     """A small size for speed (a 1-token last stage, so the bound is that of the layers): the bound is 1 up to
     rounding but for the last attention residual, ``(1 - a) + a lam`` with its one-token prox's gain
-    ``lam = 1 / (1 + 4 s^2 / sqrt(d_h))`` (s = 1 at initialisation), and the one call returns predictions equal to
+    ``lam = 1 / (1 + 4 s_h^2 / sqrt(d_h))`` (s_h = 1 at initialisation), and the one call returns predictions equal to
     the argmax of its logits and radii >= 0. (The certificate itself is attacked in tests/test_certified_solver.py.)"""
     model = timm.create_model(name, img_size=32, embed_dim=16, depths=(1, 1, 1, 1), num_classes=5,
                               **SMALL[family(name)]).eval()
