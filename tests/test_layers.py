@@ -655,30 +655,41 @@ def test_largest_singular_value_uses_power_iteration_above_the_exact_size(monkey
 
 def test_a_block_draws_its_residuals_drop_path_in_one_kernel_on_the_same_stream():
     """A training block's four DropPath draws are the rows of one ``bernoulli_`` (one kernel, not four); on the CPU
-    the rows are the draws each residual would make itself, in order, so the block's output is the same."""
+    the rows are the draws each residual would make itself, in order, so the block's output is the same. A compiled
+    block takes them as factors ``mask / keep``: one division for the four."""
+    from collections import Counter
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lipsformer.layers import LipsBlock
 
-    class Draws(TorchDispatchMode):
+    class Ops(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.n = 0
+            self.names = Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += "bernoulli" in func.__name__
+            self.names[func.__name__.split(".")[0]] += 1
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     block = LipsBlock(8, nn.Identity(), drop_path=0.5).train()
     x = torch.randn(32, 4, 4, 8)
     torch.manual_seed(5)
-    with Draws() as draws:
+    with Ops() as ops:
         out = block(x)
-    assert draws.n == 1
+    assert ops.names["bernoulli_"] == 1
     torch.manual_seed(5)
     alone = block.body(x, (None,) * 4)  # each residual draws its own, in order
     torch.testing.assert_close(out, alone, rtol=0, atol=0)
+    torch.manual_seed(5)
     masks = [d[0] for d in block.drop_draws(x)]
     assert all(m.shape == (32,) for m in masks) and 0 < sum(float(m.sum()) for m in masks) < 128
+    torch.manual_seed(5)
+    with Ops() as ops:
+        factors = block.drop_draws(x, factors=True)
+    assert ops.names["bernoulli_"] == 1 and ops.names["div"] == 1
+    for (factor, one), mask in zip(factors, masks):
+        assert one == 1.0 and torch.equal(factor, mask / 0.5)
     assert all(d == (None, 1.0) for d in block.eval().drop_draws(x))
+    assert block.drop_draws(x, factors=True) == (None,) * 4

@@ -8,8 +8,7 @@ from torch import nn
 from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
 from .norm import create_norm
-from .residual import (ScaledOutput, WeightedResidual, create_residual, drawn_factor, drop_masks,
-                       scaled_linear)
+from .residual import ScaledOutput, WeightedResidual, create_residual, drop_masks, scaled_linear
 
 
 class GeluMlp(Mlp, ScaledOutput):
@@ -82,17 +81,16 @@ class LipsBlock(nn.Module):
     compiled_body = None  # torch.compile(LipsBlock.body), set by lipsformer.engine.speed.compile_model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        draws = self.drop_draws(x)
         if self.compiled_body is None:
-            return self.body(x, draws)
-        return self.compiled_body(self, x, tuple(None if d is None else drawn_factor(d) for d in draws))
+            return self.body(x, self.drop_draws(x))
+        return self.compiled_body(self, x, self.drop_draws(x, factors=True))
 
-    def drop_draws(self, x: torch.Tensor) -> tuple:
+    def drop_draws(self, x: torch.Tensor, factors: bool = False) -> tuple:
         """The DropPath draws of the block's four residuals for a batch ``x``, in one kernel
-        (:func:`~lipsformer.layers.residual.drop_masks`); a compiled :meth:`body` takes them as its factors
-        (:func:`~lipsformer.layers.residual.drawn_factor`), so that its graph has them as inputs and the blocks of a
-        stage, whose drop rates differ, share one graph."""
-        return drop_masks((self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp), x)
+        (:func:`~lipsformer.layers.residual.drop_masks`); ``factors`` for a compiled :meth:`body`, which takes them
+        as factors (:func:`~lipsformer.layers.residual.drawn_factor`), so that its graph has them as inputs and the
+        blocks of a stage, whose drop rates differ, share one graph."""
+        return drop_masks((self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp), x, factors)
 
     def body(self, x: torch.Tensor, draws: tuple) -> torch.Tensor:
         """The block, given its residuals' DropPath draws (None: each residual draws its own)."""

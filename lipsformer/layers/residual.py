@@ -61,28 +61,35 @@ class DropPathDraw:
         return keep if self.drop_path.scale_by_keep else 1.0
 
 
-def drop_masks(residuals: Sequence[Optional[DropPathDraw]], x: torch.Tensor) -> Tuple[Optional[Draw], ...]:
+def drop_masks(residuals: Sequence[Optional[DropPathDraw]], x: torch.Tensor, factors: bool = False
+               ) -> Tuple[Optional[Draw], ...]:
     """The DropPath draws of several residuals (None: none there) for a batch ``x``, as :meth:`DropPathDraw.drop_mask`
     makes them, in one ``bernoulli_`` where those that drop share a rate (a block's residuals do): one kernel
     instead of one a residual. The rows are the residuals' draws in order, so on the CPU the same random stream as
-    one draw each (on CUDA the same distribution, from another split of the generator's stream)."""
+    one draw each (on CUDA the same distribution, from another split of the generator's stream). ``factors``: each
+    draw as its factor (:func:`drawn_factor`), the rows of one draw divided in one op."""
     keeps = [None if r is None else r.drop_keep() for r in residuals]
     rates = {k for k in keeps if k is not None}
     if len(rates) != 1:
-        return tuple(None if r is None else r.drop_mask(x) for r in residuals)
-    rows = x.new_empty(sum(k is not None for k in keeps), x.shape[0]).bernoulli_(rates.pop())
-    draws, row = [], 0
-    for r, k in zip(residuals, keeps):
-        draws.append(None if r is None else (None, 1.0) if k is None else (rows[row], r.divisor(k)))
-        row += k is not None
-    return tuple(draws)
+        draws = [None if r is None else r.drop_mask(x) for r in residuals]
+    else:
+        keep = rates.pop()
+        rows = x.new_empty(sum(k is not None for k in keeps), x.shape[0]).bernoulli_(keep)
+        divisors = [r.divisor(keep) for r, k in zip(residuals, keeps) if k is not None]
+        if factors and len(set(divisors)) == 1:  # all the factors in one op
+            rows, divisors = rows.div(divisors[0]), [1.0] * len(divisors)
+        draws, row = [], 0
+        for r, k in zip(residuals, keeps):
+            draws.append(None if r is None else (None, 1.0) if k is None else (rows[row], divisors[row]))
+            row += k is not None
+    return tuple(drawn_factor(d) if factors and d is not None else d for d in draws)
 
 
 def drawn_factor(draw: Draw) -> Optional[Draw]:
     """A draw as its factor ``mask / keep`` over 1: what a compiled block takes, so that the drop rate is not a
     constant of its graph (blocks of a stage whose rates differ share one)."""
     mask, keep = draw
-    return None if mask is None else (mask.div(keep), 1.0)
+    return None if mask is None else (mask if keep == 1.0 else mask.div(keep), 1.0)
 
 
 class WeightedResidual(DropPathDraw, nn.Module):
