@@ -419,9 +419,10 @@ def attlip_mixer_bound(mixer: AttLipMixer, hw: HW) -> Bound:
     what = "2 prox - I is non-expansive" if mixer.reflect else (
         f"{'I - prox' if mixer.delta else 'prox'} is firmly non-expansive")
     k = 2 if mixer.delta or mixer.reflect else 1  # how many times the rotation's rounding enters
-    lips, closed = [], False
+    lips, deltas, closed = [], [], False
     for branch, window in zip(mixer.branches, mixer.windows):
         delta = branch.rotation_defect()
+        deltas.append(delta)
         if isinstance(branch, OrthogonalAttLip) and window[0] * window[1] == 1:
             lo, hi = one_token_gains(branch)
             gain = max(abs(2 * lo - 1), abs(2 * hi - 1)) if mixer.reflect else 1 - lo if mixer.delta else hi
@@ -432,9 +433,8 @@ def attlip_mixer_bound(mixer: AttLipMixer, hw: HW) -> Bound:
     note = f"AttLip Thm 4: {what}"
     if closed:
         note += "; one token a window: the prox is linear, bounded by its gains"
-    delta = max(b.rotation_defect() for b in mixer.branches)
-    if delta:
-        note += f"; rotation rounding {delta:.1e} charged"
+    if max(deltas):
+        note += f"; rotation rounding {max(deltas):.1e} charged"
     lip = max(lips)
     return Bound(lip if lip == attlip_bound() and not closed else math.nextafter(lip, INF), note)
 
