@@ -499,6 +499,65 @@ def test_gelu_linear_and_gelu_residual_gradients_are_exact_and_keep_only_the_inp
         assert len(_saved_storages(plain)[1] - params) == 2
 
 
+@pytest.mark.fused_only
+def test_a_branch_first_linear_map_adds_the_skips_gradient_inside_its_product(monkeypatch):
+    """skip_linear(x, W, b) = (linear(x), x) as one node: float64 gradients (and second derivatives) of both outputs
+    exact; in a block, the MLP's fc1 takes the skip's gradient into its input gradient's ``addmm`` (an ``add`` fewer
+    in backward), with the same gradients as autograd's sum; under autocast the map's dtype and values are
+    autocast's."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lipsformer.layers import LipsBlock, residual
+    from lipsformer.layers.gelu import skip_linear
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for bias in (b, None):
+        assert torch.autograd.gradcheck(skip_linear, (x, w, bias))
+        assert torch.autograd.gradgradcheck(skip_linear, (x, w, bias))
+    y, passed = skip_linear(x, w, b)
+    assert torch.equal(y, F.linear(x, w, b)) and torch.equal(passed, x) and passed.grad_fn is y.grad_fn
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))  # the skip unused: the map's gradient alone
+    torch.testing.assert_close(g, torch.ones(2, 3, 4, dtype=torch.float64) @ w)
+
+    class Backward(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = LipsBlock(8, nn.Identity()).double()
+    inp = torch.randn(2, 4, 4, 8, dtype=torch.float64, requires_grad=True)
+    counts, grads = [], []
+    for tap in (True, False):
+        if not tap:  # the skip takes x itself: autograd adds the two gradients
+            monkeypatch.setattr(residual, "skip_linear", lambda x, w, b: (F.linear(x, w, b), x))
+        out = block(inp)
+        with Backward() as ops:
+            grads.append(torch.autograd.grad(out, [inp, *block.parameters()], torch.ones_like(out)))
+        counts.append(ops.names)
+    assert counts[1]["add"] - counts[0]["add"] == 1 and counts[0]["addmm"] - counts[1]["addmm"] == 1
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, passed = skip_linear(x32, w32, b32)
+        want = F.linear(x32, w32, b32)
+    assert y.dtype == torch.bfloat16 and passed.dtype == torch.float32 and torch.equal(y, want)
+    gy, gx = torch.randn_like(y), torch.randn_like(x32)
+    got = torch.autograd.grad((y, passed), (x32, w32, b32), (gy, gx))
+    plain = torch.autograd.grad((want, x32), (x32, w32, b32), (gy, gx))
+    for a, p in zip(got, plain):
+        assert a.dtype == p.dtype == torch.float32
+        torch.testing.assert_close(a, p, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 def test_linear_with_a_folded_output_scale_has_exact_gradients_and_keeps_no_output(gelu):
     """fused_linear(u, W, b, s) = s * linear(act(u), W, b): float64 gradients of every input (s included) against

@@ -8,7 +8,7 @@ from torch import nn
 from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
 from .norm import create_norm
-from .residual import ScaledOutput, WeightedResidual, create_residual, drop_masks, scaled_linear
+from .residual import ScaledOutput, WeightedResidual, create_residual, drop_masks, entry_linear, scaled_linear
 
 
 class GeluMlp(Mlp, ScaledOutput):
@@ -16,10 +16,13 @@ class GeluMlp(Mlp, ScaledOutput):
     dropout sits between them, so backward keeps the hidden layer once instead of twice; ``out_scale`` is folded
     into ``fc2`` (:class:`~lipsformer.layers.residual.ScaledOutput`)."""
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None, skip: bool = False):
+        u, x = entry_linear(x, self.fc1, skip)
         if self.training and self.drop1.p > 0:
-            return self.drop2(scaled_linear(self.norm(self.drop1(self.act(self.fc1(x)))), self.fc2, out_scale))
-        return self.drop2(gelu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias, out_scale))
+            out = self.drop2(scaled_linear(self.norm(self.drop1(self.act(u))), self.fc2, out_scale))
+        else:
+            out = self.drop2(gelu_linear(u, self.fc2.weight, self.fc2.bias, out_scale))
+        return (out, x) if skip else out
 
 
 class CPLMlp(nn.Module):
@@ -103,8 +106,9 @@ class LipsBlock(nn.Module):
         """``norm(res(x, branch(x)))``; a weighted residual's ``alpha`` is folded into the branch's last linear map
         when the branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), so that backward keeps no copy
         of the branch's output for alpha's gradient (two C-wide activations per block), and the sum and a
-        CenterNorm after it are one fused op."""
+        CenterNorm after it are one fused op; the skip takes ``x`` as the branch's first linear map passes it on, so
+        that the two gradients of ``x`` meet inside that map's backward (:func:`entry_linear`)."""
         if isinstance(res, WeightedResidual) and isinstance(branch, ScaledOutput):
-            return res.add_scaled(x, branch(x, out_scale=res.alpha), None if isinstance(norm, nn.Identity) else norm,
-                                  draw)
+            out, x = branch(x, out_scale=res.alpha, skip=True)
+            return res.add_scaled(x, out, None if isinstance(norm, nn.Identity) else norm, draw)
         return norm(res(x, branch(x), draw=draw))

@@ -1,5 +1,6 @@
 """GELU fused with the operation that consumes it, keeping only the pre-activation for backward; linear maps with
-a per-output-channel scale folded in, keeping no output for the scale's gradient.
+a per-output-channel scale folded in, keeping no output for the scale's gradient; a residual branch's first linear
+map, which adds the skip's gradient inside its input gradient's matrix product (:func:`skip_linear`).
 
 Autograd would keep both the GELU's input (for its derivative) and its output (for the weight gradient of the
 next layer, or the gradient of a residual weight). These functions keep the input alone and recompute the GELU
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from .fused import gelu_and_grad, scale_rows, scale_rows_backward
+from .fused import fusable, gelu_and_grad, scale_rows, scale_rows_backward
 
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,65 @@ class _FusedLinear(torch.autograd.Function):
             grad_w = grad_w * ctx.input_scale
         return (grad_u, grad_w if need_w else None, grad_b if need_b else None, grad_s if need_s else None, None,
                 None)
+
+
+class _SkipLinear(torch.autograd.Function):
+    """``(F.linear(x, weight, bias), x)`` as one autograd node: a residual branch's first linear map and its input
+    passed on to the skip. Both gradients of ``x`` then reach one backward, which adds the skip's inside the input
+    gradient's matrix product (``addmm``, one kernel), where autograd would add the two in a pass of its own. Under
+    autocast the map runs in the autocast dtype and keeps its input in it, as autograd through autocast's cast does;
+    on CUDA the product then writes the skip's wider dtype directly (``addmm`` with ``out_dtype``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        device = x.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                xc, wc = x.to(dtype), weight.to(dtype)
+                y = F.linear(xc, wc, None if bias is None else bias.to(dtype))
+        else:
+            xc, wc = x, weight
+            y = F.linear(x, weight, bias)
+        ctx.save_for_backward(xc, wc)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad, grad_skip):
+        x, weight = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad
+        if grad is None:
+            return grad_skip, None, None
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            w = weight.to(grad.dtype)
+            if grad_skip is None:
+                grad_x = (flat @ w).view(x.shape).to(x_dtype)
+            elif grad_skip.dtype == grad.dtype:
+                grad_x = torch.addmm(grad_skip.reshape(-1, w.shape[1]), flat, w).view(x.shape)
+            elif grad.is_cuda and not torch.is_grad_enabled():
+                grad_x = torch.ops.aten.addmm.dtype(grad_skip.reshape(-1, w.shape[1]), flat, w,
+                                                    grad_skip.dtype).view(x.shape)
+            else:
+                grad_x = grad_skip + (flat @ w).view(x.shape).to(grad_skip.dtype)
+        if need_w:
+            grad_w = (flat.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(w_dtype)
+        if need_b:
+            grad_b = flat.sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def skip_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    """``(F.linear(x, weight, bias), x')``, ``x'`` equal to ``x``: for a residual ``x + f(x)`` whose branch ``f``
+    starts with this map, give the skip ``x'``, and backward adds the two gradients of ``x`` in one matrix product
+    (:class:`_SkipLinear`). Where autograd records nothing, or under tracing, compiling and transforms, the plain
+    map and ``x`` itself, as where the fused ops are off (:func:`lipsformer.layers.fused.fusable`)."""
+    if not records_grad(x, weight, bias) or not fusable(x, weight, bias):
+        return F.linear(x, weight, bias), x
+    return _SkipLinear.apply(x, weight, bias)
 
 
 def records_grad(*tensors) -> bool:

@@ -7,7 +7,7 @@ from timm.layers import DropPath
 from torch import nn
 
 from .fused import drop_factor, gelu_residual
-from .gelu import fused_linear
+from .gelu import fused_linear, skip_linear
 from .norm import CenterNorm
 
 RESIDUALS = ("add", "convex")
@@ -16,7 +16,9 @@ RESIDUALS = ("add", "convex")
 class ScaledOutput:
     """A residual branch that ends in a linear map and can fold a per-channel output scale into it: its
     ``forward(x, out_scale)`` returns ``out_scale * f(x)`` through :func:`scaled_linear` (``out_scale=None``:
-    ``f(x)``). :class:`lipsformer.layers.LipsBlock` gives it a weighted residual's ``alpha``."""
+    ``f(x)``). :class:`lipsformer.layers.LipsBlock` gives it a weighted residual's ``alpha``, and ``skip=True``, for
+    which it returns ``(out_scale * f(x), x')``: ``x'`` is ``x`` as its first linear map passes it on to the skip
+    (:func:`entry_linear`), or ``x`` itself."""
 
 
 def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tensor],
@@ -32,6 +34,16 @@ def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tens
     if scale is None and input_scale == 1.0:
         return linear(h)
     return fused_linear(h, linear.weight, linear.bias, scale, input_scale=input_scale)
+
+
+def entry_linear(x: torch.Tensor, linear: nn.Module, skip: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A residual branch's first linear map ``linear(x)``, and ``x`` for the residual's skip: with ``skip``, passed
+    on through the map (:func:`lipsformer.layers.gelu.skip_linear`), so that backward adds the skip's gradient inside
+    the map's input gradient; else ``x`` itself. A module with its own forward (not ``nn.Linear``'s) or with hooks
+    is called."""
+    if not skip or type(linear).forward is not nn.Linear.forward or linear._forward_hooks or linear._forward_pre_hooks:
+        return linear(x), x
+    return skip_linear(x, linear.weight, linear.bias)
 
 
 # a residual's DropPath draw: (the per-sample draw, what it is divided by); see DropPathDraw.drop_mask

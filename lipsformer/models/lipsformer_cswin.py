@@ -20,7 +20,7 @@ from torch import nn
 from ..layers import AttentionKernel, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.fused import fusable
 from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
-from ..layers.residual import ScaledOutput, scaled_linear
+from ..layers.residual import ScaledOutput, entry_linear, scaled_linear
 from ..layers.shift import ShiftMixer
 from ..layers.stripes import stripe_merge, stripe_qkv
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
@@ -64,17 +64,18 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         H, W = resolution
         self.windows = [(H, W)] if self.full else [(H, self.split_size), (self.split_size, W)]
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None, skip: bool = False):
         """(B, H, W, C) -> (B, H, W, C). The stripes span the input's own H and W; a size the split does not
         divide (``strict_img_size=False``) is padded with zeros and cropped back. ``out_scale`` is folded into the
-        projection (:class:`ScaledOutput`)."""
+        projection (:class:`ScaledOutput`); ``skip``: also ``x`` as the qkv projection passes it on
+        (:func:`entry_linear`; ``x`` itself where it is padded)."""
         B, H, W, C = x.shape
-        if not self.full:
-            x = pad_to_multiple(x, (self.split_size, self.split_size))
-        Hp, Wp = x.shape[1:3]
+        padded = x if self.full else pad_to_multiple(x, (self.split_size, self.split_size))
+        Hp, Wp = padded.shape[1:3]
         windows = [(Hp, Wp)] if self.full else [(Hp, self.split_size), (self.split_size, Wp)]
         P, nb = self.kernel.num_proj, len(windows)
-        qkv = self.qkv(x)
+        qkv, passed = entry_linear(padded, self.qkv, skip and padded is x)
+        x_skip = passed if padded is x else x
         if self.kernel.normalizes_apart and fusable(qkv):
             x = self._fused_stripes(qkv, windows)
         else:
@@ -82,7 +83,8 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         if (Hp, Wp) != (H, W):
             x = x[:, :H, :W]
         # each branch divided by sqrt(its heads), folded into the projection's weight
-        return self.proj_drop(scaled_linear(x, self.proj, out_scale, 1.0 / math.sqrt(self.branch_heads)))
+        out = self.proj_drop(scaled_linear(x, self.proj, out_scale, 1.0 / math.sqrt(self.branch_heads)))
+        return (out, x_skip) if skip else out
 
     def _fused_stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:
         """The branches with SCSA as released, through the gather and merge ops (:func:`stripe_qkv`,

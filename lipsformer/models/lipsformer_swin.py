@@ -91,10 +91,13 @@ class WindowAttention(nn.Module, ScaledOutput):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(n, n, self.num_heads).permute(2, 0, 1).unsqueeze(0)
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None, skip: bool = False):
         """(B, H, W, C) -> (B, H, W, C); a size the window does not divide (``strict_img_size=False``) is padded
         with zeros and cropped back. ``out_scale`` is folded into the projection (:class:`ScaledOutput`), which runs
-        on the tokens put back in place (a linear map per token: the same values as in window order)."""
+        on the tokens put back in place (a linear map per token: the same values as in window order). ``skip``:
+        also ``x`` itself (the projection reads windows, a copy of ``x``, not ``x``)."""
+        if skip:
+            return self(x, out_scale), x
         B, H, W, C = x.shape
         x = pad_to_multiple(x, self.window)
         Hp, Wp = x.shape[1:3]
