@@ -44,6 +44,13 @@ def interpreted():
     return triton_kernels
 
 
+@pytest.fixture(scope="module")
+def interpreted_stripes(interpreted):
+    """lipsformer.layers.triton_stripes as the interpreter runs it."""
+    from lipsformer.layers import triton_stripes
+    return triton_stripes
+
+
 def _close(got, want, dtype):
     for g, w in zip(got, want):
         assert g.shape == w.shape
@@ -113,31 +120,39 @@ STRIPES = {"two branches": [(6, 2), (2, 4)], "one": [(6, 4)]}  # CSwin's stripes
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("branches", list(STRIPES))
-def test_stripe_kernels_match_the_plain_ops(interpreted, dtype, branches):
-    """CSwin's gather (q, k, v into each branch's stripes, q and k normalised) and merge (attention plus LePE back to
-    the map), forward and backward, against the plain composition; the gradients given in the strides autograd
-    hands them (transposed views)."""
+def test_stripe_kernels_match_the_plain_ops(interpreted_stripes, dtype, branches):
+    """CSwin's gather (q, k, v into each branch's stripes, q and k normalised, and v's LePE) and merge (attention
+    plus LePE back to the map), forward and backward (the LePE weights' gradients summed), against the plain
+    composition; the gradients given in the strides autograd hands them (transposed views)."""
     windows = STRIPES[branches]
     flat = [s for w in windows for s in w]
     heads, d, nb = 2, 3, len(windows)
+    kernels = interpreted_stripes
     qkv = torch.randn(2, 6, 4, 3 * nb * heads * d, dtype=dtype)
-    got = interpreted.stripe_qkv(qkv, windows, heads, 12.0, 1e-12)
-    want = _reference(stripes._sqkv, qkv, flat, heads, 12.0, 1e-12)
-    assert all(t.is_contiguous() for t in got)
+    lepe = [t for _ in windows for t in (torch.randn(heads * d, 1, 3, 3), torch.randn(heads * d))]
+    params = lepe + [qkv.new_empty(0)] * (4 - len(lepe))
+    got = kernels.stripe_qkv(qkv, lepe, windows, heads, 12.0, 1e-12)
+    want = _reference(stripes._sqkv, qkv, *params, flat, heads, 12.0, 1e-12)
+    assert all(t.is_contiguous() for t in got) and len(got) == 9
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
-    grads = [torch.randn(t.shape[0], t.shape[2], t.shape[1], d, dtype=dtype).transpose(1, 2) if t.numel()
-             else t.new_empty(0) for t in got[:6]]
-    outs = [got[0], got[1], got[3], got[4]]
-    _close([interpreted.stripe_qkv_backward(grads, outs, got[6], windows, 6, 4, 12.0)],
-           [_reference(stripes._sqkv_backward, *grads, *outs, got[6], flat, 6, 4, 12.0)], dtype)
+    # q, k, v's gradients in the strides SDPA gives them (transposed views), the LePE's contiguous
+    grads = [t.new_empty(0) if not t.numel() else torch.randn_like(t) if i % 4 == 3 else
+             torch.randn(t.shape[0], t.shape[2], t.shape[1], d, dtype=dtype).transpose(1, 2)
+             for i, t in enumerate(got[:8])]
+    outs = [got[i] for i in (0, 1, 2, 4, 5, 6)]
+    weights = [lepe[0], lepe[2] if nb == 2 else qkv.new_empty(0)]
+    got_grad = kernels.stripe_qkv_backward(grads, outs, weights, got[8], windows, 6, 4, 12.0, torch.float32)
+    want_grad = _reference(stripes._sqkv_backward, *grads, *outs, *weights, got[8], flat, 6, 4, 12.0)
+    assert got_grad[1].dtype == torch.float32 and got_grad[1].shape == (nb, 10 * heads * d)
+    _close(got_grad, want_grad, dtype)
     attn = [torch.randn(2 * 24 // (wh * ww), wh * ww, heads, d, dtype=dtype).transpose(1, 2) for wh, ww in windows]
     lepe = [torch.randn(2 * 24 // (wh * ww), wh, ww, heads * d, dtype=dtype).permute(0, 3, 1, 2)
             for wh, ww in windows]
     empty = [qkv.new_empty(0)] * 2
     args = [attn[0], lepe[0], *((attn[1], lepe[1]) if nb == 2 else empty), flat, 6, 4]
-    _close([interpreted.stripe_merge(attn, lepe, windows, 6, 4)], [_reference(stripes._smerge, *args)], dtype)
+    _close([kernels.stripe_merge(attn, lepe, windows, 6, 4)], [_reference(stripes._smerge, *args)], dtype)
     g = torch.randn(2, 6, 4, nb * heads * d, dtype=dtype)
-    got = interpreted.stripe_merge_backward(g, windows, heads)
+    got = kernels.stripe_merge_backward(g, windows, heads)
     want = _reference(stripes._smerge_backward, g, flat, heads)
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
@@ -149,8 +164,15 @@ def test_stripe_ops_have_exact_gradients_and_a_double_backward_says_it_cannot(br
     from lipsformer.layers.stripes import stripe_merge, stripe_qkv
     windows = STRIPES[branches]
     qkv = torch.randn(2, 6, 4, 3 * len(windows) * 2 * 3, dtype=torch.float64, requires_grad=True)
+    lepes = [torch.nn.Conv2d(6, 6, 3, padding=1, groups=6).double() for _ in windows]
+    params = [p for conv in lepes for p in conv.parameters()]
+    params += [qkv.new_empty(0)] * (4 - len(params))
+    flat_windows = [s for w in windows for s in w]
+    # the op itself: q, k, v and each LePE against finite differences in the projection and the LePE parameters
     assert torch.autograd.gradcheck(
-        lambda t: [u for part in stripe_qkv(t, windows, 2, 12.0, 1e-12) for u in part], (qkv,))
+        lambda t, *p: torch.ops.lipsformer.stripe_qkv(t, *p, flat_windows, 2, 12.0, 1e-12)[:8], (qkv, *params))
+    assert torch.autograd.gradcheck(
+        lambda t: [u for part in stripe_qkv(t, lepes, windows, 2, 12.0, 1e-12) for u in part], (qkv,))
     # in the layouts SDPA and a channels-last convolution give them: those of the gradients' views
     parts = [(torch.randn(48 // (wh * ww), wh * ww, 2, 3, dtype=torch.float64).transpose(1, 2).requires_grad_(),
               torch.randn(48 // (wh * ww), wh, ww, 6, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_())
@@ -160,7 +182,7 @@ def test_stripe_ops_have_exact_gradients_and_a_double_backward_says_it_cannot(br
     for _ in range(2):  # leaves: each keeps a gradient of its own, twice the first after two passes
         stripe_merge(list(flat[::2]), list(flat[1::2]), windows, 6, 4).sum().backward()
     assert all(t.grad.eq(2.0).all() for t in flat)
-    q = stripe_qkv(qkv, windows, 2, 12.0, 1e-12)[0][0]
+    q = stripe_qkv(qkv, lepes, windows, 2, 12.0, 1e-12)[0][0]
     g, = torch.autograd.grad(q.pow(2).sum(), qkv, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiable once"):
         g.pow(2).sum().backward()
@@ -218,12 +240,13 @@ def test_torch_compile_sees_each_fused_op_as_one_node():
     x, h, w, b = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8), torch.randn(8)
     q, k, mask = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4), torch.tensor([1.0, 0.0])
     o, qkv = torch.randn(5, 1, 5, 2), torch.randn(1, 4, 4, 12)
+    lepe = [torch.randn(2, 1, 3, 3), torch.randn(2)] * 2
     calls = {
         "residual_center_norm": lambda: torch.ops.lipsformer.residual_center_norm(x, h, mask, 0.5, w, b, 8 / 7, False),
         "gelu_residual": lambda: torch.ops.lipsformer.gelu_residual(x, h, w, mask, 0.5),
         "qk_normalize": lambda: torch.ops.lipsformer.qk_normalize(q, k, 10.0, 1e-12),
         "scale_rows": lambda: torch.ops.lipsformer.scale_rows(w.view(2, 4), b[:2], b[2:4], 1.0),
-        "stripe_qkv": lambda: torch.ops.lipsformer.stripe_qkv(qkv, [4, 2, 2, 4], 1, 12.0, 1e-12),
+        "stripe_qkv": lambda: torch.ops.lipsformer.stripe_qkv(qkv, *lepe, [4, 2, 2, 4], 1, 12.0, 1e-12),
         "stripe_merge": lambda: torch.ops.lipsformer.stripe_merge(  # a 5x5 map's stripes, 1 wide, 1 head of 2
             o, o.view(5, 2, 5, 1), o, o.view(5, 2, 1, 5), [5, 1, 1, 5], 5, 5),
     }

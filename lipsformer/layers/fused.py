@@ -18,8 +18,8 @@ A DropPath factor is timm's: the per-sample draw ``bernoulli(keep)`` (0 or 1, th
 gradient penalty) or a ``torch.func`` transform (batched gradients) it computes the same formulas in aten ops, which
 autograd differentiates again (exactly, but for what a saved output hides: CenterNorm's weight gradient is not
 differentiated with respect to its input, and SCSA's normalisation is differentiable once).
-CSwin's stripes have ops of their own in :mod:`lipsformer.layers.stripes`, on the same helpers.
-``LAUNCHES`` says how many CUDA kernels an op is (two backward ops reduce their per-block sums in a second one).
+CSwin's stripes have ops of their own in :mod:`lipsformer.layers.stripes`, on the same helpers. ``LAUNCHES`` says how many CUDA kernels an op is (the
+backward ops that produce per-channel sums add their blocks' partial sums in a second one).
 :func:`fusable` decides where the ops run at all: eager mode, outside tracing, exporting, compiling and
 ``torch.func`` transforms, where the plain composition runs (the compiler fuses it itself, the exporters need aten
 ops), and not when :func:`use_fused_ops` turned them off.
@@ -34,7 +34,7 @@ from torch import Tensor
 
 _ENABLED = [os.environ.get("LIPSFORMER_FUSED_OPS", "1") != "0"]
 # CUDA kernels each op launches (one unless listed)
-LAUNCHES = {"residual_center_norm_backward": 2, "gelu_residual_backward": 2}
+LAUNCHES = {"residual_center_norm_backward": 2, "gelu_residual_backward": 2, "stripe_qkv_backward": 2}
 
 
 @contextlib.contextmanager

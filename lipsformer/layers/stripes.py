@@ -15,10 +15,11 @@ run and its SCSA is the released form (a fixed temperature, v as it is).
 from typing import List, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
-from .fused import DifferentiableOnce, math_backward, qk_normalize_backward_math, qk_normalize_math
+from .fused import DifferentiableOnce, math_backward, qk_normalize_backward_math, qk_normalize_math, sum_dtype
 from .windows import window_partition, window_reverse
 
 
@@ -27,104 +28,162 @@ def _windows(windows: List[int]) -> List[Tuple[int, int]]:
     return [(windows[i], windows[i + 1]) for i in range(0, len(windows), 2)]
 
 
+def _kernels(t: Tensor):
+    """The stripes' Triton kernels where the fused ops run theirs (:func:`lipsformer.layers.fused._kernels`)."""
+    if fused._kernels(t) is None:
+        return None
+    from . import triton_stripes
+    return triton_stripes
+
+
+def _lepe_map(t: Tensor, window: Tuple[int, int]) -> Tensor:
+    """A branch's (windows, tokens, heads, d) as LePE's (windows, C_b, wh, ww) map, channels last: a view."""
+    return t.reshape(t.shape[0], window[0], window[1], -1).permute(0, 3, 1, 2)
+
+
+def _lepe(v: Tensor, weight: Tensor, bias: Tensor, window: Tuple[int, int]) -> Tensor:
+    """LePE (a depth-wise 3x3 convolution inside each window) of a branch's v, in v's layout and dtype, contiguous."""
+    out = F.conv2d(_lepe_map(v, window), weight.to(v.dtype), bias.to(v.dtype), padding=1, groups=weight.shape[0])
+    return out.permute(0, 2, 3, 1).contiguous().view(v.shape)
+
+
 @torch.library.custom_op("lipsformer::stripe_qkv", mutates_args=())
-def _sqkv(qkv: Tensor, windows: List[int], heads: int, q_scale: float, eps: float
-          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _sqkv(qkv: Tensor, w0: Tensor, b0: Tensor, w1: Tensor, b1: Tensor, windows: List[int], heads: int,
+          q_scale: float, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """From a (B, H, W, 3 * C) projection laid out (q, k, v) x (branches) x (heads, d): for each branch (one or two),
-    its windows' q and k normalised (q times ``q_scale``) and v, each (windows, tokens, heads, d) contiguous (empty
-    for an absent second branch); and the rows' ``1 / norm``, (branches, 2, windows * tokens * heads)."""
-    kernels = fused._kernels(qkv)
-    if kernels is not None:
-        return kernels.stripe_qkv(qkv, _windows(windows), heads, q_scale, eps)
-    B, H, W, _ = qkv.shape
+    its windows' q and k normalised (q times ``q_scale``), v, and v's LePE (the depth-wise 3x3 ``w``, ``b``), each
+    (windows, tokens, heads, d) contiguous (empty for an absent second branch); and the rows' ``1 / norm``,
+    (branches, 2, windows * tokens * heads)."""
+    kernels = _kernels(qkv)
     wins = _windows(windows)
+    lepe_weights = [w0, b0, w1, b1][:2 * len(wins)]
+    if kernels is not None:
+        return kernels.stripe_qkv(qkv, lepe_weights, wins, heads, q_scale, eps)
+    B, H, W, _ = qkv.shape
     parts = qkv.view(B, H, W, 3, len(wins), heads, -1).unbind(4)
     outs, norms = [], []
-    for part, window in zip(parts, wins):
+    for b, (part, window) in enumerate(zip(parts, wins)):
         q, k, v = window_partition(part, window).unbind(2)  # each (windows, tokens, heads, d)
         qn, kn, rq, rk = qk_normalize_math(q, k, q_scale, eps)
-        outs += [qn, kn, v.clone(memory_format=torch.contiguous_format)]
+        v = v.clone(memory_format=torch.contiguous_format)
+        outs += [qn, kn, v, _lepe(v, *lepe_weights[2 * b:2 * b + 2], window)]
         norms.append(torch.stack((rq.flatten(), rk.flatten())))
-    outs += [qkv.new_empty(0) for _ in range(6 - len(outs))]  # distinct: outputs may not alias
+    outs += [qkv.new_empty(0) for _ in range(8 - len(outs))]  # distinct: outputs may not alias
     return (*outs, torch.stack(norms))
 
 
 @_sqkv.register_fake
-def _(qkv, windows, heads, q_scale, eps):
+def _(qkv, w0, b0, w1, b1, windows, heads, q_scale, eps):
     B, H, W, C3 = qkv.shape
     wins = _windows(windows)
     d = C3 // (3 * len(wins) * heads)
-    outs = [qkv.new_empty(B * (H // wh) * (W // ww), wh * ww, heads, d) for wh, ww in wins for _ in range(3)]
-    outs += [qkv.new_empty(0) for _ in range(6 - len(outs))]  # distinct: outputs may not alias
+    outs = [qkv.new_empty(B * (H // wh) * (W // ww), wh * ww, heads, d) for wh, ww in wins for _ in range(4)]
+    outs += [qkv.new_empty(0) for _ in range(8 - len(outs))]  # distinct: outputs may not alias
     return (*outs, qkv.new_empty(len(wins), 2, B * H * W * heads))
 
 
-def _sqkv_backward_math(grads, outs, norms, windows, H, W, q_scale):
-    """The projection's gradient, (B, H, W, 3 * C), from the gradients of :func:`_sqkv`'s q, k and v."""
-    parts = []
+def _sqkv_backward_math(grads, outs, weights, norms, windows, H, W, q_scale):
+    """The projection's gradient, (B, H, W, 3 * C), and the LePE weights' and biases' (branches, 10 * C_b: the
+    weight's (C_b, 9) row-major, then the bias's), from the gradients of :func:`_sqkv`'s q, k, v and LePE."""
+    parts, sums = [], []
     for b, window in enumerate(windows):
-        gq, gk, gv = grads[3 * b:3 * b + 3]
-        qn, kn = outs[2 * b:2 * b + 2]
+        gq, gk, gv, gl = grads[4 * b:4 * b + 4]
+        qn, kn, v = outs[3 * b:3 * b + 3]
         rq, rk = (r.view(qn.shape[:-1] + (1,)) for r in norms[b])
         gx = qk_normalize_backward_math(gq, gk, qn, kn, rq, rk, q_scale)
+        Cb = weights[b].shape[0]
+        g_in, g_w, g_b = torch.ops.aten.convolution_backward(
+            _lepe_map(gl, window), _lepe_map(v, window), weights[b].to(v.dtype), [Cb], [1, 1], [1, 1], [1, 1], False,
+            [0, 0], Cb, [True, True, True])
+        gv = gv + g_in.permute(0, 2, 3, 1).reshape(gv.shape)
         parts.append(window_reverse(torch.stack((*gx, gv), 2), window, H, W))  # (B, H, W, 3, heads, d)
-    return torch.stack(parts, 4).flatten(3)  # (B, H, W, 3 * branches * heads * d)
+        sums.append(torch.cat((g_w.flatten(), g_b)))
+    return torch.stack(parts, 4).flatten(3), torch.stack(sums)  # (B, H, W, 3 * branches * heads * d)
 
 
 @torch.library.custom_op("lipsformer::stripe_qkv_backward", mutates_args=())
-def _sqkv_backward(gq0: Tensor, gk0: Tensor, gv0: Tensor, gq1: Tensor, gk1: Tensor, gv1: Tensor, qn0: Tensor,
-                   kn0: Tensor, qn1: Tensor, kn1: Tensor, norms: Tensor, windows: List[int], H: int, W: int,
-                   q_scale: float) -> Tensor:
-    kernels = fused._kernels(qn0)
-    grads, outs, wins = (gq0, gk0, gv0, gq1, gk1, gv1), (qn0, kn0, qn1, kn1), _windows(windows)
+def _sqkv_backward(gq0: Tensor, gk0: Tensor, gv0: Tensor, gl0: Tensor, gq1: Tensor, gk1: Tensor, gv1: Tensor,
+                   gl1: Tensor, qn0: Tensor, kn0: Tensor, v0: Tensor, qn1: Tensor, kn1: Tensor, v1: Tensor, w0: Tensor,
+                   w1: Tensor, norms: Tensor, windows: List[int], H: int, W: int, q_scale: float
+                   ) -> Tuple[Tensor, Tensor]:
+    """(the projection's gradient, the LePE weights' and biases' gradients summed in float32 at least)."""
+    kernels = _kernels(qn0)
+    wins = _windows(windows)
+    grads, outs, weights = (gq0, gk0, gv0, gl0, gq1, gk1, gv1, gl1), (qn0, kn0, v0, qn1, kn1, v1), (w0, w1)
     if kernels is not None:
-        return kernels.stripe_qkv_backward(grads, outs, norms, wins, H, W, q_scale)
-    return _sqkv_backward_math(grads, outs, norms, wins, H, W, q_scale)
+        return kernels.stripe_qkv_backward(grads, outs, weights, norms, wins, H, W, q_scale, sum_dtype(gq0))
+    grad, sums = _sqkv_backward_math(grads, outs, weights, norms, wins, H, W, q_scale)
+    return grad, sums.to(sum_dtype(gq0))
 
 
 @_sqkv_backward.register_fake
-def _(gq0, gk0, gv0, gq1, gk1, gv1, qn0, kn0, qn1, kn1, norms, windows, H, W, q_scale):
+def _(gq0, gk0, gv0, gl0, gq1, gk1, gv1, gl1, qn0, kn0, v0, qn1, kn1, v1, w0, w1, norms, windows, H, W, q_scale):
     n, heads, d = qn0.shape[0] * qn0.shape[1], qn0.shape[2], qn0.shape[3]
-    return qn0.new_empty(n // (H * W), H, W, 3 * norms.shape[0] * heads * d)
+    nb = norms.shape[0]
+    return (qn0.new_empty(n // (H * W), H, W, 3 * nb * heads * d),
+            qn0.new_empty(nb, 10 * heads * d, dtype=sum_dtype(gq0)))
 
 
 def _sqkv_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
-    qkv, windows, heads, q_scale, eps = inputs
-    q0, k0, _, q1, k1, _, norms = output
-    ctx.save_for_backward(q0, k0, q1, k1, norms)
+    qkv, w0, b0, w1, b1, windows, heads, q_scale, eps = inputs
+    q0, k0, v0, _, q1, k1, v1, _, norms = output
+    ctx.save_for_backward(q0, k0, v0, q1, k1, v1, w0, w1, norms)
     ctx.windows, ctx.H, ctx.W, ctx.q_scale = windows, qkv.shape[1], qkv.shape[2], q_scale
-    ctx.shapes = [t.shape for t in output[:6]]
+    ctx.shapes = [t.shape for t in output[:8]]
+    ctx.dtypes = (w0.dtype, b0.dtype, w1.dtype, b1.dtype)
     ctx.mark_non_differentiable(norms)
 
 
 def _sqkv_grad(ctx, *grads):
-    outs = ctx.saved_tensors
-    norms = outs[4]
-    grads = [torch.zeros(shape, dtype=norms.dtype, device=norms.device) if g is None else g
-             for g, shape in zip(grads[:6], ctx.shapes)]
+    saved = ctx.saved_tensors
+    outs, weights, norms = saved[:6], saved[6:8], saved[8]
+    wins = _windows(ctx.windows)
+    grads = [torch.zeros(shape, dtype=outs[0].dtype, device=norms.device) if g is None else g
+             for g, shape in zip(grads[:8], ctx.shapes)]
+    grads[3::4] = [g.contiguous() for g in grads[3::4]]  # the LePE's, read at the neighbours
     if torch._C._are_functorch_transforms_active():
-        grad = _sqkv_backward_math(grads, outs[:4], norms, _windows(ctx.windows), ctx.H, ctx.W, ctx.q_scale)
+        grad, sums = _sqkv_backward_math(grads, outs, weights, norms, wins, ctx.H, ctx.W, ctx.q_scale)
     else:
         with torch.no_grad():
-            grad = _sqkv_backward(*grads, *outs, ctx.windows, ctx.H, ctx.W, ctx.q_scale)
+            grad, sums = _sqkv_backward(*grads, *outs, *weights, norms, ctx.windows, ctx.H, ctx.W, ctx.q_scale)
         if torch.is_grad_enabled():  # create_graph: as qk_normalize, differentiable once
-            grad = DifferentiableOnce.apply((grad,), *grads)[0]
-    return grad, None, None, None, None
+            grad, sums = DifferentiableOnce.apply((grad, sums), *grads)
+    lepe = []
+    for b in range(2):
+        if b < len(wins):
+            w_dtype, b_dtype = ctx.dtypes[2 * b:2 * b + 2]
+            Cb = weights[b].shape[0]
+            lepe += [sums[b, :9 * Cb].view(weights[b].shape).to(w_dtype), sums[b, 9 * Cb:].to(b_dtype)]
+        else:
+            lepe += [None, None]
+    return (grad, *lepe, None, None, None, None)
 
 
 torch.library.register_autograd("lipsformer::stripe_qkv", _sqkv_grad, setup_context=_sqkv_setup)
 
 
-def stripe_qkv(qkv: Tensor, windows: List[Tuple[int, int]], heads: int, q_scale: float, eps: float
-               ) -> List[Tuple[Tensor, Tensor, Tensor]]:
+def stripe_qkv(qkv: Tensor, lepes: List[torch.nn.Conv2d], windows: List[Tuple[int, int]], heads: int,
+               q_scale: float, eps: float) -> List[Tuple[Tensor, Tensor, Tensor, Tensor]]:
     """CSwin's gather, for a (B, H, W, 3 * C) projection laid out (q, k, v) x (branches) x (heads, d) and one or two
-    branches of ``windows`` (each branch a window size that divides H and W): per branch ``(q, k, v)``, each
-    (windows, tokens, heads, d) contiguous, q and k as SCSA normalises them (:func:`qk_normalize`), in one pass. The
+    branches of ``windows`` (each branch a window size that divides H and W) with their LePE convolutions (depth-wise
+    3x3 with a bias, :func:`lepe_fusable`): per branch ``(q, k, v, lepe)``, each (windows, tokens, heads, d)
+    contiguous, q and k as SCSA normalises them (:func:`qk_normalize`) and ``lepe`` the LePE of v, in one pass. The
     caller decides where it runs (:func:`fusable`)."""
     flat = [int(s) for w in windows for s in w]
-    outs = _sqkv(qkv.contiguous(), flat, int(heads), float(q_scale), float(eps))
-    return [tuple(outs[3 * b:3 * b + 3]) for b in range(len(windows))]
+    params = [t for conv in lepes for t in (conv.weight, conv.bias)]
+    params += [qkv.new_empty(0) for _ in range(4 - len(params))]
+    outs = _sqkv(qkv.contiguous(), *params, flat, int(heads), float(q_scale), float(eps))
+    return [tuple(outs[4 * b:4 * b + 4]) for b in range(len(windows))]
+
+
+def lepe_fusable(conv: torch.nn.Module) -> bool:
+    """Whether a LePE convolution is one the gather computes: ``nn.Conv2d``'s own forward, depth-wise 3x3, stride 1,
+    padding 1, with a bias, no hooks."""
+    return (type(conv) is torch.nn.Conv2d and conv.kernel_size == (3, 3) and conv.stride == (1, 1)
+            and conv.padding == (1, 1) and conv.dilation == (1, 1) and conv.groups == conv.in_channels
+            == conv.out_channels and conv.bias is not None and conv.padding_mode == "zeros"
+            and not (conv._forward_hooks or conv._forward_pre_hooks))
 
 
 def _smerge_math(outs, lepes, windows, H, W):
@@ -142,7 +201,7 @@ def _smerge(o0: Tensor, lepe0: Tensor, o1: Tensor, lepe1: Tensor, windows: List[
     wh, ww), the branches' channels side by side (an absent second branch: empty tensors)."""
     wins = _windows(windows)
     outs, lepes = (o0, o1)[:len(wins)], (lepe0, lepe1)[:len(wins)]
-    kernels = fused._kernels(o0)
+    kernels = _kernels(o0)
     if kernels is not None:
         return kernels.stripe_merge(outs, lepes, wins, H, W)
     return _smerge_math(outs, lepes, wins, H, W)
@@ -161,7 +220,7 @@ def _smerge_backward(grad: Tensor, windows: List[int], heads: int) -> Tuple[Tens
     """Each branch's part of the map's gradient, (windows, tokens, heads, d) contiguous (an absent second branch:
     empty): the gradient of its attention output and, viewed as a map, of its LePE."""
     wins = _windows(windows)
-    kernels = fused._kernels(grad)
+    kernels = _kernels(grad)
     if kernels is not None:
         return kernels.stripe_merge_backward(grad, wins, heads)
     B, H, W, C = grad.shape

@@ -216,11 +216,12 @@ def _sr_bwd(gw_ptr, gb_ptr, w_ptr, b_ptr, s_ptr, gwo_ptr, gbo_ptr, gso_ptr, n_ou
 
 
 # -- launchers: the ops' CUDA implementations (CPU tensors under the interpreter) -----------------------------------
-def _block(n: int) -> int:
+def block_size(n: int) -> int:
+    """The power of two at or above ``n``: a kernel's block of columns."""
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _split_rows(rows: int, device: torch.device) -> tuple:
+def split_rows(rows: int, device: torch.device) -> tuple:
     """Programs of a reducing backward kernel and the rows each takes (a multiple of ``ROWS``): enough programs to
     fill the device, few enough that their partial sums stay small."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -251,7 +252,7 @@ def residual_center_norm(x, h, mask, keep, weight, bias, scale, y, z):
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
     _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, mask_ptr, weight, bias, y, z if save else y, R, C,
                                       _per_sample(x), inv_keep, scale, HAS_H=h is not None,
-                                      HAS_MASK=has_mask and h is not None, SAVE=save, ROWS=ROWS, BLOCK=_block(C))
+                                      HAS_MASK=has_mask and h is not None, SAVE=save, ROWS=ROWS, BLOCK=block_size(C))
     return y, z
 
 
@@ -259,11 +260,11 @@ def residual_center_norm_backward(grad, z, mask, keep, weight, scale, gs, gh, su
     """Fills ``gs``, ``gh`` (where a mask scales ``h``) and ``sums`` and returns them."""
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
-    P, per_program = _split_rows(R, grad.device)
+    P, per_program = split_rows(R, grad.device)
     parts = torch.empty((P, 2, C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
     _rcn_bwd[(P,)](grad, z, mask_ptr, weight, gs, gh if mask is not None else gs, parts, R, C, per_program,
-                   _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=_block(C))
+                   _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block_size(C))
     if sums.dtype == parts.dtype:
         torch.sum(parts, 0, out=sums)
     else:  # float64 gradients: sums wider than the kernel's float32 partials
@@ -276,7 +277,7 @@ def gelu_residual(x, u, alpha, mask, keep, y):
     C = x.shape[-1]
     R = x.numel() // C
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
-    block = min(_block(C), 128)
+    block = min(block_size(C), 128)
     _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha, mask_ptr, y, R, C, _per_sample(x), inv_keep,
                                                            HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
     return y
@@ -286,8 +287,8 @@ def gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype):
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
     gu = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    P, per_program = _split_rows(R, grad.device)
-    block = min(_block(C), 128)
+    P, per_program = split_rows(R, grad.device)
+    block = min(block_size(C), 128)
     parts = torch.empty((P, C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
     _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
@@ -314,7 +315,7 @@ def qk_normalize(q, k, q_scale, eps):
     rk = torch.empty(k.shape[:-1] + (1,), dtype=k.dtype, device=k.device)
     programs_q = triton.cdiv(R, ROWS)
     _qkn_fwd[(2 * programs_q,)](q, *q.stride(), k, *k.stride(), d1, d2, qn, kn, rq, rk, R, D, q_scale, eps,
-                                programs_q, ROWS=ROWS, BLOCK=_block(D))
+                                programs_q, ROWS=ROWS, BLOCK=block_size(D))
     shape = tuple(lead) + (D,)
     return qn.view(shape), kn.view(shape), rq.view(shape[:-1] + (1,)), rk.view(shape[:-1] + (1,))
 
@@ -325,7 +326,7 @@ def qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale):
     gq, gk = torch.empty_like(qn), torch.empty_like(kn)
     programs_q = triton.cdiv(R, ROWS)
     _qkn_bwd[(2 * programs_q,)](grad_q.contiguous(), grad_k.contiguous(), qn, kn, rq, rk, gq, gk, R, D, q_scale,
-                                programs_q, ROWS=ROWS, BLOCK=_block(D))
+                                programs_q, ROWS=ROWS, BLOCK=block_size(D))
     return gq, gk
 
 
@@ -336,7 +337,7 @@ def scale_rows(weight, bias, scale, input_scale=1.0):
     bo = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
     b = bias if bias is not None else weight  # any pointer: never read
     _sr_fwd[(n_out,)](weight, b, scale, wo, bo if bias is not None else wo, n_out, n_in, input_scale,
-                      HAS_B=bias is not None, BLOCK=min(_block(n_in), 1024))
+                      HAS_B=bias is not None, BLOCK=min(block_size(n_in), 1024))
     return wo, bo
 
 
@@ -348,231 +349,5 @@ def scale_rows_backward(grad_w, grad_b, weight, bias, scale, input_scale=1.0):
     gs = torch.empty_like(scale)
     has_b = bias is not None  # without one, any pointers: never read
     _sr_bwd[(n_out,)](grad_w, grad_b if has_b else grad_w, weight, bias if has_b else weight, scale, gw,
-                      gb if has_b else gw, gs, n_out, n_in, input_scale, HAS_B=has_b, BLOCK=min(_block(n_in), 1024))
+                      gb if has_b else gw, gs, n_out, n_in, input_scale, HAS_B=has_b, BLOCK=min(block_size(n_in), 1024))
     return gw, gb, gs
-
-
-# -- CSwin's stripes -------------------------------------------------------------------------------------------------
-@triton.jit
-def _map_offset(rows, H, W, wh, ww):
-    """The map position (b * H + y) * W + x of each row of a (windows * tokens) row-major layout whose windows are
-    ``wh`` x ``ww``, in raster order over a (B, H, W) map, tokens row-major inside."""
-    n_w = W // ww
-    per_image = (H // wh) * n_w
-    N = wh * ww
-    win, tok = rows // N, rows % N
-    img, w_in = win // per_image, win % per_image
-    y = (w_in // n_w) * wh + tok // ww
-    x = (w_in % n_w) * ww + tok % ww
-    return (img * H + y) * W + x
-
-
-@triton.jit
-def _sqkv_part(qkv, dst, r_ptr, pid, R, heads, d, C3, col0, H, W, wh, ww, scale, eps, NORM: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows (window, token, head) ``pid * ROWS ..`` of one branch's q, k or v: read from the projection's channels
-    ``col0 + head * d ..``, normalised (times ``scale``) where ``NORM``, written contiguous."""
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < R, cols < d
-    ok = row_ok[:, None] & col_ok[None, :]
-    src = _map_offset(rows // heads, H, W, wh, ww) * C3 + col0 + (rows % heads) * d
-    x = tl.load(qkv + src[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
-        x = x * (r * scale)[:, None]
-        tl.store(r_ptr + rows, r.to(r_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(dst + rows[:, None] * d + cols[None, :], x.to(dst.dtype.element_ty), mask=ok)
-
-
-# The stripe kernels pick a branch's and a part's tensors by calling their helper once per case rather than
-# selecting pointers and sizes in an ``if`` and calling it once: Triton specialises an integer argument equal to 1
-# into a constant (CSwin-T's first stripes are 1 wide), which such an ``if`` would have to merge with the other
-# branch's value; one call per case keeps each specialisation (and is untested on a GPU either way).
-@triton.jit
-def _sqkv_fwd(qkv, q0, k0, v0, q1, k1, v1, r_ptr, R, heads, d, C, H, W, wh0, ww0, wh1, ww1, q_scale, eps,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    pid, part, branch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    Cb = C // tl.num_programs(2)
-    col0 = part * C + branch * Cb
-    r_q = r_ptr + (branch * 2) * R
-    if branch == 0:
-        if part == 0:
-            _sqkv_part(qkv, q0, r_q, pid, R, heads, d, 3 * C, col0, H, W, wh0, ww0, q_scale, eps, True, ROWS, BLOCK)
-        elif part == 1:
-            _sqkv_part(qkv, k0, r_q + R, pid, R, heads, d, 3 * C, col0, H, W, wh0, ww0, 1.0, eps, True, ROWS, BLOCK)
-        else:
-            _sqkv_part(qkv, v0, r_q, pid, R, heads, d, 3 * C, col0, H, W, wh0, ww0, 1.0, eps, False, ROWS, BLOCK)
-    else:
-        if part == 0:
-            _sqkv_part(qkv, q1, r_q, pid, R, heads, d, 3 * C, col0, H, W, wh1, ww1, q_scale, eps, True, ROWS, BLOCK)
-        elif part == 1:
-            _sqkv_part(qkv, k1, r_q + R, pid, R, heads, d, 3 * C, col0, H, W, wh1, ww1, 1.0, eps, True, ROWS, BLOCK)
-        else:
-            _sqkv_part(qkv, v1, r_q, pid, R, heads, d, 3 * C, col0, H, W, wh1, ww1, 1.0, eps, False, ROWS, BLOCK)
-
-
-@triton.jit
-def _sqkv_bwd_part(g, gs0, gs1, gs2, gs3, out, r_ptr, dst, pid, R, heads, d, C3, col0, H, W, wh, ww, scale,
-                   NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """The projection's gradient at one branch's q, k or v: from ``g`` (windows, tokens, heads, d) of any strides,
-    through the normalisation's derivative where ``NORM`` (the saved output and ``1 / norm``), to the map."""
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < R, cols < d
-    ok = row_ok[:, None] & col_ok[None, :]
-    N = wh * ww
-    tokens = rows // heads
-    goff = (tokens // N) * gs0 + (tokens % N) * gs1 + (rows % heads) * gs2
-    gx = tl.load(g + goff[:, None] + cols[None, :] * gs3, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        o = tl.load(out + rows[:, None] * d + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        dot = tl.sum(o * gx, axis=1)
-        gx = (gx - o * (dot / (scale * scale))[:, None]) * (r * scale)[:, None]
-    dst_off = _map_offset(tokens, H, W, wh, ww) * C3 + col0 + (rows % heads) * d
-    tl.store(dst + dst_off[:, None] + cols[None, :], gx.to(dst.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _sqkv_bwd(gq0, q0s0, q0s1, q0s2, q0s3, gk0, k0s0, k0s1, k0s2, k0s3, gv0, v0s0, v0s1, v0s2, v0s3,
-              gq1, q1s0, q1s1, q1s2, q1s3, gk1, k1s0, k1s1, k1s2, k1s3, gv1, v1s0, v1s1, v1s2, v1s3,
-              qn0, kn0, qn1, kn1, r_ptr, dst, R, heads, d, C, H, W, wh0, ww0, wh1, ww1, q_scale,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    pid, part, branch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    Cb = C // tl.num_programs(2)
-    col0 = part * C + branch * Cb
-    r_q = r_ptr + (branch * 2) * R
-    if branch == 0:
-        if part == 0:
-            _sqkv_bwd_part(gq0, q0s0, q0s1, q0s2, q0s3, qn0, r_q, dst, pid, R, heads, d, 3 * C, col0, H, W, wh0, ww0,
-                           q_scale, True, ROWS, BLOCK)
-        elif part == 1:
-            _sqkv_bwd_part(gk0, k0s0, k0s1, k0s2, k0s3, kn0, r_q + R, dst, pid, R, heads, d, 3 * C, col0, H, W, wh0,
-                           ww0, 1.0, True, ROWS, BLOCK)
-        else:
-            _sqkv_bwd_part(gv0, v0s0, v0s1, v0s2, v0s3, qn0, r_q, dst, pid, R, heads, d, 3 * C, col0, H, W, wh0, ww0,
-                           1.0, False, ROWS, BLOCK)
-    else:
-        if part == 0:
-            _sqkv_bwd_part(gq1, q1s0, q1s1, q1s2, q1s3, qn1, r_q, dst, pid, R, heads, d, 3 * C, col0, H, W, wh1, ww1,
-                           q_scale, True, ROWS, BLOCK)
-        elif part == 1:
-            _sqkv_bwd_part(gk1, k1s0, k1s1, k1s2, k1s3, kn1, r_q + R, dst, pid, R, heads, d, 3 * C, col0, H, W, wh1,
-                           ww1, 1.0, True, ROWS, BLOCK)
-        else:
-            _sqkv_bwd_part(gv1, v1s0, v1s1, v1s2, v1s3, qn1, r_q, dst, pid, R, heads, d, 3 * C, col0, H, W, wh1, ww1,
-                           1.0, False, ROWS, BLOCK)
-
-
-@triton.jit
-def _smerge_part(o, os0, os1, os2, os3, lepe, ls0, ls1, ls2, ls3, out, pid, R, d, Cb, C, col0, H, W, wh, ww,
-                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows (window, token) of one branch: attention output (windows, heads, tokens, d) plus LePE (windows, C_b, wh,
-    ww), both of any strides, into the map's channels ``col0 ..``."""
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < R, cols < Cb
-    ok = row_ok[:, None] & col_ok[None, :]
-    N = wh * ww
-    win, tok = rows // N, rows % N
-    a = tl.load(o + (win * os0 + tok * os2)[:, None] + ((cols // d) * os1 + (cols % d) * os3)[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    b = tl.load(lepe + (win * ls0 + (tok // ww) * ls2 + (tok % ww) * ls3)[:, None] + (cols * ls1)[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    dst = _map_offset(rows, H, W, wh, ww) * C + col0
-    tl.store(out + dst[:, None] + cols[None, :], (a + b).to(out.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _smerge_fwd(o0, o0s0, o0s1, o0s2, o0s3, l0, l0s0, l0s1, l0s2, l0s3, o1, o1s0, o1s1, o1s2, o1s3,
-                l1, l1s0, l1s1, l1s2, l1s3, out, R, d, Cb, H, W, wh0, ww0, wh1, ww1, ROWS: tl.constexpr,
-                BLOCK: tl.constexpr):
-    pid, branch = tl.program_id(0), tl.program_id(1)
-    C = Cb * tl.num_programs(1)
-    if branch == 0:
-        _smerge_part(o0, o0s0, o0s1, o0s2, o0s3, l0, l0s0, l0s1, l0s2, l0s3, out, pid, R, d, Cb, C, 0, H, W, wh0, ww0,
-                     ROWS, BLOCK)
-    else:
-        _smerge_part(o1, o1s0, o1s1, o1s2, o1s3, l1, l1s0, l1s1, l1s2, l1s3, out, pid, R, d, Cb, C, Cb, H, W, wh1,
-                     ww1, ROWS, BLOCK)
-
-
-@triton.jit
-def _smerge_bwd_part(g, dst, pid, R, Cb, C, col0, H, W, wh, ww, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < R, cols < Cb
-    ok = row_ok[:, None] & col_ok[None, :]
-    src = _map_offset(rows, H, W, wh, ww) * C + col0
-    x = tl.load(g + src[:, None] + cols[None, :], mask=ok, other=0.0)
-    tl.store(dst + rows[:, None] * Cb + cols[None, :], x.to(dst.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _smerge_bwd(g, g0, g1, R, Cb, H, W, wh0, ww0, wh1, ww1, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    pid, branch = tl.program_id(0), tl.program_id(1)
-    C = Cb * tl.num_programs(1)
-    if branch == 0:
-        _smerge_bwd_part(g, g0, pid, R, Cb, C, 0, H, W, wh0, ww0, ROWS, BLOCK)
-    else:
-        _smerge_bwd_part(g, g1, pid, R, Cb, C, Cb, H, W, wh1, ww1, ROWS, BLOCK)
-
-
-def _two(windows):
-    """Two windows' sizes, the second repeating the first where there is one branch (never read)."""
-    (wh0, ww0), (wh1, ww1) = windows[0], windows[-1]
-    return wh0, ww0, wh1, ww1
-
-
-def stripe_qkv(qkv, windows, heads, q_scale, eps):
-    B, H, W, C3 = qkv.shape
-    nb, C = len(windows), C3 // 3
-    d = C // (nb * heads)
-    R = B * H * W * heads  # rows of each part: windows * tokens * heads
-    outs = [qkv.new_empty(B * (H // wh) * (W // ww), wh * ww, heads, d) for wh, ww in windows for _ in range(3)]
-    norms = qkv.new_empty(nb, 2, R)
-    ptrs = outs + outs[:3] if nb == 1 else outs
-    _sqkv_fwd[(triton.cdiv(R, ROWS), 3, nb)](qkv, *ptrs, norms, R, heads, d, C, H, W, *_two(windows), q_scale, eps,
-                                             ROWS=ROWS, BLOCK=_block(d))
-    outs += [qkv.new_empty(0) for _ in range(6 - len(outs))]
-    return (*outs, norms)
-
-
-def stripe_qkv_backward(grads, outs, norms, windows, H, W, q_scale):
-    nb = len(windows)
-    qn0 = outs[0]
-    heads, d = qn0.shape[2], qn0.shape[3]
-    R = qn0.numel() // d
-    C = nb * heads * d
-    dst = qn0.new_empty(R // (heads * H * W), H, W, 3 * C)
-    grads = list(grads[:3 * nb]) * (2 if nb == 1 else 1)
-    saved = list(outs[:2 * nb]) * (2 if nb == 1 else 1)
-    strided = [a for g in grads for a in (g, *g.stride())]
-    _sqkv_bwd[(triton.cdiv(R, ROWS), 3, nb)](*strided, *saved, norms, dst, R, heads, d, C, H, W, *_two(windows),
-                                             q_scale, ROWS=ROWS, BLOCK=_block(d))
-    return dst
-
-
-def stripe_merge(outs, lepes, windows, H, W):
-    nb = len(windows)
-    o0, l0 = outs[0], lepes[0]
-    Bw, heads, N, d = o0.shape
-    Cb = heads * d
-    R = Bw * N  # rows of each branch: windows * tokens
-    out = o0.new_empty(R // (H * W), H, W, nb * Cb, dtype=torch.promote_types(o0.dtype, l0.dtype))
-    pairs = list(zip(outs, lepes)) * (2 if nb == 1 else 1)
-    args = [a for o, lepe in pairs for a in (o, *o.stride(), lepe, *lepe.stride())]
-    _smerge_fwd[(triton.cdiv(R, ROWS), nb)](*args, out, R, d, Cb, H, W, *_two(windows), ROWS=ROWS, BLOCK=_block(Cb))
-    return out
-
-
-def stripe_merge_backward(grad, windows, heads):
-    B, H, W, C = grad.shape
-    nb = len(windows)
-    Cb = C // nb
-    R = B * H * W
-    gs = [grad.new_empty(B * (H // wh) * (W // ww), wh * ww, heads, Cb // heads) for wh, ww in windows]
-    g1 = gs[1] if nb > 1 else gs[0]
-    _smerge_bwd[(triton.cdiv(R, ROWS), nb)](grad, gs[0], g1, R, Cb, H, W, *_two(windows), ROWS=ROWS, BLOCK=_block(Cb))
-    return gs[0], gs[1] if nb > 1 else grad.new_empty(0)

@@ -22,7 +22,7 @@ from ..layers.fused import fusable
 from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
 from ..layers.residual import ScaledOutput, entry_linear, scaled_linear
 from ..layers.shift import ShiftMixer
-from ..layers.stripes import stripe_merge, stripe_qkv
+from ..layers.stripes import lepe_fusable, stripe_merge, stripe_qkv
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
                     check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
@@ -76,7 +76,7 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         P, nb = self.kernel.num_proj, len(windows)
         qkv, passed = entry_linear(padded, self.qkv, skip and padded is x)
         x_skip = passed if padded is x else x
-        if self.kernel.normalizes_apart and fusable(qkv):
+        if self.kernel.normalizes_apart and fusable(qkv) and all(lepe_fusable(c) for c in self.lepe):
             x = self._fused_stripes(qkv, windows)
         else:
             x = self._stripes(qkv.view(B, Hp, Wp, P, nb, C // nb), windows)
@@ -88,13 +88,13 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
 
     def _fused_stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:
         """The branches with SCSA as released, through the gather and merge ops (:func:`stripe_qkv`,
-        :func:`stripe_merge`): the stripes' copies in and out, q and k's normalisation and each LePE's sum, one pass
-        each way on a GPU."""
-        parts = stripe_qkv(qkv, windows, self.branch_heads, self.kernel.tau, self.kernel.eps)
+        :func:`stripe_merge`): the stripes' copies in and out, q and k's normalisation, each LePE and its sum with
+        the attention, one pass each way on a GPU."""
+        parts = stripe_qkv(qkv, list(self.lepe), windows, self.branch_heads, self.kernel.tau, self.kernel.eps)
         outs, lepes = [], []
-        for (q, k, v), window, lepe in zip(parts, windows, self.lepe):
+        for (q, k, v, lepe), window in zip(parts, windows):
             outs.append(self.kernel.attend_normalized(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
-            lepes.append(lepe(v.view(v.shape[0], window[0], window[1], -1).permute(0, 3, 1, 2)))
+            lepes.append(lepe.view(lepe.shape[0], window[0], window[1], -1).permute(0, 3, 1, 2))
         return stripe_merge(outs, lepes, windows, qkv.shape[1], qkv.shape[2])
 
     def _stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:
