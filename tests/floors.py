@@ -54,6 +54,8 @@ ORDER = [
 # Imports inside a function that stay there: (importer, imported) -> why.
 LAZY = {
     ("lipsformer.layers.fused", "lipsformer.layers.triton_kernels"): "it imports Triton, which only a GPU machine has",
+    ("lipsformer.layers.stripes", "lipsformer.layers.triton_stripes"): "the same",
+    ("lipsformer.layers.conv_blocks", "lipsformer.layers.triton_depthwise"): "the same",
 }
 
 

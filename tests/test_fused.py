@@ -202,6 +202,29 @@ def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, with_bias):
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, skip, epilogue", [(7, True, "RESIDUAL"), (3, False, "GELU"), (3, True, "NONE")])
+def test_depthwise_conv_kernels_match_the_plain_ops(interpreted, dtype, k, skip, epilogue):
+    """The conv blocks' depth-wise convolution on a (B, H, W, C) map (two blocks of channels; a map smaller than the
+    kernel one way) with each epilogue (the residual's with a DropPath draw), forward and backward (the skip's
+    gradient in float32, as under autocast, added to the input's; the weight's and bias's gradients summed)."""
+    from lipsformer.layers import conv_blocks, triton_depthwise
+    x = torch.randn(2, 5, 9, 70, dtype=dtype)
+    w, b, alpha = torch.randn(70, 1, k, k), torch.randn(70), torch.randn(70)
+    mask = torch.tensor([1.0, 0.0], dtype=dtype)
+    mode = conv_blocks.Epilogue[epilogue]
+    args = (x, w, b, alpha, mask, 0.7, mode)
+    got = triton_depthwise.depthwise_conv(*args, dtype, *conv_blocks._empty_dwc(x, alpha, mode, dtype))
+    want = _reference(conv_blocks._dwc, *args, torch.float64)
+    assert all(t.is_contiguous() for t in got) and got[0].dtype == (torch.float32 if epilogue == "RESIDUAL" else dtype)
+    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
+    g = torch.randn_like(x)
+    s = torch.randn(x.shape) if skip else None
+    got = triton_depthwise.depthwise_conv_backward(g, x, w, s, torch.float32)
+    assert got[0].dtype == (torch.float32 if skip else dtype) and got[1].shape == (70 * k * k + 70,)
+    _close(got, _reference(conv_blocks._dwc_backward, g, x, w, s), dtype)
+
+
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, name, monkeypatch):
     """Both families' training step (DropPath on) with every fused op running its Triton kernel: the loss and every

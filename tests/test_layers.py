@@ -335,7 +335,8 @@ def test_conv_blocks_take_the_fast_depthwise_conv_only_for_a_float32_cpu_trainin
         blocks = blocks or ConvBlocks(8, "D")
         taken.clear()
         with torch.autocast("cpu", **autocast) if autocast else contextlib.nullcontext():
-            out = blocks._dw(blocks.dw1, x)
+            out, _, passed = blocks._dw(blocks.dw1, x)
+        assert torch.equal(passed, x)
         assert torch.allclose(out.float(), blocks.dw1(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).float(), atol=1e-2)
         return bool(taken)
 
@@ -354,6 +355,62 @@ def test_conv_blocks_take_the_fast_depthwise_conv_only_for_a_float32_cpu_trainin
     assert not takes(hooked)
     with torch.no_grad():
         assert not takes()
+
+
+@pytest.mark.fused_only
+def test_the_fused_depthwise_conv_takes_the_skips_gradient_with_exact_gradients(monkeypatch):
+    """Where the fused ops run a training step (a GPU's; here float64 on the CPU, the ops' plain composition), a conv
+    block's depth-wise convolution is one node with its input passed on to the skip (and GELU(u) where a 1x1
+    convolution follows), or with its residual: float64 gradients (and second derivatives, through the aten
+    composition) exact; in the blocks, backward has no ``add`` for the two gradients of each convolution's input, and
+    the gradients are autograd's."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lipsformer.layers import conv_blocks
+    x = torch.randn(2, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    conv = nn.Conv2d(3, 3, 3, padding=1, groups=3).double()
+    alpha = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    parts = (x, conv.weight, conv.bias)
+    for gelu in (False, True):
+        conv_only = lambda x, w, b: [t for i, t in enumerate(conv_blocks._FusedDepthwise.apply(x, w, b, gelu))  # noqa
+                                     if i != 1]  # GELU(u) is a value, not differentiated
+        assert torch.autograd.gradcheck(conv_only, parts)
+        assert torch.autograd.gradgradcheck(conv_only, parts)
+        u, h, passed = conv_blocks._FusedDepthwise.apply(*parts, gelu)
+        ref = conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        torch.testing.assert_close(u, ref, rtol=0, atol=0)
+        assert torch.equal(passed, x) and u.is_contiguous() and (torch.equal(h, F.gelu(u)) if gelu else not h.numel())
+    residual = lambda x, w, b, a: conv_blocks._FusedConvResidual.apply(x, w, b, a, mask, 0.7)  # noqa: E731
+    assert torch.autograd.gradcheck(residual, (*parts, alpha))
+    assert torch.autograd.gradgradcheck(residual, (*parts, alpha))
+    torch.testing.assert_close(residual(*parts, alpha), x + (mask / 0.7).view(2, 1, 1, 1) * alpha * F.gelu(ref))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    blocks = ConvBlocks(8, "D").double()
+    inp = torch.randn(2, 5, 5, 8, dtype=torch.float64, requires_grad=True)
+    counts, grads = [], []
+    for fuse in (True, False):
+        if not fuse:  # the module, and x itself to the skip: autograd adds the two gradients
+            monkeypatch.setattr(ConvBlocks, "_fused", lambda self, conv, x: False)
+        out = blocks(inp)
+        with Ops() as ops:
+            grads.append(torch.autograd.grad(out, [inp, *blocks.parameters()], torch.ones_like(out)))
+        counts.append(ops.names)
+    assert counts[0]["depthwise_conv_backward"] == 2 and counts[0]["add"] == counts[1]["add"] - 2
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 # -- init --------------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """The convolution blocks that open every LipsFormer block (LipsFormer Fig. 1, Table 3)."""
+import enum
 from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gelu import gelu_linear
+from . import fused  # fused._kernels looked up on the module, where the tests replace it
+from .fused import fusable, math_backward, sum_dtype
+from .gelu import gelu_linear, records_grad
 from .groupsort import GroupSort
 from .residual import Draw, create_residual
 
@@ -125,6 +128,157 @@ class _DepthwiseConv(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+# -- the depth-wise convolution as fused ops: a Triton kernel each way on CUDA, the plain composition elsewhere -----
+def _depthwise_kernels(t: torch.Tensor):
+    """The depth-wise convolution's Triton kernels where the fused ops run theirs
+    (:func:`lipsformer.layers.fused._kernels`)."""
+    if fused._kernels(t) is None:
+        return None
+    from . import triton_depthwise
+    return triton_depthwise
+
+
+class Epilogue(enum.IntEnum):
+    """What the fused depth-wise convolution writes with ``u = dw(x)``."""
+    NONE = 0  # u
+    GELU = 1  # u and GELU(u), for the 1x1 convolution after it
+    RESIDUAL = 2  # the conv block's residual x + m * alpha * GELU(u), and u
+
+
+@torch.library.custom_op("lipsformer::depthwise_conv", mutates_args=())
+def _dwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, alpha: Optional[torch.Tensor],
+         mask: Optional[torch.Tensor], keep: float, epilogue: int, out_dtype: torch.dtype
+         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, W, C) ``x`` convolved depth-wise (stride 1, padding ``k // 2``, a bias) into ``u``, in ``out_dtype``,
+    with its :class:`Epilogue`: ``(u, empty)``, ``(u, GELU(u))`` or ``(x + m * alpha * GELU(u), u)`` (``m = mask /
+    keep`` per sample, :func:`lipsformer.layers.fused.gelu_residual`), contiguous."""
+    kernels = _depthwise_kernels(x)
+    if kernels is not None:
+        return kernels.depthwise_conv(x, weight, bias, alpha, mask, keep, epilogue, out_dtype,
+                                      *_empty_dwc(x, alpha, epilogue, out_dtype))
+    u = _dw_conv(x.to(out_dtype), weight.to(out_dtype), bias.to(out_dtype)).contiguous()
+    if epilogue == Epilogue.NONE:
+        return u, u.new_empty(0)
+    if epilogue == Epilogue.GELU:
+        return u, F.gelu(u)
+    return fused.gelu_residual_plain(x, u, alpha, mask, keep), u
+
+
+def _empty_dwc(x, alpha, epilogue, out_dtype):
+    """The outputs of :func:`_dwc`, uninitialised: their shapes and dtypes (those of the plain composition)."""
+    u = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if epilogue == Epilogue.NONE:
+        return u, u.new_empty(0)
+    if epilogue == Epilogue.GELU:
+        return u, torch.empty_like(u)
+    return fused.empty_gelu_residual(x, u, alpha), u
+
+
+@_dwc.register_fake
+def _(x, weight, bias, alpha, mask, keep, epilogue, out_dtype):
+    return _empty_dwc(x, alpha, epilogue, out_dtype)
+
+
+def _dwc_backward_math(grad, x, weight, skip):
+    """The input's gradient (plus ``skip``) and the weight's and bias's, flat (C * k * k, then C), in aten ops."""
+    C, k = x.shape[-1], weight.shape[-1]
+    dtype = grad.dtype
+    gi, gw, gb = torch.ops.aten.convolution_backward(_nchw(grad), _nchw(x.to(dtype)), weight.to(dtype), [C], [1, 1],
+                                                     [k // 2, k // 2], [1, 1], False, [0, 0], C, [True, True, True])
+    gx = _nhwc(gi).to(x.dtype if skip is None else skip.dtype)
+    return gx if skip is None else gx + skip, torch.cat((gw.flatten(), gb))
+
+
+@torch.library.custom_op("lipsformer::depthwise_conv_backward", mutates_args=())
+def _dwc_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, skip: Optional[torch.Tensor]
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the input's gradient plus ``skip`` where given, contiguous; the weight's and bias's gradients summed in
+    float32 at least, flat: (C * k * k) then (C))."""
+    kernels = _depthwise_kernels(grad)
+    if kernels is not None:
+        return kernels.depthwise_conv_backward(grad, x, weight, skip, sum_dtype(grad))
+    gx, sums = _dwc_backward_math(grad, x, weight, skip)
+    return gx.contiguous(), sums.to(sum_dtype(grad))
+
+
+@_dwc_backward.register_fake
+def _(grad, x, weight, skip):
+    C, k = x.shape[-1], weight.shape[-1]
+    return (torch.empty(x.shape, dtype=x.dtype if skip is None else skip.dtype, device=x.device),
+            x.new_empty(C * k * k + C, dtype=sum_dtype(grad)))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a convolution of ``x`` computes in: autocast's where it is on, else ``x``'s."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _depthwise_grads(ctx, grad, skip):
+    """The input's (plus ``skip``), weight's and bias's gradients of a fused depth-wise convolution, from its output's
+    gradient: the fused backward op, or aten ops under ``create_graph``, which autograd differentiates again."""
+    x, weight = ctx.saved_tensors[:2]
+    if math_backward():
+        gx, sums = _dwc_backward_math(grad, x, weight, skip)
+    else:
+        gx, sums = _dwc_backward(grad.contiguous(), x, weight, None if skip is None else skip.contiguous())
+    n = weight.numel()
+    return gx, sums[:n].view(weight.shape).to(ctx.dtypes[0]), sums[n:].to(ctx.dtypes[1])
+
+
+class _FusedDepthwise(torch.autograd.Function):
+    """``(u, h, x)``: the depth-wise convolution ``u`` of (B, H, W, C) ``x`` by the fused ops, with ``h = GELU(u)``
+    where ``gelu`` (not differentiable: the 1x1 convolution after it takes ``u``'s gradient), and ``x`` passed on to
+    the residual's skip, as one autograd node (:func:`lipsformer.layers.gelu.skip_linear`'s pattern). One kernel
+    forward (in autocast's dtype under autocast); backward one for the input's gradient with the skip's added and the
+    weight's and bias's partial sums, and one adding those: where aten's backward is three kernels and an ``add``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gelu):
+        ctx.set_materialize_grads(False)  # no zeros for outputs nothing differentiates
+        xc = x.contiguous()
+        ctx.save_for_backward(xc, weight)
+        ctx.dtypes = (weight.dtype, bias.dtype)
+        u, h = _dwc(xc, weight, bias, None, None, 1.0, Epilogue.GELU if gelu else Epilogue.NONE, _compute_dtype(x))
+        ctx.mark_non_differentiable(h)
+        return u, h, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_h, grad_skip):
+        if grad is None:
+            return grad_skip, None, None, None
+        return (*_depthwise_grads(ctx, grad, grad_skip), None)
+
+
+class _FusedConvResidual(torch.autograd.Function):
+    """A conv block's residual ``x + m * alpha * GELU(dw(x))`` by the fused ops: one kernel forward (the convolution
+    with the residual as its epilogue), keeping ``x`` and ``u = dw(x)``; backward the residual's (``u``'s and alpha's
+    gradients) and then the convolution's, whose input gradient takes the skip's, ``grad``, in the same pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, alpha, mask, keep):
+        xc = x.contiguous()
+        y, u = _dwc(xc, weight, bias, alpha, mask, keep, Epilogue.RESIDUAL, _compute_dtype(x))
+        ctx.save_for_backward(xc, weight, u, alpha, mask, bias)
+        ctx.dtypes, ctx.keep = (weight.dtype, bias.dtype), keep
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, u, alpha, mask, bias = ctx.saved_tensors
+        if math_backward():  # u again from the saved inputs, so that a second derivative reaches them through it
+            u = _dw_conv(x.to(u.dtype), weight.to(u.dtype), bias.to(u.dtype))
+        grad_u, grad_alpha = fused.gelu_residual_grads(grad, u, alpha, mask, ctx.keep)
+        return (*_depthwise_grads(ctx, grad_u, grad), grad_alpha.to(alpha.dtype), None, None)
+
+
+def _float32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A float32 CPU convolution without autocast: where :class:`_DepthwiseConv` trains."""
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
 class ConvBlocks(nn.Module):
     r"""Depth-wise / point-wise convolution blocks with weighted residuals, on (B, H, W, C).
 
@@ -169,39 +323,69 @@ class ConvBlocks(nn.Module):
             return x
         if self.act is not None:
             return self._forward_act(x, draws)
-        y = self._dw(self.dw1, x)
-        if self.pw is not None:  # the 1x1 convolution as the matmul over channels it is, fused with its GELU
-            y = gelu_linear(y, self.pw.weight.flatten(1), self.pw.bias)
+        if self.pw is None:  # B
+            return self._conv_residual(self.dw1, self.res1, x, draws[0])
+        u, h, x = self._dw(self.dw1, x, gelu=True)  # x as the convolution passes it on to the skip
+        # the 1x1 convolution as the matmul over channels it is, fused with its GELU (computed already where h is)
+        y = gelu_linear(u, self.pw.weight.flatten(1), self.pw.bias, h=h)
         x = self.res1(x, y, gelu=True, draw=draws[0])
         if self.dw2 is not None:
-            x = self.res2(x, self._dw(self.dw2, x), gelu=True, draw=draws[1])
+            x = self._conv_residual(self.dw2, self.res2, x, draws[1])
         return x
+
+    def _conv_residual(self, conv: nn.Conv2d, res: nn.Module, x: torch.Tensor, draw: Optional[Draw]) -> torch.Tensor:
+        """``res(x, GELU(conv(x)))``: one fused op each way (:class:`_FusedConvResidual`) where the fused depth-wise
+        convolution runs."""
+        if self._fused(conv, x):
+            mask, keep = draw if draw is not None else res.drop_mask(x)
+            return _FusedConvResidual.apply(x, conv.weight, conv.bias, res.alpha, mask, keep)
+        u, _, x = self._dw(conv, x)
+        return res(x, u, gelu=True, draw=draw)
 
     def _forward_act(self, x: torch.Tensor, draws: Sequence[Optional[Draw]]) -> torch.Tensor:
         """The same blocks with ``self.act`` and the residuals' own forward (no fused GELU)."""
-        y = self.act(self._dw(self.dw1, x))
+        u, _, x = self._dw(self.dw1, x)
+        y = self.act(u)
         if self.pw is not None:
             y = self.act(F.linear(y, self.pw.weight.flatten(1), self.pw.bias))
         x = self.res1(x, y, draw=draws[0])
         if self.dw2 is not None:
-            x = self.res2(x, self.act(self._dw(self.dw2, x)), draw=draws[1])
+            u, _, x = self._dw(self.dw2, x)
+            x = self.res2(x, self.act(u), draw=draws[1])
         return x
 
-    def _dw(self, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-        """The depth-wise ``conv`` on (B, H, W, C) ``x``: the module on a channels-last view, or, in a float32 CPU
-        training step (eager or traced by ``torch.compile``), :class:`_DepthwiseConv` (the same forward, a faster
-        weight gradient). GPUs and autocast keep the module until measured, and so do evaluation (``torch.export``
-        and the ONNX exporter trace models in eval mode), torch.fx tracing, ``torch.func`` transforms, a frozen
-        weight, an even kernel (the flipped-kernel input gradient needs an odd one), a subclass or a module with
-        hooks."""
+    def _dw(self, conv: nn.Conv2d, x: torch.Tensor, gelu: bool = False
+            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """The depth-wise ``conv`` on (B, H, W, C) ``x``: ``(u, GELU(u) or None, x for the residual's skip)``. In a
+        float32 CPU training step (eager or traced by ``torch.compile``) :class:`_DepthwiseConv` (oneDNN's forward, a
+        faster weight gradient); in another training step where the fused ops run (a GPU's) :class:`_FusedDepthwise`,
+        with ``GELU(u)`` where ``gelu`` asks for it and a backward that adds the skip's gradient to the input's;
+        otherwise the module on a channels-last view, and ``x`` itself: evaluation (``torch.export`` and the ONNX
+        exporter trace models in eval mode), torch.fx tracing, ``torch.func`` transforms, a frozen weight, an even
+        kernel (the flipped-kernel input gradient needs an odd one), a subclass or a module with hooks."""
+        if self._trainable(conv, x):
+            weight = conv.weight
+            if (torch.is_grad_enabled() and _float32_cpu(x, weight)
+                    and not torch._C._are_functorch_transforms_active()):
+                return _DepthwiseConv.apply(x, weight, conv.bias), None, x
+            if self._fused(conv, x):
+                u, h, x = _FusedDepthwise.apply(x, weight, conv.bias, gelu)
+                return u, h if gelu else None, x
+        return _nhwc(conv(_nchw(x))), None, x
+
+    def _trainable(self, conv: nn.Conv2d, x: torch.Tensor) -> bool:
+        """A training step's convolution that :meth:`_dw` may replace: not traced by torch.fx, ``nn.Conv2d``'s own
+        forward, no hooks, an odd kernel, a weight that learns."""
+        return (self.training and not isinstance(x, torch.fx.Proxy) and type(conv) is nn.Conv2d
+                and conv.kernel_size[0] % 2 == 1 and conv.weight.requires_grad
+                and not (conv._forward_hooks or conv._forward_pre_hooks))
+
+    def _fused(self, conv: nn.Conv2d, x: torch.Tensor) -> bool:
+        """Whether the fused depth-wise convolution runs: a training step where the fused ops run and the CPU's own
+        convolution (:class:`_DepthwiseConv`) does not, a square kernel with a bias."""
         weight = conv.weight
-        if (self.training and not isinstance(x, torch.fx.Proxy) and torch.is_grad_enabled() and weight.requires_grad
-                and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-                and not torch.is_autocast_enabled("cpu") and not torch._C._are_functorch_transforms_active()
-                and type(conv) is nn.Conv2d and conv.kernel_size[0] % 2 == 1
-                and not (conv._forward_hooks or conv._forward_pre_hooks)):
-            return _DepthwiseConv.apply(x, weight, conv.bias)
-        return _nhwc(conv(_nchw(x)))
+        return (self._trainable(conv, x) and conv.bias is not None and conv.kernel_size[0] == conv.kernel_size[1]
+                and records_grad(x, weight) and not _float32_cpu(x, weight) and fusable(x, weight, conv.bias))
 
     def extra_repr(self) -> str:
         return f"config={self.config!r}"

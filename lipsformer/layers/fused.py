@@ -18,7 +18,8 @@ A DropPath factor is timm's: the per-sample draw ``bernoulli(keep)`` (0 or 1, th
 gradient penalty) or a ``torch.func`` transform (batched gradients) it computes the same formulas in aten ops, which
 autograd differentiates again (exactly, but for what a saved output hides: CenterNorm's weight gradient is not
 differentiated with respect to its input, and SCSA's normalisation is differentiable once).
-CSwin's stripes have ops of their own in :mod:`lipsformer.layers.stripes`, on the same helpers. ``LAUNCHES`` says how many CUDA kernels an op is (the
+CSwin's stripes have ops of their own in :mod:`lipsformer.layers.stripes`, the conv blocks' depth-wise convolution
+in :mod:`lipsformer.layers.conv_blocks`, on the same helpers. ``LAUNCHES`` says how many CUDA kernels an op is (the
 backward ops that produce per-channel sums add their blocks' partial sums in a second one).
 :func:`fusable` decides where the ops run at all: eager mode, outside tracing, exporting, compiling and
 ``torch.func`` transforms, where the plain composition runs (the compiler fuses it itself, the exporters need aten
@@ -34,7 +35,8 @@ from torch import Tensor
 
 _ENABLED = [os.environ.get("LIPSFORMER_FUSED_OPS", "1") != "0"]
 # CUDA kernels each op launches (one unless listed)
-LAUNCHES = {"residual_center_norm_backward": 2, "gelu_residual_backward": 2, "stripe_qkv_backward": 2}
+LAUNCHES = {"residual_center_norm_backward": 2, "gelu_residual_backward": 2, "stripe_qkv_backward": 2,
+            "depthwise_conv_backward": 2}
 
 
 @contextlib.contextmanager
@@ -261,12 +263,20 @@ def _gr_setup(ctx, inputs, output):
     ctx.keep, ctx.x_dtype = keep, x.dtype
 
 
+def gelu_residual_grads(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float
+                        ) -> Tuple[Tensor, Tensor]:
+    """The gradients of ``u`` and ``alpha`` through ``x + m * alpha * GELU(u)`` (alpha's summed in float32 at
+    least): the fused backward op, or aten ops where a double backward or a transform needs them."""
+    if math_backward():
+        return _gr_backward_math(grad, u, alpha, mask, keep)
+    return _gr_backward(grad.contiguous(), u, alpha, mask, float(keep))
+
+
 def _gr_grad(ctx, grad):
     if grad is None:
         return (None,) * 5
     u, alpha, mask = ctx.saved_tensors
-    backward = _gr_backward_math if math_backward() else _gr_backward
-    grad_u, grad_alpha = backward(grad, u, alpha, mask, ctx.keep)
+    grad_u, grad_alpha = gelu_residual_grads(grad, u, alpha, mask, ctx.keep)
     return grad.to(ctx.x_dtype), grad_u, grad_alpha.to(alpha.dtype), None, None
 
 

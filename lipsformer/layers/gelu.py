@@ -40,11 +40,11 @@ class _FusedLinear(torch.autograd.Function):
     ``rowsum(W * grad_W') + b * grad_b'``, in the fused backward of :func:`lipsformer.layers.fused.scale_rows`)."""
 
     @staticmethod
-    def forward(ctx, u, weight, bias, scale, gelu, input_scale):
+    def forward(ctx, u, weight, bias, scale, gelu, input_scale, h):
         folded_w, folded_b = _folded(weight, bias, scale, input_scale)
         ctx.save_for_backward(u, weight, bias, scale, folded_w)
         ctx.gelu, ctx.input_scale = gelu, input_scale
-        return F.linear(F.gelu(u) if gelu else u, folded_w, folded_b)
+        return F.linear(_act(u, gelu, h), folded_w, folded_b)
 
     @staticmethod
     def backward(ctx, grad):
@@ -70,7 +70,7 @@ class _FusedLinear(torch.autograd.Function):
         elif ctx.input_scale != 1.0 and grad_w is not None:
             grad_w = grad_w * ctx.input_scale
         return (grad_u, grad_w if need_w else None, grad_b if need_b else None, grad_s if need_s else None, None,
-                None)
+                None, None)
 
 
 class _SkipLinear(torch.autograd.Function):
@@ -145,18 +145,28 @@ def records_grad(*tensors) -> bool:
             and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling())
 
 
+def _act(u: torch.Tensor, gelu: bool, h: Optional[torch.Tensor]) -> torch.Tensor:
+    """The linear map's input: ``GELU(u)`` (``h`` where it was computed already) or ``u``."""
+    if not gelu:
+        return u
+    return F.gelu(u) if h is None else h
+
+
 @register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
 def fused_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 scale: Optional[torch.Tensor] = None, gelu: bool = False, input_scale: float = 1.0) -> torch.Tensor:
+                 scale: Optional[torch.Tensor] = None, gelu: bool = False, input_scale: float = 1.0,
+                 h: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``scale * F.linear(input_scale * (GELU(u) if gelu else u), weight, bias)`` (``scale`` per output channel, or
-    None; ``input_scale`` a constant, folded into the weight), saving only ``u`` and the parameters for backward."""
-    if not records_grad(u, weight, bias, scale):
-        return F.linear(F.gelu(u) if gelu else u, *_folded(weight, bias, scale, input_scale))
-    return _FusedLinear.apply(u, weight, bias, scale, gelu, float(input_scale))
+    None; ``input_scale`` a constant, folded into the weight), saving only ``u`` and the parameters for backward.
+    ``h``: ``GELU(u)`` where the op before computed it (a value only: ``u`` takes the gradient)."""
+    if not records_grad(u, weight, bias, scale):  # the GELU from u, where autograd records it
+        return F.linear(_act(u, gelu, None), *_folded(weight, bias, scale, input_scale))
+    return _FusedLinear.apply(u, weight, bias, scale, gelu, float(input_scale), h)
 
 
 @register_notrace_function  # reason: chooses its autograd form from the grad mode at run time
 def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(F.gelu(u), weight, bias)`` (times ``scale``), saving only ``u`` (and the parameters) for backward."""
-    return fused_linear(u, weight, bias, scale, gelu=True)
+                scale: Optional[torch.Tensor] = None, h: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(F.gelu(u), weight, bias)`` (times ``scale``), saving only ``u`` (and the parameters) for backward;
+    ``h``: ``GELU(u)`` where it was computed already."""
+    return fused_linear(u, weight, bias, scale, gelu=True, h=h)

@@ -14,18 +14,20 @@ ROWS = 16  # rows a program of the elementwise kernels takes
 
 
 @triton.jit
-def _gelu(u):
+def gelu(u):
+    """GELU (the exact, erf form) in float32."""
     return 0.5 * u * (1.0 + tl.math.erf(u * 0.7071067811865476))
 
 
 @triton.jit
-def _gelu_grad(u):
+def gelu_grad(u):
+    """GELU's derivative in float32."""
     cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
     return cdf + u * 0.3989422804014327 * tl.exp(-0.5 * u * u)
 
 
 @triton.jit
-def _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK: tl.constexpr):
+def row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK: tl.constexpr):
     """The DropPath factor of each row: its sample's draw (0 or 1) times 1 / keep."""
     if HAS_MASK:
         return tl.load(mask_ptr + rows // per_sample, mask=row_ok, other=0.0).to(tl.float32) * inv_keep
@@ -52,7 +54,7 @@ def _rcn_fwd(x_ptr, h_ptr, mask_ptr, w_ptr, b_ptr, y_ptr, z_ptr, R, C, per_sampl
     s = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_H:
         h = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        s += h * _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
+        s += h * row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
     mean = tl.sum(s, axis=1) / C
     z = tl.where(ok, s - mean[:, None], 0.0)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
@@ -80,7 +82,7 @@ def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows
         gs = tl.where(ok, gz - (tl.sum(gz, axis=1) / C)[:, None], 0.0)
         tl.store(gs_ptr + offs, gs.to(gs_ptr.dtype.element_ty), mask=ok)
         if HAS_MASK:
-            f = _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
+            f = row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
             tl.store(gh_ptr + offs, (gs * f[:, None]).to(gh_ptr.dtype.element_ty), mask=ok)
         sum_w += tl.sum(g * z, axis=0)
         sum_b += tl.sum(g, axis=0)
@@ -97,8 +99,8 @@ def _gr_fwd(x_ptr, u_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HA
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    f = _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
-    tl.store(y_ptr + offs, (x + _gelu(u) * a[None, :] * f[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
+    f = row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
+    tl.store(y_ptr + offs, (x + gelu(u) * a[None, :] * f[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -114,9 +116,9 @@ def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, R, C, rows_per_prog
         rows, row_ok, ok, offs = _tile(start, cols, col_ok, R, C, ROWS)
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        gf = g * _row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
-        tl.store(gu_ptr + offs, (gf * a[None, :] * _gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
-        sum_a += tl.sum(tl.where(ok, gf * _gelu(u), 0.0), axis=0)
+        gf = g * row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
+        tl.store(gu_ptr + offs, (gf * a[None, :] * gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
+        sum_a += tl.sum(tl.where(ok, gf * gelu(u), 0.0), axis=0)
     tl.store(part_ptr + pid * C + cols, sum_a, mask=col_ok)
 
 
@@ -126,8 +128,8 @@ def _gg(g_ptr, u_ptr, h_ptr, gu_ptr, n, BLOCK: tl.constexpr):
     ok = offs < n
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, _gelu(u).to(h_ptr.dtype.element_ty), mask=ok)
-    tl.store(gu_ptr + offs, (g * _gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
+    tl.store(h_ptr + offs, gelu(u).to(h_ptr.dtype.element_ty), mask=ok)
+    tl.store(gu_ptr + offs, (g * gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -230,7 +232,7 @@ def split_rows(rows: int, device: torch.device) -> tuple:
     return triton.cdiv(rows, per_program), per_program
 
 
-def _mask_args(mask, keep: float, x: torch.Tensor):
+def mask_args(mask, keep: float, x: torch.Tensor):
     if mask is None:
         return x, 1.0, False  # any pointer: never read
     inv_keep = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(keep, dtype=torch.float32))
@@ -249,7 +251,7 @@ def residual_center_norm(x, h, mask, keep, weight, bias, scale, y, z):
     C = x.shape[-1]
     R = x.numel() // C
     save = z.numel() > 0
-    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
+    mask_ptr, inv_keep, has_mask = mask_args(mask, keep, x)
     _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, mask_ptr, weight, bias, y, z if save else y, R, C,
                                       _per_sample(x), inv_keep, scale, HAS_H=h is not None,
                                       HAS_MASK=has_mask and h is not None, SAVE=save, ROWS=ROWS, BLOCK=block_size(C))
@@ -262,7 +264,7 @@ def residual_center_norm_backward(grad, z, mask, keep, weight, scale, gs, gh, su
     R = grad.numel() // C
     P, per_program = split_rows(R, grad.device)
     parts = torch.empty((P, 2, C), dtype=torch.float32, device=grad.device)
-    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
+    mask_ptr, inv_keep, has_mask = mask_args(mask, keep, grad)
     _rcn_bwd[(P,)](grad, z, mask_ptr, weight, gs, gh if mask is not None else gs, parts, R, C, per_program,
                    _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block_size(C))
     if sums.dtype == parts.dtype:
@@ -276,7 +278,7 @@ def gelu_residual(x, u, alpha, mask, keep, y):
     """Fills ``y`` (the op allocates it) and returns it."""
     C = x.shape[-1]
     R = x.numel() // C
-    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, x)
+    mask_ptr, inv_keep, has_mask = mask_args(mask, keep, x)
     block = min(block_size(C), 128)
     _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha, mask_ptr, y, R, C, _per_sample(x), inv_keep,
                                                            HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
@@ -290,7 +292,7 @@ def gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype):
     P, per_program = split_rows(R, grad.device)
     block = min(block_size(C), 128)
     parts = torch.empty((P, C), dtype=torch.float32, device=grad.device)
-    mask_ptr, inv_keep, has_mask = _mask_args(mask, keep, grad)
+    mask_ptr, inv_keep, has_mask = mask_args(mask, keep, grad)
     _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
                                          inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
     return gu, parts.sum(0).to(sum_dtype)
