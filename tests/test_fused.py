@@ -95,6 +95,45 @@ def test_gelu_residual_kernels_match_the_plain_ops(interpreted, dtype, dropped):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_kernels_match_the_plain_ops(interpreted, dtype):
+    x, h = torch.randn(3, 4, 5, 200, dtype=dtype), torch.randn(3, 4, 5, 200, dtype=dtype)  # two column blocks
+    mask = torch.tensor([1.0, 0.0, 1.0], dtype=dtype)
+    _close([interpreted.dropped(x, h, mask, 0.6, torch.empty_like(x))], [_reference(fused._radd, x, h, mask, 0.6)],
+           dtype)
+    g = torch.randn_like(x)
+    _close([interpreted.dropped(None, g, mask, 0.6, torch.empty_like(g))],
+           [_reference(fused._drop_scale, g, mask, 0.6)], dtype)
+
+
+def test_residual_add_is_one_op_each_way_with_exact_gradients():
+    """``x + m * h`` with a DropPath draw: float64 gradients and second derivatives exact, the values addcmul's; one
+    op forward and one backward (aten's addcmul takes two ``mul``s backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    add = lambda x, h: fused.residual_add(x, h, mask, 0.7)  # noqa: E731
+    assert torch.autograd.gradcheck(add, (x, h)) and torch.autograd.gradgradcheck(add, (x, h))
+    torch.testing.assert_close(add(x, h), x + (mask / 0.7).view(2, 1, 1) * h, rtol=0, atol=1e-15)
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Names() as forward:
+        out = add(x, h)
+    ones = torch.ones_like(out)
+    with Names() as backward:
+        torch.autograd.grad(out, (x, h), ones)
+    assert forward.names == ["residual_add"] and backward.names == ["drop_scale"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_and_grad_kernels_match_the_plain_ops(interpreted, dtype):
     u, g = torch.randn(3, 5, 700, dtype=dtype) * 3, torch.randn(3, 5, 700, dtype=dtype)  # more than one block
     got = interpreted.gelu_and_grad(g, u)
@@ -267,6 +306,7 @@ def test_torch_compile_sees_each_fused_op_as_one_node():
     calls = {
         "residual_center_norm": lambda: torch.ops.lipsformer.residual_center_norm(x, h, mask, 0.5, w, b, 8 / 7, False),
         "gelu_residual": lambda: torch.ops.lipsformer.gelu_residual(x, h, w, mask, 0.5),
+        "residual_add": lambda: torch.ops.lipsformer.residual_add(x, h, mask, 0.5),
         "qk_normalize": lambda: torch.ops.lipsformer.qk_normalize(q, k, 10.0, 1e-12),
         "scale_rows": lambda: torch.ops.lipsformer.scale_rows(w.view(2, 4), b[:2], b[2:4], 1.0),
         "stripe_qkv": lambda: torch.ops.lipsformer.stripe_qkv(qkv, *lepe, [4, 2, 2, 4], 1, 12.0, 1e-12),

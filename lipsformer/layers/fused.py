@@ -209,6 +209,60 @@ def residual_center_norm(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor],
     return _rcn(x.contiguous(), h, mask, float(keep), weight, bias, float(scale), save)[0]
 
 
+# -- x + m * h, a residual's sum without a norm after it ------------------------------------------------------------
+@torch.library.custom_op("lipsformer::residual_add", mutates_args=())
+def _radd(x: Tensor, h: Tensor, mask: Tensor, keep: float) -> Tensor:
+    kernels = _kernels(x)
+    if kernels is not None:
+        return kernels.dropped(x, h, mask, keep, x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, h.dtype)))
+    return torch.addcmul(x, h, drop_factor(mask, keep, x))
+
+
+@_radd.register_fake
+def _(x, h, mask, keep):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, h.dtype))
+
+
+@torch.library.custom_op("lipsformer::drop_scale", mutates_args=())
+def _drop_scale(grad: Tensor, mask: Tensor, keep: float) -> Tensor:
+    """``m * grad``: the gradient of :func:`residual_add`'s ``h``."""
+    kernels = _kernels(grad)
+    if kernels is not None:
+        return kernels.dropped(None, grad, mask, keep, torch.empty_like(grad))
+    return grad * drop_factor(mask, keep, grad)
+
+
+@_drop_scale.register_fake
+def _(grad, mask, keep):
+    return torch.empty_like(grad)
+
+
+def _radd_setup(ctx, inputs, output):
+    x, h, mask, keep = inputs
+    ctx.save_for_backward(mask)
+    ctx.keep, ctx.dtypes = keep, (x.dtype, h.dtype)
+
+
+def _radd_grad(ctx, grad):
+    mask, = ctx.saved_tensors
+    if math_backward():
+        grad_h = grad * drop_factor(mask, ctx.keep, grad)
+    else:
+        grad_h = _drop_scale(grad.contiguous(), mask, ctx.keep)
+    return grad.to(ctx.dtypes[0]), grad_h.to(ctx.dtypes[1]), None, None
+
+
+torch.library.register_autograd("lipsformer::residual_add", _radd_grad, setup_context=_radd_setup)
+
+
+def residual_add(x: Tensor, h: Tensor, mask: Tensor, keep: float) -> Tensor:
+    """``x + m * h``, ``m = mask / keep`` per sample (a DropPath draw): one kernel forward, and one for ``h``'s
+    gradient (aten's ``addcmul`` takes two), where the fused ops run."""
+    if not fusable(x, h, mask) or x.shape != h.shape:
+        return torch.addcmul(x, h, drop_factor(mask, keep, x))
+    return _radd(x.contiguous(), h.contiguous(), mask, float(keep))
+
+
 # -- x + m * alpha * GELU(u) -----------------------------------------------------------------------------------------
 def gelu_residual_plain(x, u, alpha, mask, keep):
     factor = drop_factor(mask, keep, x)

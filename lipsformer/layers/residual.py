@@ -6,7 +6,7 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .fused import drop_factor, gelu_residual
+from .fused import drop_factor, gelu_residual, residual_add
 from .gelu import fused_linear, skip_linear
 from .norm import CenterNorm
 
@@ -139,10 +139,7 @@ class WeightedResidual(DropPathDraw, nn.Module):
         mask, keep = draw if draw is not None else self.drop_mask(x)
         if isinstance(norm, CenterNorm):
             return norm.residual(x, scaled_fx, mask, keep)
-        if mask is None:
-            y = x + scaled_fx
-        else:  # the draw's 1 / keep as addcmul's constant: no pass to divide the draw
-            y = torch.addcmul(x, scaled_fx, drop_factor(mask, 1.0, x), value=1.0 / keep)
+        y = x + scaled_fx if mask is None else residual_add(x, scaled_fx, mask, keep)
         return y if norm is None else norm(y)
 
 

@@ -91,6 +91,20 @@ def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows
 
 
 @triton.jit
+def _dropped(x_ptr, h_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_X: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """``y = x + m * h`` (``HAS_X``) or ``y = m * h``, ``m`` each row's DropPath factor."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < C
+    rows, row_ok, ok, offs = _tile(tl.program_id(0) * ROWS, cols, col_ok, R, C, ROWS)
+    y = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = y * row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, True)[:, None]
+    if HAS_X:
+        y += tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gr_fwd(x_ptr, u_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_MASK: tl.constexpr,
             ROWS: tl.constexpr, BLOCK: tl.constexpr):
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -272,6 +286,17 @@ def residual_center_norm_backward(grad, z, mask, keep, weight, scale, gs, gh, su
     else:  # float64 gradients: sums wider than the kernel's float32 partials
         sums.copy_(parts.sum(0))
     return gs, gh, sums
+
+
+def dropped(x, h, mask, keep, y):
+    """Fills ``y`` with ``x + m * h`` (``x`` None: ``m * h``) and returns it."""
+    C = h.shape[-1]
+    R = h.numel() // C
+    block = min(block_size(C), 128)
+    _dropped[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](h if x is None else x, h, mask, y, R, C, _per_sample(h),
+                                                            mask_args(mask, keep, h)[1], HAS_X=x is not None,
+                                                            ROWS=ROWS, BLOCK=block)
+    return y
 
 
 def gelu_residual(x, u, alpha, mask, keep, y):
