@@ -1,15 +1,29 @@
 """The Lipschitz building blocks against their equations."""
 import contextlib
 import math
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lipsformer.layers import (AttentionKernel, CenterNorm, ConvBlocks, WeightedResidual, dot_attention, init_weights,
                                l2_attention, scsa, largest_singular_value, window_partition, window_reverse)
 from lipsformer.layers.fused import use_fused_ops
+
+
+class OpNames(TorchDispatchMode):
+    """Counts the ops run inside it by name (``names``: ``addmm``, ``add``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True, params=["fused", "plain"])
@@ -364,10 +378,6 @@ def test_the_fused_depthwise_conv_takes_the_skips_gradient_with_exact_gradients(
     convolution follows), or with its residual: float64 gradients (and second derivatives, through the aten
     composition) exact; in the blocks, backward has no ``add`` for the two gradients of each convolution's input, and
     the gradients are autograd's."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lipsformer.layers import conv_blocks
     x = torch.randn(2, 4, 5, 3, dtype=torch.float64, requires_grad=True)
     conv = nn.Conv2d(3, 3, 3, padding=1, groups=3).double()
@@ -388,15 +398,6 @@ def test_the_fused_depthwise_conv_takes_the_skips_gradient_with_exact_gradients(
     assert torch.autograd.gradgradcheck(residual, (*parts, alpha))
     torch.testing.assert_close(residual(*parts, alpha), x + (mask / 0.7).view(2, 1, 1, 1) * alpha * F.gelu(ref))
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     blocks = ConvBlocks(8, "D").double()
     inp = torch.randn(2, 5, 5, 8, dtype=torch.float64, requires_grad=True)
@@ -405,7 +406,7 @@ def test_the_fused_depthwise_conv_takes_the_skips_gradient_with_exact_gradients(
         if not fuse:  # the module, and x itself to the skip: autograd adds the two gradients
             monkeypatch.setattr(ConvBlocks, "_fused", lambda self, conv, x: False)
         out = blocks(inp)
-        with Ops() as ops:
+        with OpNames() as ops:
             grads.append(torch.autograd.grad(out, [inp, *blocks.parameters()], torch.ones_like(out)))
         counts.append(ops.names)
     assert counts[0]["depthwise_conv_backward"] == 2 and counts[0]["add"] == counts[1]["add"] - 2
@@ -562,10 +563,6 @@ def test_a_branch_first_linear_map_adds_the_skips_gradient_inside_its_product(mo
     exact; in a block, the MLP's fc1 takes the skip's gradient into its input gradient's ``addmm`` (an ``add`` fewer
     in backward), with the same gradients as autograd's sum; under autocast the map's dtype and values are
     autocast's."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lipsformer.layers import LipsBlock, residual
     from lipsformer.layers.gelu import skip_linear
     x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
@@ -579,15 +576,6 @@ def test_a_branch_first_linear_map_adds_the_skips_gradient_inside_its_product(mo
     (g,) = torch.autograd.grad(y, x, torch.ones_like(y))  # the skip unused: the map's gradient alone
     torch.testing.assert_close(g, torch.ones(2, 3, 4, dtype=torch.float64) @ w)
 
-    class Backward(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     block = LipsBlock(8, nn.Identity()).double()
     inp = torch.randn(2, 4, 4, 8, dtype=torch.float64, requires_grad=True)
@@ -596,7 +584,7 @@ def test_a_branch_first_linear_map_adds_the_skips_gradient_inside_its_product(mo
         if not tap:  # the skip takes x itself: autograd adds the two gradients
             monkeypatch.setattr(residual, "skip_linear", lambda x, w, b: (F.linear(x, w, b), x))
         out = block(inp)
-        with Backward() as ops:
+        with OpNames() as ops:
             grads.append(torch.autograd.grad(out, [inp, *block.parameters()], torch.ones_like(out)))
         counts.append(ops.names)
     assert counts[1]["add"] - counts[0]["add"] == 1 and counts[0]["addmm"] - counts[1]["addmm"] == 1
@@ -773,26 +761,13 @@ def test_a_block_draws_its_residuals_drop_path_in_one_kernel_on_the_same_stream(
     """A training block's four DropPath draws are the rows of one ``bernoulli_`` (one kernel, not four); on the CPU
     the rows are the draws each residual would make itself, in order, so the block's output is the same. A compiled
     block takes them as factors ``mask / keep``: one division for the four."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lipsformer.layers import LipsBlock
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     block = LipsBlock(8, nn.Identity(), drop_path=0.5).train()
     x = torch.randn(32, 4, 4, 8)
     torch.manual_seed(5)
-    with Ops() as ops:
+    with OpNames() as ops:
         out = block(x)
     assert ops.names["bernoulli_"] == 1
     torch.manual_seed(5)
@@ -802,7 +777,7 @@ def test_a_block_draws_its_residuals_drop_path_in_one_kernel_on_the_same_stream(
     masks = [d[0] for d in block.drop_draws(x)]
     assert all(m.shape == (32,) for m in masks) and 0 < sum(float(m.sum()) for m in masks) < 128
     torch.manual_seed(5)
-    with Ops() as ops:
+    with OpNames() as ops:
         factors = block.drop_draws(x, factors=True)
     assert ops.names["bernoulli_"] == 1 and ops.names["div"] == 1
     for (factor, one), mask in zip(factors, masks):
