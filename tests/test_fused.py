@@ -259,9 +259,16 @@ def test_depthwise_conv_kernels_match_the_plain_ops(interpreted, dtype, k, skip,
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
     g = torch.randn_like(x)
     s = torch.randn(x.shape) if skip else None
-    got = triton_depthwise.depthwise_conv_backward(g, x, w, s, torch.float32)
-    assert got[0].dtype == (torch.float32 if skip else dtype) and got[1].shape == (70 * k * k + 70,)
-    _close(got, _reference(conv_blocks._dwc_backward, g, x, w, s), dtype)
+    grads = triton_depthwise.depthwise_conv_backward(g, x, w, s, torch.float32)
+    assert grads[0].dtype == (torch.float32 if skip else dtype) and grads[1].shape == (70 * k * k + 70,)
+    _close(grads, _reference(conv_blocks._dwc_backward, g, x, w, s), dtype)
+    if epilogue == "RESIDUAL":  # its backward in one op: the residual's, the convolution's, one sum for all three
+        u = got[1]
+        grads = triton_depthwise.conv_residual_backward(g, x, w, u, alpha, mask, 0.7, torch.float32)
+        assert grads[1].shape == (70 * k * k + 2 * 70,)
+        grad_u, grad_alpha = interpreted.gelu_residual_backward(g, u, alpha, mask, 0.7, torch.float32)
+        grad_x, sums = _reference(conv_blocks._dwc_backward, grad_u, x, w, g)  # from u's gradient in u's dtype
+        _close(grads, (grad_x, torch.cat((grad_alpha, sums))), dtype)
 
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])

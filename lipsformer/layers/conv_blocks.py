@@ -208,6 +208,26 @@ def _(grad, x, weight, skip):
             x.new_empty(C * k * k + C, dtype=sum_dtype(grad)))
 
 
+@torch.library.custom_op("lipsformer::conv_residual_backward", mutates_args=())
+def _crb(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, u: torch.Tensor, alpha: torch.Tensor,
+         mask: Optional[torch.Tensor], keep: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A conv block's residual ``x + m * alpha * GELU(dw(x))`` backward, from its output's gradient and ``u =
+    dw(x)``: (the input's gradient; alpha's, the weight's and the bias's summed in float32 at least, flat: C, C * k *
+    k, C). On CUDA three kernels: the residual's, the convolution's with the skip's gradient added, and one adding
+    both's partial sums."""
+    kernels = _depthwise_kernels(grad)
+    if kernels is not None:
+        return kernels.conv_residual_backward(grad, x, weight, u, alpha, mask, keep, sum_dtype(grad))
+    grad_u, grad_alpha = fused.gelu_residual_grads(grad, u, alpha, mask, keep)
+    gx, sums = _dwc_backward_math(grad_u, x, weight, grad)
+    return gx.contiguous(), torch.cat((grad_alpha.to(sums.dtype), sums)).to(sum_dtype(grad))
+
+
+@_crb.register_fake
+def _(grad, x, weight, u, alpha, mask, keep):
+    return torch.empty_like(x, dtype=grad.dtype), x.new_empty(2 * x.shape[-1] + weight.numel(), dtype=sum_dtype(grad))
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a convolution of ``x`` computes in: autocast's where it is on, else ``x``'s."""
     device = x.device.type
@@ -254,8 +274,9 @@ class _FusedDepthwise(torch.autograd.Function):
 
 class _FusedConvResidual(torch.autograd.Function):
     """A conv block's residual ``x + m * alpha * GELU(dw(x))`` by the fused ops: one kernel forward (the convolution
-    with the residual as its epilogue), keeping ``x`` and ``u = dw(x)``; backward the residual's (``u``'s and alpha's
-    gradients) and then the convolution's, whose input gradient takes the skip's, ``grad``, in the same pass."""
+    with the residual as its epilogue), keeping ``x`` and ``u = dw(x)``; backward one op (:func:`_crb`): the
+    residual's kernel (``u``'s gradient), the convolution's, whose input gradient takes the skip's, ``grad``, in the
+    same pass, and one launch adding alpha's, the weight's and the bias's partial sums."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, alpha, mask, keep):
@@ -270,8 +291,12 @@ class _FusedConvResidual(torch.autograd.Function):
         x, weight, u, alpha, mask, bias = ctx.saved_tensors
         if math_backward():  # u again from the saved inputs, so that a second derivative reaches them through it
             u = _dw_conv(x.to(u.dtype), weight.to(u.dtype), bias.to(u.dtype))
-        grad_u, grad_alpha = fused.gelu_residual_grads(grad, u, alpha, mask, ctx.keep)
-        return (*_depthwise_grads(ctx, grad_u, grad), grad_alpha.to(alpha.dtype), None, None)
+            grad_u, grad_alpha = fused.gelu_residual_grads(grad, u, alpha, mask, ctx.keep)
+            return (*_depthwise_grads(ctx, grad_u, grad), grad_alpha.to(alpha.dtype), None, None)
+        gx, sums = _crb(grad.contiguous(), x, weight, u, alpha, mask, ctx.keep)
+        C, n = alpha.shape[0], weight.numel()
+        return (gx, sums[C:C + n].view(weight.shape).to(ctx.dtypes[0]), sums[C + n:].to(ctx.dtypes[1]),
+                sums[:C].to(alpha.dtype), None, None)
 
 
 def _float32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ from torch import Tensor
 _ENABLED = [os.environ.get("LIPSFORMER_FUSED_OPS", "1") != "0"]
 # CUDA kernels each op launches (one unless listed)
 LAUNCHES = {"residual_center_norm_backward": 2, "gelu_residual_backward": 2, "stripe_qkv_backward": 2,
-            "depthwise_conv_backward": 2}
+            "depthwise_conv_backward": 2, "conv_residual_backward": 3}
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import ROWS, gelu, mask_args, row_factor, split_rows
+from .triton_kernels import ROWS, gelu, gelu_residual_grad_parts, mask_args, row_factor, split_rows
 
 CHANNELS = 64  # channels a program takes
 TAPS = 64  # the weight's k * k offsets and the bias, a power of two at or above them (k <= 7)
@@ -59,7 +59,7 @@ def _dw_fwd(x, w, b, y, u_out, alpha, mask, P, H, W, C, inv_keep, EPILOGUE: tl.c
 
 
 @triton.jit
-def _dw_bwd(g, x, w, skip, gx, parts, P, H, W, C, sum_programs, per_program, HAS_SKIP: tl.constexpr,
+def _dw_bwd(g, x, w, skip, gx, parts, part_stride, P, H, W, C, sum_programs, per_program, HAS_SKIP: tl.constexpr,
             K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, TAPS: tl.constexpr):
     pid, part = tl.program_id(0), tl.program_id(2)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -88,7 +88,7 @@ def _dw_bwd(g, x, w, skip, gx, parts, P, H, W, C, sum_programs, per_program, HAS
                 v = tl.load(x + near[:, None] * C + cols[None, :], mask=ok & inside[:, None], other=0.0)
                 sums += tl.where(taps[:, None] == t, tl.sum(d * v.to(tl.float32), axis=0)[None, :], 0.0)
         offs = tl.where(taps[:, None] < K * K, cols[None, :] * (K * K) + taps[:, None], K * K * C + cols[None, :])
-        tl.store(parts + pid * (K * K + 1) * C + offs, sums, mask=(taps[:, None] <= K * K) & col_ok[None, :])
+        tl.store(parts + pid * part_stride + offs, sums, mask=(taps[:, None] <= K * K) & col_ok[None, :])
 
 
 def depthwise_conv(x, weight, bias, alpha, mask, keep, epilogue, out_dtype, y, u):
@@ -108,11 +108,31 @@ def depthwise_conv_backward(grad, x, weight, skip, sum_dtype):
     + C), the weight's (C, k * k) row-major, then the bias's."""
     B, H, W, C = x.shape
     k = weight.shape[-1]
+    parts = torch.empty((split_rows(B * H * W, x.device)[0], (k * k + 1) * C), dtype=torch.float32, device=x.device)
+    return depthwise_conv_grad_parts(grad, x, weight, skip, parts), parts.sum(0).to(sum_dtype)
+
+
+def depthwise_conv_grad_parts(grad, x, weight, skip, parts):
+    """The input's gradient (plus ``skip``), returned, and the weight's and bias's partial sums, one row per program
+    (:func:`split_rows` of the positions) written into ``parts`` (rows of any stride), for the caller to add."""
+    B, H, W, C = x.shape
+    k = weight.shape[-1]
     P = B * H * W
     gx = torch.empty(x.shape, dtype=x.dtype if skip is None else skip.dtype, device=x.device)
     programs, per_program = split_rows(P, x.device)
-    parts = torch.empty((programs, (k * k + 1) * C), dtype=torch.float32, device=x.device)
     _dw_bwd[(max(triton.cdiv(P, ROWS), programs), triton.cdiv(C, CHANNELS), 2)](
-        grad, x, weight, grad if skip is None else skip, gx, parts, P, H, W, C, programs, per_program,
-        HAS_SKIP=skip is not None, K=k, ROWS=ROWS, BLOCK=CHANNELS, TAPS=TAPS)
+        grad, x, weight, grad if skip is None else skip, gx, parts, parts.stride(0), P, H, W, C, programs,
+        per_program, HAS_SKIP=skip is not None, K=k, ROWS=ROWS, BLOCK=CHANNELS, TAPS=TAPS)
+    return gx
+
+
+def conv_residual_backward(grad, x, weight, u, alpha, mask, keep, sum_dtype):
+    """A conv block's residual ``x + m * alpha * GELU(dw(x))`` backward: the input's gradient (``grad`` its skip's)
+    and the gradients of alpha, the weight and the bias summed, (C + C * k * k + C), the two kernels' partial sums
+    added in one launch."""
+    B, H, W, C = x.shape
+    k = weight.shape[-1]
+    parts = torch.empty((split_rows(B * H * W, x.device)[0], (k * k + 2) * C), dtype=torch.float32, device=x.device)
+    gu = gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts[:, :C])
+    gx = depthwise_conv_grad_parts(gu, x, weight, grad, parts[:, C:])
     return gx, parts.sum(0).to(sum_dtype)

@@ -118,8 +118,8 @@ def _gr_fwd(x_ptr, u_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HA
 
 
 @triton.jit
-def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, R, C, rows_per_program, per_sample, inv_keep,
-            HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, part_stride, R, C, rows_per_program, per_sample,
+            inv_keep, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < C
@@ -133,7 +133,7 @@ def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, R, C, rows_per_prog
         gf = g * row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
         tl.store(gu_ptr + offs, (gf * a[None, :] * gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
         sum_a += tl.sum(tl.where(ok, gf * gelu(u), 0.0), axis=0)
-    tl.store(part_ptr + pid * C + cols, sum_a, mask=col_ok)
+    tl.store(part_ptr + pid * part_stride + cols, sum_a, mask=col_ok)
 
 
 @triton.jit
@@ -311,16 +311,24 @@ def gelu_residual(x, u, alpha, mask, keep, y):
 
 
 def gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype):
-    grad, C = grad.contiguous(), grad.shape[-1]
+    grad = grad.contiguous()
+    parts = torch.empty((split_rows(grad.numel() // grad.shape[-1], grad.device)[0], grad.shape[-1]),
+                        dtype=torch.float32, device=grad.device)
+    return gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts), parts.sum(0).to(sum_dtype)
+
+
+def gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts):
+    """``u``'s gradient, returned, and alpha's partial sums, one row per program (:func:`split_rows` of the rows)
+    written into ``parts`` (rows of any stride, columns contiguous), for the caller to add."""
+    C = grad.shape[-1]
     R = grad.numel() // C
     gu = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     P, per_program = split_rows(R, grad.device)
     block = min(block_size(C), 128)
-    parts = torch.empty((P, C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = mask_args(mask, keep, grad)
-    _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, R, C, per_program, _per_sample(grad),
-                                         inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
-    return gu, parts.sum(0).to(sum_dtype)
+    _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, parts.stride(0), R, C, per_program,
+                                         _per_sample(grad), inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
+    return gu
 
 
 def gelu_and_grad(grad_h, u):
