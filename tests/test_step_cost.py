@@ -34,7 +34,7 @@ def test_swin_t_moves_at_most_1_3x_the_ops_and_1_2x_the_bytes_of_swin_tiny(rows)
 def test_cswin_t_stays_within_what_it_moves_today(rows):
     """lipsformer_cswin_t: inference within the targets (1.6x the ops, 1.3x the bytes); a training step's bytes within
     its target, its ops not yet at 1.6x (docs/speed.md), held where they stand."""
-    for mode, ops, moved in (("train", 1.7, 0.9), ("infer", 1.6, 0.9)):
+    for mode, ops, moved in (("train", 1.67, 0.85), ("infer", 1.6, 0.9)):
         r = rows["lipsformer_cswin_t", mode]
         assert r["ops_ratio"] <= ops and r["bytes_ratio"] <= moved, r
 
