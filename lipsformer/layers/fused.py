@@ -90,6 +90,13 @@ def drop_factor(mask: Optional[Tensor], keep: float, x: Tensor) -> Optional[Tens
     return factor.view((x.shape[0],) + (1,) * (x.dim() - 1))
 
 
+def autocast_dtype(device: str) -> Optional[torch.dtype]:
+    """The dtype autocast computes in on ``device`` where it is on, else None."""
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 def sum_dtype(t: Tensor) -> torch.dtype:
     """Per-channel gradient sums of a backward op: float32, or the gradient's dtype where that is wider."""
     return torch.promote_types(t.dtype, torch.float32)

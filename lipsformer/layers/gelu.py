@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from .fused import fusable, gelu_and_grad, scale_rows, scale_rows_backward
+from .fused import autocast_dtype, fusable, gelu_and_grad, scale_rows, scale_rows_backward
 
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -82,10 +82,9 @@ class _SkipLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        device = x.device.type
-        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            with torch.autocast(device, enabled=False):
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None:
+            with torch.autocast(x.device.type, enabled=False):
                 xc, wc = x.to(dtype), weight.to(dtype)
                 y = F.linear(xc, wc, None if bias is None else bias.to(dtype))
         else:

@@ -21,6 +21,11 @@ class ScaledOutput:
     (:func:`entry_linear`), or ``x`` itself."""
 
 
+def _plain_linear(linear: nn.Module) -> bool:
+    """``nn.Linear``'s own forward and no hooks: a map the fused forms may compute from its weight and bias."""
+    return type(linear).forward is nn.Linear.forward and not (linear._forward_hooks or linear._forward_pre_hooks)
+
+
 def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tensor],
                   input_scale: float = 1.0) -> torch.Tensor:
     """``scale * linear(input_scale * h)``, ``scale`` per output channel, as one linear map with the scales folded
@@ -28,7 +33,7 @@ def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tens
     the linear map keeps anyway) and the parameters: no copy of the output for the scale's gradient, which comes
     from the folded map's own (``rowsum(W * grad_W') + b * grad_b'``). A module with its own forward (not
     ``nn.Linear``'s) or with hooks is called and its output scaled."""
-    if type(linear).forward is not nn.Linear.forward or linear._forward_hooks or linear._forward_pre_hooks:
+    if not _plain_linear(linear):
         out = linear(h if input_scale == 1.0 else h * input_scale)
         return out if scale is None else out * scale
     if scale is None and input_scale == 1.0:
@@ -41,7 +46,7 @@ def entry_linear(x: torch.Tensor, linear: nn.Module, skip: bool) -> Tuple[torch.
     on through the map (:func:`lipsformer.layers.gelu.skip_linear`), so that backward adds the skip's gradient inside
     the map's input gradient; else ``x`` itself. A module with its own forward (not ``nn.Linear``'s) or with hooks
     is called."""
-    if not skip or type(linear).forward is not nn.Linear.forward or linear._forward_hooks or linear._forward_pre_hooks:
+    if not skip or not _plain_linear(linear):
         return linear(x), x
     return skip_linear(x, linear.weight, linear.bias)
 
