@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
-from .fused import fusable, math_backward, sum_dtype
+from .fused import autocast_dtype, fusable, math_backward, sum_dtype
 from .gelu import gelu_linear, records_grad
 from .groupsort import GroupSort
 from .residual import Draw, create_residual
@@ -69,7 +69,7 @@ def _dw_weight_grad(x: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor
     return (rows.new_ones(rows.shape[0]) @ rows).view(k, k, -1).permute(2, 0, 1).unsqueeze(1)  # (C, 1, k, k)
 
 
-def _dw_conv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+def dw_conv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """oneDNN's depth-wise convolution of (B, H, W, C) ``x`` (stride 1, padding ``k // 2``), on channels-last views."""
     return _nhwc(F.conv2d(_nchw(x), weight, bias, padding=weight.shape[-1] // 2, groups=weight.shape[0]))
 
@@ -112,14 +112,14 @@ class _DepthwiseConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _dw_conv(x, weight, bias)
+        return dw_conv(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # stride 1, padding k // 2: the transposed convolution is the flipped one
-            grad_x = _dw_conv(grad, weight.flip(2, 3))
+            grad_x = dw_conv(grad, weight.flip(2, 3))
         if ctx.needs_input_grad[1]:
             weight_grad = _dw_weight_grad if torch.compiler.is_compiling() else _dw_weight_grad_eager
             grad_w = weight_grad(x, grad, weight.shape[-1])
@@ -156,7 +156,7 @@ def _dwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, alpha: Optio
     if kernels is not None:
         return kernels.depthwise_conv(x, weight, bias, alpha, mask, keep, epilogue, out_dtype,
                                       *_empty_dwc(x, alpha, epilogue, out_dtype))
-    u = _dw_conv(x.to(out_dtype), weight.to(out_dtype), bias.to(out_dtype)).contiguous()
+    u = dw_conv(x.to(out_dtype), weight.to(out_dtype), bias.to(out_dtype)).contiguous()
     if epilogue == Epilogue.NONE:
         return u, u.new_empty(0)
     if epilogue == Epilogue.GELU:
@@ -179,8 +179,9 @@ def _(x, weight, bias, alpha, mask, keep, epilogue, out_dtype):
     return _empty_dwc(x, alpha, epilogue, out_dtype)
 
 
-def _dwc_backward_math(grad, x, weight, skip):
-    """The input's gradient (plus ``skip``) and the weight's and bias's, flat (C * k * k, then C), in aten ops."""
+def dw_conv_grads(grad, x, weight, skip):
+    """The gradients of :func:`dw_conv` from its output's (all (B, H, W, C)): the input's (plus ``skip``) and the
+    weight's and bias's, flat (C * k * k, then C), in aten ops."""
     C, k = x.shape[-1], weight.shape[-1]
     dtype = grad.dtype
     gi, gw, gb = torch.ops.aten.convolution_backward(_nchw(grad), _nchw(x.to(dtype)), weight.to(dtype), [C], [1, 1],
@@ -197,7 +198,7 @@ def _dwc_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ski
     kernels = _depthwise_kernels(grad)
     if kernels is not None:
         return kernels.depthwise_conv_backward(grad, x, weight, skip, sum_dtype(grad))
-    gx, sums = _dwc_backward_math(grad, x, weight, skip)
+    gx, sums = dw_conv_grads(grad, x, weight, skip)
     return gx.contiguous(), sums.to(sum_dtype(grad))
 
 
@@ -219,7 +220,7 @@ def _crb(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, u: torch.Ten
     if kernels is not None:
         return kernels.conv_residual_backward(grad, x, weight, u, alpha, mask, keep, sum_dtype(grad))
     grad_u, grad_alpha = fused.gelu_residual_grads(grad, u, alpha, mask, keep)
-    gx, sums = _dwc_backward_math(grad_u, x, weight, grad)
+    gx, sums = dw_conv_grads(grad_u, x, weight, grad)
     return gx.contiguous(), torch.cat((grad_alpha.to(sums.dtype), sums)).to(sum_dtype(grad))
 
 
@@ -230,10 +231,7 @@ def _(grad, x, weight, u, alpha, mask, keep):
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a convolution of ``x`` computes in: autocast's where it is on, else ``x``'s."""
-    device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
+    return autocast_dtype(x.device.type) or x.dtype
 
 
 def _depthwise_grads(ctx, grad, skip):
@@ -241,7 +239,7 @@ def _depthwise_grads(ctx, grad, skip):
     gradient: the fused backward op, or aten ops under ``create_graph``, which autograd differentiates again."""
     x, weight = ctx.saved_tensors[:2]
     if math_backward():
-        gx, sums = _dwc_backward_math(grad, x, weight, skip)
+        gx, sums = dw_conv_grads(grad, x, weight, skip)
     else:
         gx, sums = _dwc_backward(grad.contiguous(), x, weight, None if skip is None else skip.contiguous())
     n = weight.numel()
@@ -290,7 +288,7 @@ class _FusedConvResidual(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, u, alpha, mask, bias = ctx.saved_tensors
         if math_backward():  # u again from the saved inputs, so that a second derivative reaches them through it
-            u = _dw_conv(x.to(u.dtype), weight.to(u.dtype), bias.to(u.dtype))
+            u = dw_conv(x.to(u.dtype), weight.to(u.dtype), bias.to(u.dtype))
             grad_u, grad_alpha = fused.gelu_residual_grads(grad, u, alpha, mask, ctx.keep)
             return (*_depthwise_grads(ctx, grad_u, grad), grad_alpha.to(alpha.dtype), None, None)
         gx, sums = _crb(grad.contiguous(), x, weight, u, alpha, mask, ctx.keep)

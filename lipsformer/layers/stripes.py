@@ -15,10 +15,10 @@ run and its SCSA is the released form (a fixed temperature, v as it is).
 from typing import List, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
+from .conv_blocks import dw_conv, dw_conv_grads
 from .fused import DifferentiableOnce, math_backward, qk_normalize_backward_math, qk_normalize_math, sum_dtype
 from .windows import window_partition, window_reverse
 
@@ -36,15 +36,19 @@ def _kernels(t: Tensor):
     return triton_stripes
 
 
-def _lepe_map(t: Tensor, window: Tuple[int, int]) -> Tensor:
+def _windows_nhwc(t: Tensor, window: Tuple[int, int]) -> Tensor:
+    """A branch's (windows, tokens, heads, d) as (windows, wh, ww, C_b): a view."""
+    return t.reshape(t.shape[0], window[0], window[1], -1)
+
+
+def lepe_map(t: Tensor, window: Tuple[int, int]) -> Tensor:
     """A branch's (windows, tokens, heads, d) as LePE's (windows, C_b, wh, ww) map, channels last: a view."""
-    return t.reshape(t.shape[0], window[0], window[1], -1).permute(0, 3, 1, 2)
+    return _windows_nhwc(t, window).permute(0, 3, 1, 2)
 
 
 def _lepe(v: Tensor, weight: Tensor, bias: Tensor, window: Tuple[int, int]) -> Tensor:
     """LePE (a depth-wise 3x3 convolution inside each window) of a branch's v, in v's layout and dtype, contiguous."""
-    out = F.conv2d(_lepe_map(v, window), weight.to(v.dtype), bias.to(v.dtype), padding=1, groups=weight.shape[0])
-    return out.permute(0, 2, 3, 1).contiguous().view(v.shape)
+    return dw_conv(_windows_nhwc(v, window), weight.to(v.dtype), bias.to(v.dtype)).contiguous().view(v.shape)
 
 
 @torch.library.custom_op("lipsformer::stripe_qkv", mutates_args=())
@@ -91,13 +95,10 @@ def _sqkv_backward_math(grads, outs, weights, norms, windows, H, W, q_scale):
         qn, kn, v = outs[3 * b:3 * b + 3]
         rq, rk = (r.view(qn.shape[:-1] + (1,)) for r in norms[b])
         gx = qk_normalize_backward_math(gq, gk, qn, kn, rq, rk, q_scale)
-        Cb = weights[b].shape[0]
-        g_in, g_w, g_b = torch.ops.aten.convolution_backward(
-            _lepe_map(gl, window), _lepe_map(v, window), weights[b].to(v.dtype), [Cb], [1, 1], [1, 1], [1, 1], False,
-            [0, 0], Cb, [True, True, True])
-        gv = gv + g_in.permute(0, 2, 3, 1).reshape(gv.shape)
+        g_in, lepe_sums = dw_conv_grads(_windows_nhwc(gl, window), _windows_nhwc(v, window), weights[b], None)
+        gv = gv + g_in.reshape(gv.shape)
         parts.append(window_reverse(torch.stack((*gx, gv), 2), window, H, W))  # (B, H, W, 3, heads, d)
-        sums.append(torch.cat((g_w.flatten(), g_b)))
+        sums.append(lepe_sums)
     return torch.stack(parts, 4).flatten(3), torch.stack(sums)  # (B, H, W, 3 * branches * heads * d)
 
 
@@ -256,7 +257,7 @@ def _smerge_grad(ctx, grad):
         # one buffer, two views: the attention's gradient (windows, heads, tokens, d) and the LePE's as a
         # channels-last map (windows, C_b, wh, ww); each is read once, by its own backward. Two leaf inputs would
         # keep them as their .grad, which later backward passes add into: there, the LePE's gets a copy
-        lepe = g.reshape(g.shape[0], wh, ww, -1).permute(0, 3, 1, 2)
+        lepe = lepe_map(g, (wh, ww))
         out += [g.transpose(1, 2).to(o_dtype), (lepe.clone() if leaf else lepe).to(l_dtype)]
     out += [None, None] * (2 - len(wins))
     return (*out, None, None, None)

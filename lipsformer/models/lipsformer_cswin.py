@@ -22,7 +22,7 @@ from ..layers.fused import fusable
 from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
 from ..layers.residual import ScaledOutput, entry_linear, scaled_linear
 from ..layers.shift import ShiftMixer
-from ..layers.stripes import lepe_fusable, stripe_merge, stripe_qkv
+from ..layers.stripes import lepe_fusable, lepe_map, stripe_merge, stripe_qkv
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
                     check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
@@ -94,7 +94,7 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         outs, lepes = [], []
         for (q, k, v, lepe), window in zip(parts, windows):
             outs.append(self.kernel.attend_normalized(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
-            lepes.append(lepe.view(lepe.shape[0], window[0], window[1], -1).permute(0, 3, 1, 2))
+            lepes.append(lepe_map(lepe, window))
         return stripe_merge(outs, lepes, windows, qkv.shape[1], qkv.shape[2])
 
     def _stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:
