@@ -1,10 +1,12 @@
 import importlib.util
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lipsformer  # noqa: F401  (registers the models)
 
@@ -104,3 +106,15 @@ def base(tmp_path_factory):
     (root / "a_file").write_text("not a folder")
     (root / "bad.yaml").write_text("model: [lipsformer_swin_t\nlr: 1\n")
     return root
+
+
+class OpNames(TorchDispatchMode):
+    """Counts the ops run inside it by name (``names``: ``addmm``, ``add``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))

@@ -1,29 +1,16 @@
 """The Lipschitz building blocks against their equations."""
 import contextlib
 import math
-from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lipsformer.layers import (AttentionKernel, CenterNorm, ConvBlocks, WeightedResidual, dot_attention, init_weights,
                                l2_attention, scsa, largest_singular_value, window_partition, window_reverse)
+from conftest import OpNames
 from lipsformer.layers.fused import use_fused_ops
-
-
-class OpNames(TorchDispatchMode):
-    """Counts the ops run inside it by name (``names``: ``addmm``, ``add``, ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True, params=["fused", "plain"])
