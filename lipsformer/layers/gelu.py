@@ -145,7 +145,7 @@ def records_grad(*tensors) -> bool:
 
 
 def _act(u: torch.Tensor, gelu: bool, h: Optional[torch.Tensor]) -> torch.Tensor:
-    """The linear map's input: ``GELU(u)`` (``h`` where it was computed already) or ``u``."""
+    """The linear map's input: ``GELU(u)`` (``h`` where the op before computed it) or ``u``."""
     if not gelu:
         return u
     return F.gelu(u) if h is None else h
@@ -167,5 +167,5 @@ def fused_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 def gelu_linear(u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 scale: Optional[torch.Tensor] = None, h: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(F.gelu(u), weight, bias)`` (times ``scale``), saving only ``u`` (and the parameters) for backward;
-    ``h``: ``GELU(u)`` where it was computed already."""
+    ``h``: ``GELU(u)`` where the op before computed it."""
     return fused_linear(u, weight, bias, scale, gelu=True, h=h)
