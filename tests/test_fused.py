@@ -218,16 +218,19 @@ def test_stripe_ops_have_exact_gradients_and_a_double_backward_says_it_cannot(br
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, with_bias):
-    w, s = torch.randn(6, 1500, dtype=dtype), torch.randn(6, dtype=dtype)  # rows longer than a block
-    b = torch.randn(6, dtype=dtype) if with_bias else None
-    got = interpreted.scale_rows(w, b, s, 0.5)  # and the weight by 0.5 (a constant on the map's input)
-    want = _reference(fused._sr, w, b, s, 0.5)
-    _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
-    gw, gb = torch.randn_like(w), torch.randn_like(b) if with_bias else None
-    got = interpreted.scale_rows_backward(gw, gb, w, b, s, 0.5)
-    want = _reference(fused._sr_backward, gw, gb, w, b, s, 0.5)
+@pytest.mark.parametrize("n_maps", [1, 2])
+def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, n_maps):
+    """One map without a bias (rows longer than a block, the weight also times a constant), or two in one launch:
+    that one and a shorter one with a bias (a block's two branches), forward and backward."""
+    maps = [(torch.randn(6, 1500, dtype=dtype), torch.empty(0, dtype=dtype), torch.randn(6, dtype=dtype), 0.5),
+            (torch.randn(3, 40, dtype=dtype), torch.randn(3, dtype=dtype), torch.randn(3, dtype=dtype), 1.0)][:n_maps]
+    lists = [list(m) for m in zip(*maps)]
+    double = [[t.double() for t in ts] for ts in lists[:3]] + lists[3:]
+    got = interpreted.scale_rows(*lists)
+    _close([t for t in got if t.numel()], [t for t in fused._sr(*double) if t.numel()], dtype)
+    grads = [[torch.randn_like(w) for w in lists[0]], [torch.randn_like(b) for b in lists[1]]]
+    got = interpreted.scale_rows_backward(*grads, *lists)
+    want = fused._sr_backward(*[[t.double() for t in ts] for ts in grads], *double)
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
 
@@ -305,7 +308,7 @@ def test_torch_compile_sees_each_fused_op_as_one_node():
         "gelu_residual": lambda: torch.ops.lipsformer.gelu_residual(x, h, w, mask, 0.5),
         "residual_add": lambda: torch.ops.lipsformer.residual_add(x, h, mask, 0.5),
         "qk_normalize": lambda: torch.ops.lipsformer.qk_normalize(q, k, 10.0, 1e-12),
-        "scale_rows": lambda: torch.ops.lipsformer.scale_rows(w.view(2, 4), b[:2], b[2:4], 1.0),
+        "scale_rows": lambda: torch.ops.lipsformer.scale_rows([w.view(2, 4)], [b[:2]], [b[2:4]], [1.0]),
         "stripe_qkv": lambda: torch.ops.lipsformer.stripe_qkv(qkv, *lepe, [4, 2, 2, 4], 1, 12.0, 1e-12),
         "stripe_merge": lambda: torch.ops.lipsformer.stripe_merge(  # a 5x5 map's stripes, 1 wide, 1 head of 2
             o, o.view(5, 2, 5, 1), o, o.view(5, 2, 1, 5), [5, 1, 1, 5], 5, 5),

@@ -656,8 +656,7 @@ def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backw
         return out, [p.grad.clone() for p in model.parameters()], total
 
     folded, folded_half = run(x), run(x[:4])
-    monkeypatch.setattr(LipsBlock, "_residual",
-                        staticmethod(lambda res, branch, norm, x, draw: norm(res(x, branch(x), draw=draw))))
+    monkeypatch.setattr(LipsBlock, "_out_scales", lambda self: [None, None])  # norm(res(x, branch(x)))
     plain, plain_half = run(x), run(x[:4])
     torch.testing.assert_close(folded[0], plain[0], rtol=1e-12, atol=1e-12)
     for a, b in zip(folded[1], plain[1]):

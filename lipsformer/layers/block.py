@@ -1,5 +1,5 @@
 """The LipsFormer block (LipsFormer Fig. 1, Table 1), shared by the Swin and CSwin families."""
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 from timm.layers import Mlp
@@ -8,7 +8,8 @@ from torch import nn
 from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
 from .norm import create_norm
-from .residual import ScaledOutput, WeightedResidual, create_residual, drop_masks, entry_linear, scaled_linear
+from .residual import (OutScale, ScaledOutput, WeightedResidual, create_residual, drop_masks, entry_linear,
+                       fold_out_scales, map_params, scaled_linear)
 
 
 class GeluMlp(Mlp, ScaledOutput):
@@ -16,13 +17,16 @@ class GeluMlp(Mlp, ScaledOutput):
     dropout sits between them, so backward keeps the hidden layer once instead of twice; ``out_scale`` is folded
     into ``fc2`` (:class:`~lipsformer.layers.residual.ScaledOutput`)."""
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None, skip: bool = False):
+    def forward(self, x: torch.Tensor, out_scale: OutScale = None, skip: bool = False):
         u, x = entry_linear(x, self.fc1, skip)
         if self.training and self.drop1.p > 0:
             out = self.drop2(scaled_linear(self.norm(self.drop1(self.act(u))), self.fc2, out_scale))
         else:
-            out = self.drop2(gelu_linear(u, self.fc2.weight, self.fc2.bias, out_scale))
+            out = self.drop2(gelu_linear(u, *map_params(self.fc2, out_scale)))
         return (out, x) if skip else out
+
+    def out_map(self) -> Tuple[nn.Module, float]:
+        return self.fc2, 1.0
 
 
 class CPLMlp(nn.Module):
@@ -98,17 +102,29 @@ class LipsBlock(nn.Module):
     def body(self, x: torch.Tensor, draws: tuple) -> torch.Tensor:
         """The block, given its residuals' DropPath draws (None: each residual draws its own)."""
         x = self.convs(x, draws[:2])
-        x = self._residual(self.res_attn, self.attn, self.norm1, x, draws[2])
-        return self._residual(self.res_mlp, self.mlp, self.norm2, x, draws[3])
+        attn_scale, mlp_scale = self._out_scales()
+        x = self._residual(self.res_attn, self.attn, self.norm1, x, draws[2], attn_scale)
+        return self._residual(self.res_mlp, self.mlp, self.norm2, x, draws[3], mlp_scale)
+
+    def _out_scales(self) -> list:
+        """For the attention and the MLP: a weighted residual's ``alpha`` folded into its branch's last linear map
+        where the branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), both maps in one op
+        (:func:`~lipsformer.layers.residual.fold_out_scales`); None elsewhere."""
+        pairs = [(res, branch) if isinstance(res, WeightedResidual) and isinstance(branch, ScaledOutput) else None
+                 for res, branch in ((self.res_attn, self.attn), (self.res_mlp, self.mlp))]
+        folded = iter(fold_out_scales([(branch, res.alpha) for res, branch in filter(None, pairs)]))
+        return [None if pair is None else next(folded) for pair in pairs]
 
     @staticmethod
-    def _residual(res: nn.Module, branch: nn.Module, norm: nn.Module, x: torch.Tensor, draw=None) -> torch.Tensor:
-        """``norm(res(x, branch(x)))``; a weighted residual's ``alpha`` is folded into the branch's last linear map
-        when the branch takes it (:class:`~lipsformer.layers.residual.ScaledOutput`), so that backward keeps no copy
-        of the branch's output for alpha's gradient (two C-wide activations per block), and the sum and a
-        CenterNorm after it are one fused op; the skip takes ``x`` as the branch's first linear map passes it on, so
-        that the two gradients of ``x`` meet inside that map's backward (:func:`entry_linear`)."""
-        if isinstance(res, WeightedResidual) and isinstance(branch, ScaledOutput):
-            out, x = branch(x, out_scale=res.alpha, skip=True)
+    def _residual(res: nn.Module, branch: nn.Module, norm: nn.Module, x: torch.Tensor, draw=None,
+                  out_scale: OutScale = None) -> torch.Tensor:
+        """``norm(res(x, branch(x)))``; with ``out_scale`` (a weighted residual's ``alpha`` for a
+        :class:`~lipsformer.layers.residual.ScaledOutput` branch, folded into its last linear map) the branch scales
+        its own output, so that backward keeps no copy of it for alpha's gradient (two C-wide activations per
+        block), and the sum and a CenterNorm after it are one fused op; the skip takes ``x`` as the branch's first
+        linear map passes it on, so that the two gradients of ``x`` meet inside that map's backward
+        (:func:`entry_linear`)."""
+        if out_scale is not None:
+            out, x = branch(x, out_scale=out_scale, skip=True)
             return res.add_scaled(x, out, None if isinstance(norm, nn.Identity) else norm, draw)
         return norm(res(x, branch(x), draw=draw))

@@ -8,8 +8,8 @@ aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``).
 - :func:`gelu_residual`: ``x + m * alpha * GELU(u)``, the conv blocks' residuals, keeping only ``u``.
 - :func:`qk_normalize`: SCSA's cosine normalisation of q and k (q times the temperature), written contiguous, keeping
   the outputs and the row norms.
-- :func:`scale_rows`: a linear map's weight and bias with a per-output-channel scale folded in (a weighted residual's
-  alpha, :func:`lipsformer.layers.gelu.fused_linear`).
+- :func:`scale_rows`: one or two linear maps' weights and biases with a per-output-channel scale folded in (a weighted
+  residual's alpha: a block folds both branches' last maps in one op, :class:`lipsformer.layers.LipsBlock`).
 - :func:`gelu_and_grad`: ``GELU(u)`` and ``grad * GELU'(u)`` in one pass over ``u``, for the backward of
   :func:`lipsformer.layers.gelu.gelu_linear`, which recomputes the GELU rather than keep it (a backward op only).
 
@@ -27,7 +27,7 @@ ops), and not when :func:`use_fused_ops` turned them off.
 """
 import contextlib
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -488,25 +488,42 @@ def qk_normalize(q: Tensor, k: Tensor, eps: float, q_scale: float = 1.0) -> Tupl
     return qn, kn
 
 
-# -- a linear map's rows scaled --------------------------------------------------------------------------------------
+# -- linear maps' rows scaled ---------------------------------------------------------------------------------------
+# A map is (weight, bias, scale, input_scale); an op takes one or two (a block's two branches: one launch); a bias
+# travels as an empty tensor where the map has none.
+Map = Tuple[Tensor, Optional[Tensor], Tensor, float]
+
+
 def _scaled_plain(weight, bias, scale, input_scale):
     w = weight * scale.unsqueeze(1)
     return w if input_scale == 1.0 else w * input_scale, bias * scale if bias is not None else None
 
 
+def _some(bias: Tensor) -> Optional[Tensor]:
+    return bias if bias.numel() else None
+
+
+def _none_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return t if t is not None else like.new_empty(0)
+
+
 @torch.library.custom_op("lipsformer::scale_rows", mutates_args=())
-def _sr(weight: Tensor, bias: Optional[Tensor], scale: Tensor, input_scale: float) -> Tuple[Tensor, Tensor]:
-    """(``weight * scale[:, None] * input_scale``, ``bias * scale`` or an empty tensor without a bias)."""
-    kernels = _kernels(weight)
+def _sr(weights: List[Tensor], biases: List[Tensor], scales: List[Tensor], input_scales: List[float]
+        ) -> List[Tensor]:
+    """For each map ``weight * scale[:, None] * input_scale`` and ``bias * scale`` (empty without a bias)."""
+    kernels = _kernels(weights[0])
     if kernels is not None:
-        return kernels.scale_rows(weight, bias, scale, input_scale)
-    w, b = _scaled_plain(weight, bias, scale, input_scale)
-    return w, b if b is not None else weight.new_empty(0)
+        return kernels.scale_rows(weights, biases, scales, input_scales)
+    out = []
+    for w, b, s, c in zip(weights, biases, scales, input_scales):
+        w, b = _scaled_plain(w, _some(b), s, c)
+        out += [w, _none_empty(b, w)]
+    return out
 
 
 @_sr.register_fake
-def _(weight, bias, scale, input_scale):
-    return torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+def _(weights, biases, scales, input_scales):
+    return [t for w, b in zip(weights, biases) for t in (torch.empty_like(w), torch.empty_like(b))]
 
 
 def _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale):
@@ -518,57 +535,66 @@ def _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale):
 
 
 @torch.library.custom_op("lipsformer::scale_rows_backward", mutates_args=())
-def _sr_backward(grad_w: Tensor, grad_b: Optional[Tensor], weight: Tensor, bias: Optional[Tensor], scale: Tensor,
-                 input_scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """From the scaled map's gradients: the weight's, the bias's (an empty tensor without one) and the scale's
+def _sr_backward(grads_w: List[Tensor], grads_b: List[Tensor], weights: List[Tensor], biases: List[Tensor],
+                 scales: List[Tensor], input_scales: List[float]) -> List[Tensor]:
+    """From the scaled maps' gradients, for each map: the weight's, the bias's (empty without one) and the scale's
     (``input_scale * rowsum(W * grad_W') + b * grad_b'``)."""
-    kernels = _kernels(grad_w)
+    kernels = _kernels(grads_w[0])
     if kernels is not None:
-        return kernels.scale_rows_backward(grad_w, grad_b, weight, bias, scale, input_scale)
-    gw, gb, gs = _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale)
-    return gw, gb if gb is not None else weight.new_empty(0), gs
+        return kernels.scale_rows_backward(grads_w, grads_b, weights, biases, scales, input_scales)
+    out = []
+    for gw, gb, w, b, s, c in zip(grads_w, grads_b, weights, biases, scales, input_scales):
+        gw, gb, gs = _sr_backward_math(gw, gb, w, _some(b), s, c)
+        out += [gw, _none_empty(gb, w), gs]
+    return out
 
 
 @_sr_backward.register_fake
-def _(grad_w, grad_b, weight, bias, scale, input_scale):
-    return (torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty(0),
-            torch.empty_like(scale))
+def _(grads_w, grads_b, weights, biases, scales, input_scales):
+    return [t for w, b, s in zip(weights, biases, scales)
+            for t in (torch.empty_like(w), torch.empty_like(b), torch.empty_like(s))]
 
 
-def scale_rows_backward(grad_w: Tensor, grad_b: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
-                        scale: Tensor, input_scale: float = 1.0) -> Tuple[Tensor, Optional[Tensor], Tensor]:
-    """The gradients of :func:`scale_rows`'s weight, bias (None without one) and scale from those of its outputs,
-    by the fused backward op, or in aten ops where a double backward or a transform needs them."""
-    if bias is not None and grad_b is None:
-        grad_b = torch.zeros_like(bias)
-    if math_backward() or not fusable(grad_w, grad_b, weight, bias, scale):
-        return _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale)
-    gw, gb, gs = _sr_backward(grad_w, grad_b, weight, bias, scale, float(input_scale))
-    return gw, gb if bias is not None else None, gs
+def scale_rows_backward(grads: Sequence[Tuple[Tensor, Optional[Tensor]]], maps: Sequence[Map]
+                        ) -> List[Tuple[Tensor, Optional[Tensor], Tensor]]:
+    """The gradients of :func:`scale_rows`'s weight, bias (None without one) and scale, for each map from the
+    gradients of its scaled weight and bias (None: zeros), by the fused backward op, or in aten ops where a double
+    backward or a transform needs them."""
+    grads = [(torch.zeros_like(w) if gw is None else gw, torch.zeros_like(b) if b is not None and gb is None else gb)
+             for (gw, gb), (w, b, _, _) in zip(grads, maps)]
+    tensors = [t for (gw, gb), (w, b, s, _) in zip(grads, maps) for t in (gw, gb, w, b, s)]
+    if math_backward() or not fusable(*tensors):
+        return [_sr_backward_math(gw, gb, *m) for (gw, gb), m in zip(grads, maps)]
+    out = _sr_backward([gw for gw, _ in grads], [_none_empty(gb, gw) for gw, gb in grads], [m[0] for m in maps],
+                       [_none_empty(m[1], m[0]) for m in maps], [m[2] for m in maps], [float(m[3]) for m in maps])
+    return [(gw, gb if m[1] is not None else None, gs) for gw, gb, gs, m in zip(out[0::3], out[1::3], out[2::3], maps)]
 
 
 def _sr_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
-    weight, bias, scale, input_scale = inputs
-    ctx.save_for_backward(weight, bias, scale)
-    ctx.input_scale = input_scale
+    weights, biases, scales, input_scales = inputs
+    ctx.save_for_backward(*weights, *biases, *scales)
+    ctx.input_scales = input_scales
 
 
-def _sr_grad(ctx, grad_w, grad_b):
-    weight, bias, scale = ctx.saved_tensors
-    if grad_w is None:
-        grad_w = torch.zeros_like(weight)
-    return (*scale_rows_backward(grad_w, grad_b, weight, bias, scale, ctx.input_scale), None)
+def _sr_grad(ctx, grads):
+    saved, n = ctx.saved_tensors, len(ctx.input_scales)
+    maps = [(w, _some(b), s, c) for w, b, s, c in zip(saved[:n], saved[n:2 * n], saved[2 * n:], ctx.input_scales)]
+    out = scale_rows_backward(list(zip(grads[0::2], grads[1::2])), maps)
+    return ([gw for gw, _, _ in out], [_none_empty(gb, gw) for gw, gb, _ in out], [gs for _, _, gs in out], None)
 
 
 torch.library.register_autograd("lipsformer::scale_rows", _sr_grad, setup_context=_sr_setup)
 
 
-def scale_rows(weight: Tensor, bias: Optional[Tensor], scale: Tensor, input_scale: float = 1.0
-               ) -> Tuple[Tensor, Optional[Tensor]]:
-    """``weight * scale[:, None] * input_scale`` and ``bias * scale``: a linear map's output scaled per channel
-    (and its input by a constant), folded into it."""
-    if not fusable(weight, bias, scale):
-        return _scaled_plain(weight, bias, scale, input_scale)
-    w, b = _sr(weight, bias, scale, float(input_scale))
-    return w, b if bias is not None else None
+def scale_rows(maps: Sequence[Map]) -> List[Tuple[Tensor, Optional[Tensor]]]:
+    """For each of one or two linear maps ``(weight, bias, scale, input_scale)``: ``weight * scale[:, None] *
+    input_scale`` and ``bias * scale`` (None without a bias), the map's output scaled per channel (and its input by a
+    constant) folded into it; two maps in one op."""
+    if not 1 <= len(maps) <= 2:
+        raise ValueError(f"scale_rows takes one or two maps, got {len(maps)}")
+    if not fusable(*[t for m in maps for t in m[:3]]):
+        return [_scaled_plain(*m) for m in maps]
+    out = _sr([m[0] for m in maps], [_none_empty(m[1], m[0]) for m in maps], [m[2] for m in maps],
+              [float(m[3]) for m in maps])
+    return [(w, b if m[1] is not None else None) for w, b, m in zip(out[0::2], out[1::2], maps)]

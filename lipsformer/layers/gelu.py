@@ -29,7 +29,7 @@ def _folded(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[
     and the weight by ``input_scale``, by one fused op (:func:`lipsformer.layers.fused.scale_rows`)."""
     if scale is None:
         return (weight, bias) if input_scale == 1.0 else (weight * input_scale, bias)
-    return scale_rows(weight, bias, scale, input_scale)
+    return scale_rows([(weight, bias, scale, input_scale)])[0]
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -66,7 +66,8 @@ class _FusedLinear(torch.autograd.Function):
         if bias is not None and (need_w or need_b or need_s):
             grad_b = flat.sum(0).to(bias.dtype)
         if scale is not None and (need_w or need_b or need_s):
-            grad_w, grad_b, grad_s = scale_rows_backward(grad_w, grad_b, weight, bias, scale, ctx.input_scale)
+            maps = [(weight, bias, scale, ctx.input_scale)]
+            (grad_w, grad_b, grad_s), = scale_rows_backward([(grad_w, grad_b)], maps)
         elif ctx.input_scale != 1.0 and grad_w is not None:
             grad_w = grad_w * ctx.input_scale
         return (grad_u, grad_w if need_w else None, grad_b if need_b else None, grad_s if need_s else None, None,

@@ -1,24 +1,40 @@
 """Residual shortcuts: LipsFormer's weighted residual (Sec. 4.1.3, Table 1) and a convex combination that is
 1-Lipschitz whenever its branch is."""
-from typing import Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .fused import drop_factor, gelu_residual, residual_add
+from .fused import drop_factor, gelu_residual, residual_add, scale_rows
 from .gelu import fused_linear, skip_linear
 from .norm import CenterNorm
 
 RESIDUALS = ("add", "convex")
 
 
+class FoldedMap(NamedTuple):
+    """A branch's last linear map with a per-channel output scale (and the constant its input is multiplied by)
+    folded into its weight and bias (:func:`fold_out_scales`)."""
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+
+# a ScaledOutput branch's output scale: per channel, folded into its last map already, or none
+OutScale = Union[torch.Tensor, FoldedMap, None]
+
+
 class ScaledOutput:
     """A residual branch that ends in a linear map and can fold a per-channel output scale into it: its
-    ``forward(x, out_scale)`` returns ``out_scale * f(x)`` through :func:`scaled_linear` (``out_scale=None``:
-    ``f(x)``). :class:`lipsformer.layers.LipsBlock` gives it a weighted residual's ``alpha``, and ``skip=True``, for
-    which it returns ``(out_scale * f(x), x')``: ``x'`` is ``x`` as its first linear map passes it on to the skip
+    ``forward(x, out_scale)`` returns ``out_scale * f(x)`` through :func:`scaled_linear` (``out_scale`` a tensor, or
+    a :class:`FoldedMap` of the map :meth:`out_map` names with it folded in; None: ``f(x)``).
+    :class:`lipsformer.layers.LipsBlock` gives it a weighted residual's ``alpha``, folded, and ``skip=True``, for which
+    it returns ``(out_scale * f(x), x')``: ``x'`` is ``x`` as its first linear map passes it on to the skip
     (:func:`entry_linear`), or ``x`` itself."""
+
+    def out_map(self) -> Tuple[nn.Module, float]:
+        """The branch's last linear map and the constant its input is multiplied by."""
+        raise NotImplementedError
 
 
 def _plain_linear(linear: nn.Module) -> bool:
@@ -26,13 +42,36 @@ def _plain_linear(linear: nn.Module) -> bool:
     return type(linear).forward is nn.Linear.forward and not (linear._forward_hooks or linear._forward_pre_hooks)
 
 
-def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: Optional[torch.Tensor],
-                  input_scale: float = 1.0) -> torch.Tensor:
+def fold_out_scales(branches: Sequence[Tuple[ScaledOutput, torch.Tensor]]) -> List[OutScale]:
+    """Each branch's output scale given as ``(branch, scale)``: folded into the branch's last linear map, one or two
+    maps in one op (:func:`lipsformer.layers.fused.scale_rows`, one kernel each way for a block's two branches); the
+    scale itself for a map with its own forward or with hooks."""
+    maps = [(i, *branch.out_map()) for i, (branch, _) in enumerate(branches)]
+    maps = [(i, linear, c) for i, linear, c in maps if _plain_linear(linear)]
+    out: List[OutScale] = [scale for _, scale in branches]
+    if maps:
+        folded = scale_rows([(linear.weight, linear.bias, branches[i][1], c) for i, linear, c in maps])
+        for (i, _, _), (weight, bias) in zip(maps, folded):
+            out[i] = FoldedMap(weight, bias)
+    return out
+
+
+def map_params(linear: nn.Linear, scale: OutScale) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                                            Optional[torch.Tensor]]:
+    """The weight, bias and per-channel output scale of ``linear`` for ``scale``: a folded map's own, no scale."""
+    if isinstance(scale, FoldedMap):
+        return scale.weight, scale.bias, None
+    return linear.weight, linear.bias, scale
+
+
+def scaled_linear(h: torch.Tensor, linear: nn.Linear, scale: OutScale, input_scale: float = 1.0) -> torch.Tensor:
     """``scale * linear(input_scale * h)``, ``scale`` per output channel, as one linear map with the scales folded
-    into its weight and bias (:func:`lipsformer.layers.gelu.fused_linear`). Backward then keeps only ``h`` (which
-    the linear map keeps anyway) and the parameters: no copy of the output for the scale's gradient, which comes
-    from the folded map's own (``rowsum(W * grad_W') + b * grad_b'``). A module with its own forward (not
-    ``nn.Linear``'s) or with hooks is called and its output scaled."""
+    into its weight and bias (:func:`lipsformer.layers.gelu.fused_linear`; a :class:`FoldedMap` is that map, both
+    scales in it). Backward then keeps only ``h`` (which the linear map keeps anyway) and the parameters: no copy of
+    the output for the scale's gradient, which comes from the folded map's own (``rowsum(W * grad_W') + b *
+    grad_b'``). A module with its own forward (not ``nn.Linear``'s) or with hooks is called and its output scaled."""
+    if isinstance(scale, FoldedMap):
+        return fused_linear(h, scale.weight, scale.bias)
     if not _plain_linear(linear):
         out = linear(h if input_scale == 1.0 else h * input_scale)
         return out if scale is None else out * scale

@@ -197,9 +197,7 @@ def _qkn_bwd(gq, gk, qn, kn, rq, rk, gxq, gxk, R, D, q_scale, programs_q, ROWS: 
 
 
 @triton.jit
-def _sr_fwd(w_ptr, b_ptr, s_ptr, wo_ptr, bo_ptr, n_out, n_in, input_scale, HAS_B: tl.constexpr,
-            BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _sr_row(w_ptr, b_ptr, s_ptr, wo_ptr, bo_ptr, row, n_in, input_scale, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.load(s_ptr + row).to(tl.float32)
     for start in range(0, n_in, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -211,9 +209,19 @@ def _sr_fwd(w_ptr, b_ptr, s_ptr, wo_ptr, bo_ptr, n_out, n_in, input_scale, HAS_B
 
 
 @triton.jit
-def _sr_bwd(gw_ptr, gb_ptr, w_ptr, b_ptr, s_ptr, gwo_ptr, gbo_ptr, gso_ptr, n_out, n_in, input_scale,
-            HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+def _sr_fwd(w0, b0, s0, wo0, bo0, n_out0, n_in0, c0, w1, b1, s1, wo1, bo1, n_in1, c1, HAS_B0: tl.constexpr,
+            HAS_B1: tl.constexpr, BLOCK: tl.constexpr):
+    """Two maps' rows (the second map's after the first's; one map: none of the second's)."""
     row = tl.program_id(0)
+    if row < n_out0:
+        _sr_row(w0, b0, s0, wo0, bo0, row, n_in0, c0, HAS_B0, BLOCK)
+    else:
+        _sr_row(w1, b1, s1, wo1, bo1, row - n_out0, n_in1, c1, HAS_B1, BLOCK)
+
+
+@triton.jit
+def _sr_row_bwd(gw_ptr, gb_ptr, w_ptr, b_ptr, s_ptr, gwo_ptr, gbo_ptr, gso_ptr, row, n_in, input_scale,
+                HAS_B: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.load(s_ptr + row).to(tl.float32)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_in, BLOCK):
@@ -229,6 +237,16 @@ def _sr_bwd(gw_ptr, gb_ptr, w_ptr, b_ptr, s_ptr, gwo_ptr, gbo_ptr, gso_ptr, n_ou
         gs += gb * tl.load(b_ptr + row).to(tl.float32)
         tl.store(gbo_ptr + row, (gb * s).to(gbo_ptr.dtype.element_ty))
     tl.store(gso_ptr + row, gs.to(gso_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _sr_bwd(gw0, gb0, w0, b0, s0, gwo0, gbo0, gso0, n_out0, n_in0, c0, gw1, gb1, w1, b1, s1, gwo1, gbo1, gso1, n_in1,
+            c1, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if row < n_out0:
+        _sr_row_bwd(gw0, gb0, w0, b0, s0, gwo0, gbo0, gso0, row, n_in0, c0, HAS_B0, BLOCK)
+    else:
+        _sr_row_bwd(gw1, gb1, w1, b1, s1, gwo1, gbo1, gso1, row - n_out0, n_in1, c1, HAS_B1, BLOCK)
 
 
 # -- launchers: the ops' CUDA implementations (CPU tensors under the interpreter) -----------------------------------
@@ -365,24 +383,37 @@ def qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale):
     return gq, gk
 
 
-def scale_rows(weight, bias, scale, input_scale=1.0):
-    weight = weight.contiguous()
-    n_out, n_in = weight.shape
-    wo = torch.empty_like(weight)
-    bo = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
-    b = bias if bias is not None else weight  # any pointer: never read
-    _sr_fwd[(n_out,)](weight, b, scale, wo, bo if bias is not None else wo, n_out, n_in, input_scale,
-                      HAS_B=bias is not None, BLOCK=min(block_size(n_in), 1024))
-    return wo, bo
+def _pair(maps: list) -> list:
+    """One map's arguments twice, where the op has one (the kernel never reaches the second)."""
+    return maps if len(maps) == 2 else maps * 2
 
 
-def scale_rows_backward(grad_w, grad_b, weight, bias, scale, input_scale=1.0):
-    n_out, n_in = weight.shape
-    grad_w, weight = grad_w.contiguous(), weight.contiguous()
-    gw = torch.empty_like(weight)
-    gb = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
-    gs = torch.empty_like(scale)
-    has_b = bias is not None  # without one, any pointers: never read
-    _sr_bwd[(n_out,)](grad_w, grad_b if has_b else grad_w, weight, bias if has_b else weight, scale, gw,
-                      gb if has_b else gw, gs, n_out, n_in, input_scale, HAS_B=has_b, BLOCK=min(block_size(n_in), 1024))
-    return gw, gb, gs
+def scale_rows(weights, biases, scales, input_scales):
+    maps, out = [], []
+    for w, b, s, c in zip(weights, biases, scales, input_scales):
+        w = w.contiguous()
+        wo, bo = torch.empty_like(w), torch.empty_like(b)
+        has_b = b.numel() > 0  # without one, any pointers: never read
+        maps.append(((w, b if has_b else w, s, wo, bo if has_b else wo, w.shape[1], c), has_b))
+        out += [wo, bo]
+    (m0, has0), (m1, has1) = _pair(maps)
+    _sr_fwd[(weights[0].shape[0] + (weights[1].shape[0] if len(maps) == 2 else 0),)](
+        *m0[:5], weights[0].shape[0], *m0[5:], *m1, HAS_B0=has0, HAS_B1=has1,
+        BLOCK=min(block_size(max(w.shape[1] for w in weights)), 1024))
+    return out
+
+
+def scale_rows_backward(grads_w, grads_b, weights, biases, scales, input_scales):
+    maps, out = [], []
+    for gw, gb, w, b, s, c in zip(grads_w, grads_b, weights, biases, scales, input_scales):
+        gw, w = gw.contiguous(), w.contiguous()
+        gwo, gbo, gso = torch.empty_like(w), torch.empty_like(b), torch.empty_like(s)
+        has_b = b.numel() > 0  # without one, any pointers: never read
+        maps.append(((gw, gb if has_b else gw, w, b if has_b else w, s, gwo, gbo if has_b else gwo, gso,
+                      w.shape[1], c), has_b))
+        out += [gwo, gbo, gso]
+    (m0, has0), (m1, has1) = _pair(maps)
+    _sr_bwd[(weights[0].shape[0] + (weights[1].shape[0] if len(maps) == 2 else 0),)](
+        *m0[:8], weights[0].shape[0], *m0[8:], *m1, HAS_B0=has0, HAS_B1=has1,
+        BLOCK=min(block_size(max(w.shape[1] for w in weights)), 1024))
+    return out

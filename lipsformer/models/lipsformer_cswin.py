@@ -20,7 +20,7 @@ from torch import nn
 from ..layers import AttentionKernel, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.fused import fusable
 from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
-from ..layers.residual import ScaledOutput, entry_linear, scaled_linear
+from ..layers.residual import OutScale, ScaledOutput, entry_linear, scaled_linear
 from ..layers.shift import ShiftMixer
 from ..layers.stripes import lepe_fusable, lepe_map, stripe_merge, stripe_qkv
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse
@@ -64,7 +64,11 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         H, W = resolution
         self.windows = [(H, W)] if self.full else [(H, self.split_size), (self.split_size, W)]
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None, skip: bool = False):
+    def out_map(self) -> Tuple[nn.Module, float]:
+        """The projection; each branch divided by sqrt(its heads), folded into its weight."""
+        return self.proj, 1.0 / math.sqrt(self.branch_heads)
+
+    def forward(self, x: torch.Tensor, out_scale: OutScale = None, skip: bool = False):
         """(B, H, W, C) -> (B, H, W, C). The stripes span the input's own H and W; a size the split does not
         divide (``strict_img_size=False``) is padded with zeros and cropped back. ``out_scale`` is folded into the
         projection (:class:`ScaledOutput`); ``skip``: also ``x`` as the qkv projection passes it on
@@ -82,8 +86,8 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
             x = self._stripes(qkv.view(B, Hp, Wp, P, nb, C // nb), windows)
         if (Hp, Wp) != (H, W):
             x = x[:, :H, :W]
-        # each branch divided by sqrt(its heads), folded into the projection's weight
-        out = self.proj_drop(scaled_linear(x, self.proj, out_scale, 1.0 / math.sqrt(self.branch_heads)))
+        proj, input_scale = self.out_map()
+        out = self.proj_drop(scaled_linear(x, proj, out_scale, input_scale))
         return (out, x_skip) if skip else out
 
     def _fused_stripes(self, qkv: torch.Tensor, windows: list) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layers import AttentionKernel, LipsBlock, LipschitzOptions, PatchEmbed, create_norm
 from ..layers.options import CERTIFIABLE, MIXER_TYPES, TOKEN_MIXERS, preset
-from ..layers.residual import ScaledOutput, scaled_linear
+from ..layers.residual import OutScale, ScaledOutput, scaled_linear
 from ..layers.windows import pad_to_multiple, window_partition, window_reverse_heads
 from ._base import (RELEASED_BLOCK_RENAMES, LipsFormerBase, LipsStage, build_with_cfg, certified_cfg,
                     check_arguments, convert_released, drop_path_rates, pretrained_cfg, rename_prefix)
@@ -91,7 +91,10 @@ class WindowAttention(nn.Module, ScaledOutput):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(n, n, self.num_heads).permute(2, 0, 1).unsqueeze(0)
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None, skip: bool = False):
+    def out_map(self) -> Tuple[nn.Module, float]:
+        return self.proj, 1.0
+
+    def forward(self, x: torch.Tensor, out_scale: OutScale = None, skip: bool = False):
         """(B, H, W, C) -> (B, H, W, C); a size the window does not divide (``strict_img_size=False``) is padded
         with zeros and cropped back. ``out_scale`` is folded into the projection (:class:`ScaledOutput`), which runs
         on the tokens put back in place (a linear map per token: the same values as in window order). ``skip``:
