@@ -24,7 +24,7 @@ ALLOWED = [
     ("test_lipschitz.py", "assert float(ratio.max()) <= report.bound", "a ratio of distances against the bound"),
     ("test_step_cost.py", 'assert r["ops_ratio"] <= 1.3 and r["bytes_ratio"] <= 1.2, r',
      "ratios of ops and bytes counted on the meta device"),
-    ("test_step_cost.py", 'assert r["ops_ratio"] <= ops and r["bytes_ratio"] <= moved, r',
+    ("test_step_cost.py", 'assert r["ops_ratio"] <= 1.6 and r["bytes_ratio"] <= 1.3, r',
      "ratios of ops and bytes counted on the meta device"),
 ]
 
