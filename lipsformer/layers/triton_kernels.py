@@ -383,9 +383,11 @@ def qk_normalize_backward(grad_q, grad_k, qn, kn, rq, rk, q_scale):
     return gq, gk
 
 
-def _pair(maps: list) -> list:
-    """One map's arguments twice, where the op has one (the kernel never reaches the second)."""
-    return maps if len(maps) == 2 else maps * 2
+def _sr_launch(maps: list, weights: list) -> tuple:
+    """The scale_rows kernels' launch: one program a row of every map, a block of columns for the widest, and the
+    maps' arguments (one map's twice, where the op has one: the kernel never reaches the second)."""
+    grid = (sum(w.shape[0] for w in weights),)
+    return grid, min(block_size(max(w.shape[1] for w in weights)), 1024), maps if len(maps) == 2 else maps * 2
 
 
 def scale_rows(weights, biases, scales, input_scales):
@@ -396,10 +398,8 @@ def scale_rows(weights, biases, scales, input_scales):
         has_b = b.numel() > 0  # without one, any pointers: never read
         maps.append(((w, b if has_b else w, s, wo, bo if has_b else wo, w.shape[1], c), has_b))
         out += [wo, bo]
-    (m0, has0), (m1, has1) = _pair(maps)
-    _sr_fwd[(weights[0].shape[0] + (weights[1].shape[0] if len(maps) == 2 else 0),)](
-        *m0[:5], weights[0].shape[0], *m0[5:], *m1, HAS_B0=has0, HAS_B1=has1,
-        BLOCK=min(block_size(max(w.shape[1] for w in weights)), 1024))
+    grid, block, ((m0, has0), (m1, has1)) = _sr_launch(maps, weights)
+    _sr_fwd[grid](*m0[:5], weights[0].shape[0], *m0[5:], *m1, HAS_B0=has0, HAS_B1=has1, BLOCK=block)
     return out
 
 
@@ -412,8 +412,6 @@ def scale_rows_backward(grads_w, grads_b, weights, biases, scales, input_scales)
         maps.append(((gw, gb if has_b else gw, w, b if has_b else w, s, gwo, gbo if has_b else gwo, gso,
                       w.shape[1], c), has_b))
         out += [gwo, gbo, gso]
-    (m0, has0), (m1, has1) = _pair(maps)
-    _sr_bwd[(weights[0].shape[0] + (weights[1].shape[0] if len(maps) == 2 else 0),)](
-        *m0[:8], weights[0].shape[0], *m0[8:], *m1, HAS_B0=has0, HAS_B1=has1,
-        BLOCK=min(block_size(max(w.shape[1] for w in weights)), 1024))
+    grid, block, ((m0, has0), (m1, has1)) = _sr_launch(maps, weights)
+    _sr_bwd[grid](*m0[:8], weights[0].shape[0], *m0[8:], *m1, HAS_B0=has0, HAS_B1=has1, BLOCK=block)
     return out
