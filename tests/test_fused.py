@@ -16,7 +16,7 @@ import timm
 import torch
 
 from conftest import TINY, OpNames, family
-from lipsformer.layers import fused, stripes
+from lipsformer.layers import fused, gelu, stripes
 from lipsformer.layers.fused import use_fused_ops
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
@@ -227,10 +227,10 @@ def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, n_maps):
     lists = [list(m) for m in zip(*maps)]
     double = [[t.double() for t in ts] for ts in lists[:3]] + lists[3:]
     got = interpreted.scale_rows(*lists)
-    _close([t for t in got if t.numel()], [t for t in fused._sr(*double) if t.numel()], dtype)
+    _close([t for t in got if t.numel()], [t for t in gelu._sr(*double) if t.numel()], dtype)
     grads = [[torch.randn_like(w) for w in lists[0]], [torch.randn_like(b) for b in lists[1]]]
     got = interpreted.scale_rows_backward(*grads, *lists)
-    want = fused._sr_backward(*[[t.double() for t in ts] for ts in grads], *double)
+    want = gelu._sr_backward(*[[t.double() for t in ts] for ts in grads], *double)
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
 

@@ -10,13 +10,127 @@ three C-wide tensors in every conv block. The forward values are those of ``F.ge
 Under autocast the forward's matmul runs in the autocast dtype; backward works in the gradient's dtype and
 returns gradients in each input's own dtype, as autograd does through autocast's casts.
 """
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
+from torch import Tensor
 
-from .fused import autocast_dtype, fusable, gelu_and_grad, scale_rows, scale_rows_backward
+from . import fused  # fused._kernels looked up on the module, where the tests replace it
+from .fused import autocast_dtype, fusable, gelu_and_grad, math_backward
+
+
+# -- linear maps' rows scaled ---------------------------------------------------------------------------------------
+# A map is (weight, bias, scale, input_scale); an op takes one or two (a block's two branches: one launch); a bias
+# travels as an empty tensor where the map has none.
+Map = Tuple[Tensor, Optional[Tensor], Tensor, float]
+
+
+def _scaled_plain(weight, bias, scale, input_scale):
+    w = weight * scale.unsqueeze(1)
+    return w if input_scale == 1.0 else w * input_scale, bias * scale if bias is not None else None
+
+
+def _some(bias: Tensor) -> Optional[Tensor]:
+    return bias if bias.numel() else None
+
+
+def _none_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("lipsformer::scale_rows", mutates_args=())
+def _sr(weights: List[Tensor], biases: List[Tensor], scales: List[Tensor], input_scales: List[float]
+        ) -> List[Tensor]:
+    """For each map ``weight * scale[:, None] * input_scale`` and ``bias * scale`` (empty without a bias)."""
+    kernels = fused._kernels(weights[0])
+    if kernels is not None:
+        return kernels.scale_rows(weights, biases, scales, input_scales)
+    out = []
+    for w, b, s, c in zip(weights, biases, scales, input_scales):
+        w, b = _scaled_plain(w, _some(b), s, c)
+        out += [w, _none_empty(b, w)]
+    return out
+
+
+@_sr.register_fake
+def _(weights, biases, scales, input_scales):
+    return [t for w, b in zip(weights, biases) for t in (torch.empty_like(w), torch.empty_like(b))]
+
+
+def _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale):
+    grad_w = grad_w if input_scale == 1.0 else grad_w * input_scale
+    grad_s = (grad_w * weight).sum(1)
+    if bias is not None:
+        grad_s = grad_s + grad_b * bias
+    return grad_w * scale.unsqueeze(1), grad_b * scale if bias is not None else None, grad_s.to(scale.dtype)
+
+
+@torch.library.custom_op("lipsformer::scale_rows_backward", mutates_args=())
+def _sr_backward(grads_w: List[Tensor], grads_b: List[Tensor], weights: List[Tensor], biases: List[Tensor],
+                 scales: List[Tensor], input_scales: List[float]) -> List[Tensor]:
+    """From the scaled maps' gradients, for each map: the weight's, the bias's (empty without one) and the scale's
+    (``input_scale * rowsum(W * grad_W') + b * grad_b'``)."""
+    kernels = fused._kernels(grads_w[0])
+    if kernels is not None:
+        return kernels.scale_rows_backward(grads_w, grads_b, weights, biases, scales, input_scales)
+    out = []
+    for gw, gb, w, b, s, c in zip(grads_w, grads_b, weights, biases, scales, input_scales):
+        gw, gb, gs = _sr_backward_math(gw, gb, w, _some(b), s, c)
+        out += [gw, _none_empty(gb, w), gs]
+    return out
+
+
+@_sr_backward.register_fake
+def _(grads_w, grads_b, weights, biases, scales, input_scales):
+    return [t for w, b, s in zip(weights, biases, scales)
+            for t in (torch.empty_like(w), torch.empty_like(b), torch.empty_like(s))]
+
+
+def scale_rows_backward(grads: Sequence[Tuple[Tensor, Optional[Tensor]]], maps: Sequence[Map]
+                        ) -> List[Tuple[Tensor, Optional[Tensor], Tensor]]:
+    """The gradients of :func:`scale_rows`'s weight, bias (None without one) and scale, for each map from the
+    gradients of its scaled weight and bias (None: zeros), by the fused backward op, or in aten ops where a double
+    backward or a transform needs them."""
+    grads = [(torch.zeros_like(w) if gw is None else gw, torch.zeros_like(b) if b is not None and gb is None else gb)
+             for (gw, gb), (w, b, _, _) in zip(grads, maps)]
+    tensors = [t for (gw, gb), (w, b, s, _) in zip(grads, maps) for t in (gw, gb, w, b, s)]
+    if math_backward() or not fusable(*tensors):
+        return [_sr_backward_math(gw, gb, *m) for (gw, gb), m in zip(grads, maps)]
+    out = _sr_backward([gw for gw, _ in grads], [_none_empty(gb, gw) for gw, gb in grads], [m[0] for m in maps],
+                       [_none_empty(m[1], m[0]) for m in maps], [m[2] for m in maps], [float(m[3]) for m in maps])
+    return [(gw, gb if m[1] is not None else None, gs) for gw, gb, gs, m in zip(out[0::3], out[1::3], out[2::3], maps)]
+
+
+def _sr_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
+    weights, biases, scales, input_scales = inputs
+    ctx.save_for_backward(*weights, *biases, *scales)
+    ctx.input_scales = input_scales
+
+
+def _sr_grad(ctx, grads):
+    saved, n = ctx.saved_tensors, len(ctx.input_scales)
+    maps = [(w, _some(b), s, c) for w, b, s, c in zip(saved[:n], saved[n:2 * n], saved[2 * n:], ctx.input_scales)]
+    out = scale_rows_backward(list(zip(grads[0::2], grads[1::2])), maps)
+    return ([gw for gw, _, _ in out], [_none_empty(gb, gw) for gw, gb, _ in out], [gs for _, _, gs in out], None)
+
+
+torch.library.register_autograd("lipsformer::scale_rows", _sr_grad, setup_context=_sr_setup)
+
+
+def scale_rows(maps: Sequence[Map]) -> List[Tuple[Tensor, Optional[Tensor]]]:
+    """For each of one or two linear maps ``(weight, bias, scale, input_scale)``: ``weight * scale[:, None] *
+    input_scale`` and ``bias * scale`` (None without a bias), the map's output scaled per channel (and its input by a
+    constant) folded into it; two maps in one op."""
+    if not 1 <= len(maps) <= 2:
+        raise ValueError(f"scale_rows takes one or two maps, got {len(maps)}")
+    if not fusable(*[t for m in maps for t in m[:3]]):
+        return [_scaled_plain(*m) for m in maps]
+    out = _sr([m[0] for m in maps], [_none_empty(m[1], m[0]) for m in maps], [m[2] for m in maps],
+              [float(m[3]) for m in maps])
+    return [(w, b if m[1] is not None else None) for w, b, m in zip(out[0::2], out[1::2], maps)]
 
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -26,7 +140,7 @@ def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _folded(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[torch.Tensor],
             input_scale: float = 1.0):
     """``weight`` and ``bias`` with the per-output-channel ``scale`` multiplied in (both as given when it is None),
-    and the weight by ``input_scale``, by one fused op (:func:`lipsformer.layers.fused.scale_rows`)."""
+    and the weight by ``input_scale``, by one fused op (:func:`scale_rows`)."""
     if scale is None:
         return (weight, bias) if input_scale == 1.0 else (weight * input_scale, bias)
     return scale_rows([(weight, bias, scale, input_scale)])[0]
@@ -37,7 +151,7 @@ class _FusedLinear(torch.autograd.Function):
     (``input_scale``, folded into the weight), keeping for backward
     only ``u``, the parameters and the scaled weight (a weight's size, against a launch to fold it again): not the
     GELU's output (recomputed), not the output (the scale's gradient comes from the weight's:
-    ``rowsum(W * grad_W') + b * grad_b'``, in the fused backward of :func:`lipsformer.layers.fused.scale_rows`)."""
+    ``rowsum(W * grad_W') + b * grad_b'``, in the fused backward of :func:`scale_rows`)."""
 
     @staticmethod
     def forward(ctx, u, weight, bias, scale, gelu, input_scale, h):

@@ -6,8 +6,8 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .fused import drop_factor, gelu_residual, residual_add, scale_rows
-from .gelu import fused_linear, skip_linear
+from .fused import drop_factor, gelu_residual, residual_add
+from .gelu import fused_linear, scale_rows, skip_linear
 from .norm import CenterNorm
 
 RESIDUALS = ("add", "convex")
@@ -44,7 +44,7 @@ def _plain_linear(linear: nn.Module) -> bool:
 
 def fold_out_scales(branches: Sequence[Tuple[ScaledOutput, torch.Tensor]]) -> List[OutScale]:
     """Each branch's output scale given as ``(branch, scale)``: folded into the branch's last linear map, one or two
-    maps in one op (:func:`lipsformer.layers.fused.scale_rows`, one kernel each way for a block's two branches); the
+    maps in one op (:func:`lipsformer.layers.gelu.scale_rows`, one kernel each way for a block's two branches); the
     scale itself for a map with its own forward or with hooks."""
     maps = [(i, *branch.out_map()) for i, (branch, _) in enumerate(branches)]
     maps = [(i, linear, c) for i, linear, c in maps if _plain_linear(linear)]
