@@ -63,35 +63,40 @@ def _reference(op, *args):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("residual, dropped", [(False, False), (True, False), (True, True)])
-def test_residual_center_norm_kernels_match_the_plain_ops(interpreted, dtype, residual, dropped):
+@pytest.mark.parametrize("residual, dropped, biased", [(False, False, False), (True, False, False),
+                                                        (True, True, False), (True, False, True), (True, True, True)])
+def test_residual_center_norm_kernels_match_the_plain_ops(interpreted, dtype, residual, dropped, biased):
     x = torch.randn(3, 4, 5, 24, dtype=dtype)
     h = torch.randn_like(x) if residual else None
     mask = torch.tensor([1.0, 0.0, 1.0], dtype=dtype) if dropped else None
     w, b = torch.randn(24), torch.randn(24)
-    args = (x, h, mask, 0.7, w, b, 24 / 23, True)
-    y, z = interpreted.residual_center_norm(*args[:-1], *fused.empty_rcn(x, h, mask, w, b, True))
+    h_bias = torch.randn(24, dtype=dtype) if biased else None  # a branch's last bias, in the branch's dtype
+    args = (x, h, mask, 0.7, w, b, 24 / 23, True, h_bias)
+    y, z = interpreted.residual_center_norm(*args[:7], h_bias, *fused.empty_rcn(x, h, mask, w, b, True, h_bias))
     want = _reference(fused._rcn, *args)
     assert y.dtype == torch.float32 and z.dtype == (dtype if not residual else x.dtype)
     _close((y, z), want, dtype)
     g = torch.randn_like(x)
     got = interpreted.residual_center_norm_backward(g, z, mask, 0.7, w, 24 / 23,
-                                                    *fused.empty_rcn_backward(g, mask, w))
-    want = _reference(fused._rcn_backward, g, want[1], mask, 0.7, w, 24 / 23)
+                                                    *fused.empty_rcn_backward(g, mask, w, biased))
+    want = _reference(fused._rcn_backward, g, want[1], mask, 0.7, w, 24 / 23, biased)
+    assert got[2].shape == (3 if biased else 2, 24)
     _close([t for t in got if t.numel()], [t for t in want if t.numel()], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dropped", [False, True])
-def test_gelu_residual_kernels_match_the_plain_ops(interpreted, dtype, dropped):
+@pytest.mark.parametrize("dropped, biased", [(False, False), (True, False), (True, True)])
+def test_gelu_residual_kernels_match_the_plain_ops(interpreted, dtype, dropped, biased):
     x, u = torch.randn(3, 4, 5, 200, dtype=dtype), torch.randn(3, 4, 5, 200, dtype=dtype)  # two column blocks
     alpha = torch.randn(200)
     mask = torch.tensor([0.0, 1.0, 1.0], dtype=dtype) if dropped else None
-    _close([interpreted.gelu_residual(x, u, alpha, mask, 0.6, fused.empty_gelu_residual(x, u, alpha))],
-           [_reference(fused._gr, x, u, alpha, mask, 0.6)], dtype)
+    u_bias = torch.randn(200) if biased else None  # the bias of the map before, a float32 parameter
+    _close([interpreted.gelu_residual(x, u, alpha, mask, 0.6, u_bias, fused.empty_gelu_residual(x, u, alpha, u_bias))],
+           [_reference(fused._gr, x, u, alpha, mask, 0.6, u_bias)], dtype)
     g = torch.randn_like(x)
-    _close(interpreted.gelu_residual_backward(g, u, alpha, mask, 0.6, torch.float32),
-           _reference(fused._gr_backward, g, u, alpha, mask, 0.6), dtype)
+    got = interpreted.gelu_residual_backward(g, u, alpha, mask, 0.6, u_bias, torch.float32)
+    assert got[1].shape == ((2, 200) if biased else (200,))
+    _close(got, _reference(fused._gr_backward, g, u, alpha, mask, 0.6, u_bias), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -259,7 +264,7 @@ def test_depthwise_conv_kernels_match_the_plain_ops(interpreted, dtype, k, skip,
         u = got[1]
         grads = triton_depthwise.conv_residual_backward(g, x, w, u, alpha, mask, 0.7, torch.float32)
         assert grads[1].shape == (70 * k * k + 2 * 70,)
-        grad_u, grad_alpha = interpreted.gelu_residual_backward(g, u, alpha, mask, 0.7, torch.float32)
+        grad_u, grad_alpha = interpreted.gelu_residual_backward(g, u, alpha, mask, 0.7, None, torch.float32)
         grad_x, sums = _reference(conv_blocks._dwc_backward, grad_u, x, w, g)  # from u's gradient in u's dtype
         _close(grads, (grad_x, torch.cat((grad_alpha, sums))), dtype)
 

@@ -664,6 +664,26 @@ def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backw
     assert folded[2] - folded_half[2] < plain[2] - plain_half[2]  # bytes kept for 4 more images
 
 
+def test_a_branchs_last_bias_leaves_its_map_only_where_no_dropout_follows_the_map():
+    """split_bias: where a backward follows, the bias goes to the residual's sum in evaluation or with the branch's
+    output dropout off; with it on the map keeps it (dropout applies to the biased output), and without a backward
+    (nothing to save)."""
+    from lipsformer.layers.block import GeluMlp
+    from lipsformer.layers.residual import FoldedMap, split_bias
+    folded = FoldedMap(torch.ones(8, 16), torch.ones(8))
+    for mlp in (GeluMlp(16, 8, act_layer=nn.GELU).train(), GeluMlp(16, 8, act_layer=nn.GELU, drop=0.2).eval()):
+        scale, bias = split_bias(mlp, folded)
+        assert scale.weight is folded.weight and scale.bias is None and bias is folded.bias
+    scale, bias = split_bias(GeluMlp(16, 8, act_layer=nn.GELU, drop=0.2).train(), folded)
+    assert scale is folded and bias is None
+    with torch.no_grad():
+        scale, bias = split_bias(GeluMlp(16, 8, act_layer=nn.GELU).eval(), folded)
+    assert scale is folded and bias is None
+    alpha = torch.ones(8)  # a scale not folded (a map with hooks): nothing to split
+    scale, bias = split_bias(GeluMlp(16, 8, act_layer=nn.GELU), alpha)
+    assert scale is alpha and bias is None
+
+
 @pytest.mark.fused_only
 def test_fused_gelus_give_way_to_the_plain_ops_under_torch_compile(monkeypatch):
     """torch.compile decides itself what backward keeps and fuses the plain ops itself; the custom functions would

@@ -85,3 +85,36 @@ def test_fused_attention_and_fused_ops_count_as_the_kernels_cuda_launches(tool):
     assert names.count("lipsformer.residual_center_norm") == 1
     assert names.count("lipsformer.residual_center_norm_backward") == 1
     assert names.count("lipsformer.residual_center_norm_backward.sum") == 1
+
+
+@pytest.mark.parametrize("name, per_block", [("lipsformer_swin_t", 2), ("lipsformer_cswin_t", 1)])
+def test_a_block_adds_its_last_maps_biases_inside_the_centernorm_op(tool, name, per_block, monkeypatch):
+    """Before a CenterNorm (both of Swin's residuals, CSwin's MLP; CSwin has none after its attention) a branch's
+    last bias is added by the residual-CenterNorm op, whose backward sums its gradient with CenterNorm's own: a
+    training step launches one op fewer for each such residual than with the bias in the map."""
+    from lipsformer.layers import LipsBlock, block
+    with torch.device("meta"):
+        model = timm.create_model(name, drop_path_rate=0.1)
+    blocks = sum(isinstance(m, LipsBlock) for m in model.modules())
+    split = tool.measure(model, 224, True).ops
+    monkeypatch.setattr(block, "split_bias", lambda branch, scale: (scale, None))
+    assert tool.measure(model, 224, True).ops - split == per_block * blocks
+
+
+def test_a_training_step_of_the_conv_blocks_launches_one_op_for_each_pass(tool):
+    """The released conv blocks (``D``) in a training step: each depth-wise convolution with its GELU or residual one
+    op forward, the 1x1 convolution one matmul, whose bias the residual's op adds and whose bias gradient the
+    residual's backward sums with alpha's (no reduction of its own); backward the fused ops and the matmuls."""
+    from lipsformer.layers.conv_blocks import ConvBlocks
+    with torch.device("meta"):
+        blocks = ConvBlocks(32, "D").train()
+        x, grad = torch.empty(2, 7, 7, 32, requires_grad=True), torch.empty(2, 7, 7, 32)
+    tally = tool.Tally()
+    with tool.Counting(tally):
+        blocks(x).backward(grad)
+    assert [o.name for o in tally.ops] == [
+        "lipsformer.depthwise_conv", "aten.mm", "lipsformer.gelu_residual", "lipsformer.depthwise_conv",
+        "lipsformer.conv_residual_backward", *["lipsformer.conv_residual_backward.sum"] * 2,
+        "lipsformer.gelu_residual_backward", "lipsformer.gelu_residual_backward.sum",
+        "aten.mm", "lipsformer.gelu_and_grad", "aten.mm",
+        "lipsformer.depthwise_conv_backward", "lipsformer.depthwise_conv_backward.sum"]

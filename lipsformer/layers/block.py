@@ -7,9 +7,9 @@ from torch import nn
 
 from .conv_blocks import ConvBlocks, create_act
 from .gelu import gelu_linear
-from .norm import create_norm
+from .norm import CenterNorm, create_norm
 from .residual import (OutScale, ScaledOutput, WeightedResidual, create_residual, drop_masks, entry_linear,
-                       fold_out_scales, map_params, scaled_linear)
+                       fold_out_scales, map_params, scaled_linear, split_bias)
 
 
 class GeluMlp(Mlp, ScaledOutput):
@@ -27,6 +27,9 @@ class GeluMlp(Mlp, ScaledOutput):
 
     def out_map(self) -> Tuple[nn.Module, float]:
         return self.fc2, 1.0
+
+    def out_dropout(self) -> nn.Module:
+        return self.drop2
 
 
 class CPLMlp(nn.Module):
@@ -123,8 +126,12 @@ class LipsBlock(nn.Module):
         its own output, so that backward keeps no copy of it for alpha's gradient (two C-wide activations per
         block), and the sum and a CenterNorm after it are one fused op; the skip takes ``x`` as the branch's first
         linear map passes it on, so that the two gradients of ``x`` meet inside that map's backward
-        (:func:`entry_linear`)."""
+        (:func:`entry_linear`); before a CenterNorm the last map's bias is added in that op
+        (:func:`~lipsformer.layers.residual.split_bias`)."""
         if out_scale is not None:
+            bias = None
+            if isinstance(norm, CenterNorm):
+                out_scale, bias = split_bias(branch, out_scale)
             out, x = branch(x, out_scale=out_scale, skip=True)
-            return res.add_scaled(x, out, None if isinstance(norm, nn.Identity) else norm, draw)
+            return res.add_scaled(x, out, None if isinstance(norm, nn.Identity) else norm, draw, bias)
         return norm(res(x, branch(x), draw=draw))

@@ -349,9 +349,11 @@ class ConvBlocks(nn.Module):
         if self.pw is None:  # B
             return self._conv_residual(self.dw1, self.res1, x, draws[0])
         u, h, x = self._dw(self.dw1, x, gelu=True)  # x as the convolution passes it on to the skip
-        # the 1x1 convolution as the matmul over channels it is, fused with its GELU (computed already where h is)
-        y = gelu_linear(u, self.pw.weight.flatten(1), self.pw.bias, h=h)
-        x = self.res1(x, y, gelu=True, draw=draws[0])
+        # the 1x1 convolution as the matmul over channels it is, fused with its GELU (computed already where h is);
+        # in a training step its bias is added by the residual's op, whose backward sums its gradient with alpha's
+        bias = self.pw.bias if torch.is_grad_enabled() else None
+        y = gelu_linear(u, self.pw.weight.flatten(1), None if bias is not None else self.pw.bias, h=h)
+        x = self.res1(x, y, gelu=True, draw=draws[0], bias=bias)
         if self.dw2 is not None:
             x = self._conv_residual(self.dw2, self.res2, x, draws[1])
         return x

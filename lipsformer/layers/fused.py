@@ -3,9 +3,11 @@ and one backward each, a Triton kernel on CUDA (:mod:`lipsformer.layers.triton_k
 aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``).
 
 - :func:`residual_center_norm`: ``CN(x + m * h)``, a weighted residual (its branch output ``h`` already scaled by
-  alpha, ``m`` the per-sample DropPath factor) with the CenterNorm after it; without ``h``, CenterNorm alone. It
+  alpha, ``m`` the per-sample DropPath factor, the branch's last bias optionally added here) with the CenterNorm
+  after it; without ``h``, CenterNorm alone. It
   keeps the centred sum for backward, as CenterNorm's autograd does.
-- :func:`gelu_residual`: ``x + m * alpha * GELU(u)``, the conv blocks' residuals, keeping only ``u``.
+- :func:`gelu_residual`: ``x + m * alpha * GELU(u)``, the conv blocks' residuals, keeping only ``u`` (optionally
+  adding the bias of the map before to ``u``).
 - :func:`qk_normalize`: SCSA's cosine normalisation of q and k (q times the temperature), written contiguous, keeping
   the outputs and the row norms.
 - :func:`gelu_and_grad`: ``GELU(u)`` and ``grad * GELU'(u)`` in one pass over ``u``, for the backward of
@@ -102,37 +104,42 @@ def sum_dtype(t: Tensor) -> torch.dtype:
 
 
 # -- CN(x + m * h) ---------------------------------------------------------------------------------------------------
-def _residual_sum(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float) -> Tensor:
+def _residual_sum(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float,
+                  h_bias: Optional[Tensor] = None) -> Tensor:
     if h is None:
         return x
+    if h_bias is not None:
+        h = h + h_bias
     factor = drop_factor(mask, keep, x)
     return x + h if factor is None else torch.addcmul(x, h, factor)
 
 
-def residual_center_norm_plain(x, h, mask, keep, weight, bias, scale):
-    """``CN(x + m * h)`` in aten ops (what the op computes everywhere but CUDA)."""
-    s = _residual_sum(x, h, mask, keep)
+def residual_center_norm_plain(x, h, mask, keep, weight, bias, scale, h_bias=None):
+    """``CN(x + m * (h + h_bias))`` in aten ops (what the op computes everywhere but CUDA)."""
+    s = _residual_sum(x, h, mask, keep, h_bias)
     z = s - s.mean(-1, keepdim=True)
     return torch.addcmul(bias, z, weight * scale)
 
 
 @torch.library.custom_op("lipsformer::residual_center_norm", mutates_args=())
 def _rcn(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, weight: Tensor, bias: Tensor,
-         scale: float, save: bool) -> Tuple[Tensor, Tensor]:
+         scale: float, save: bool, h_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(the output, the centred sum where ``save``, else an empty tensor)."""
     kernels = _kernels(x)
     if kernels is not None:
-        return kernels.residual_center_norm(x, h, mask, keep, weight, bias, scale, *empty_rcn(x, h, mask, weight, bias,
-                                                                                                save))
-    s = _residual_sum(x, h, mask, keep)
+        return kernels.residual_center_norm(x, h, mask, keep, weight, bias, scale, h_bias,
+                                            *empty_rcn(x, h, mask, weight, bias, save, h_bias))
+    s = _residual_sum(x, h, mask, keep, h_bias)
     z = s - s.mean(-1, keepdim=True)
     return torch.addcmul(bias, z, weight * scale), z if save else z.new_empty(0)
 
 
-def empty_rcn(x, h, mask, weight, bias, save):
+def empty_rcn(x, h, mask, weight, bias, save, h_bias=None):
     """The outputs of :func:`residual_center_norm`'s op, uninitialised: their shapes and dtypes (those of the
     plain composition: the sum's promoted dtype, then the affine map's)."""
     zdtype = x.dtype if h is None else torch.promote_types(x.dtype, h.dtype)
+    if h_bias is not None and h is not None:
+        zdtype = torch.promote_types(zdtype, h_bias.dtype)
     if mask is not None and h is not None:
         zdtype = torch.promote_types(zdtype, mask.dtype)
     ydtype = torch.promote_types(torch.promote_types(zdtype, weight.dtype), bias.dtype)
@@ -140,79 +147,88 @@ def empty_rcn(x, h, mask, weight, bias, save):
 
 
 @_rcn.register_fake
-def _(x, h, mask, keep, weight, bias, scale, save):
-    return empty_rcn(x, h, mask, weight, bias, save)
+def _(x, h, mask, keep, weight, bias, scale, save, h_bias=None):
+    return empty_rcn(x, h, mask, weight, bias, save, h_bias)
 
 
-def _rcn_backward_math(grad, z, mask, keep, weight, scale):
+def _rcn_backward_math(grad, z, mask, keep, weight, scale, h_bias_sum=False):
     grad_z = grad * (weight * scale)
     grad_s = grad_z - grad_z.mean(-1, keepdim=True)
     rows, flat_z = grad.reshape(-1, grad.shape[-1]), z.reshape(-1, z.shape[-1])
-    sums = torch.stack(((rows * flat_z).sum(0) * scale, rows.sum(0)))
     factor = drop_factor(mask, keep, grad_s)
-    return grad_s, (grad_s * factor if factor is not None else None), sums
+    grad_h = grad_s * factor if factor is not None else None
+    sums = [(rows * flat_z).sum(0) * scale, rows.sum(0)]
+    if h_bias_sum:
+        sums.append((grad_h if grad_h is not None else grad_s).reshape(-1, grad.shape[-1]).sum(0))
+    return grad_s, grad_h, torch.stack(sums)
 
 
 @torch.library.custom_op("lipsformer::residual_center_norm_backward", mutates_args=())
-def _rcn_backward(grad: Tensor, z: Tensor, mask: Optional[Tensor], keep: float, weight: Tensor, scale: float
-                  ) -> Tuple[Tensor, Tensor, Tensor]:
+def _rcn_backward(grad: Tensor, z: Tensor, mask: Optional[Tensor], keep: float, weight: Tensor, scale: float,
+                  h_bias_sum: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """(the gradient of the sum ``x + m * h``, that of ``h`` where a mask scales it (else an empty tensor), and the
-    weight's and bias's gradients stacked, (2, C), summed in float32 at least)."""
+    weight's and bias's gradients stacked, (2, C), summed in float32 at least; with ``h_bias_sum`` a third row,
+    the gradient of a bias added to ``h``)."""
     kernels = _kernels(grad)
     if kernels is not None:
         return kernels.residual_center_norm_backward(grad, z, mask, keep, weight, scale,
-                                                     *empty_rcn_backward(grad, mask, weight))
-    grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, keep, weight, scale)
+                                                     *empty_rcn_backward(grad, mask, weight, h_bias_sum))
+    grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, keep, weight, scale, h_bias_sum)
     return grad_s, grad_h if grad_h is not None else grad_s.new_empty(0), sums.to(sum_dtype(grad))
 
 
-def empty_rcn_backward(grad, mask, weight):
+def empty_rcn_backward(grad, mask, weight, h_bias_sum=False):
     """The outputs of :func:`residual_center_norm`'s backward op, uninitialised."""
     dtype = torch.promote_types(grad.dtype, weight.dtype)
     grad_h = grad.new_empty(grad.shape if mask is not None else (0,), dtype=dtype)
-    return grad.new_empty(grad.shape, dtype=dtype), grad_h, grad.new_empty((2, grad.shape[-1]), dtype=sum_dtype(grad))
+    sums = grad.new_empty((3 if h_bias_sum else 2, grad.shape[-1]), dtype=sum_dtype(grad))
+    return grad.new_empty(grad.shape, dtype=dtype), grad_h, sums
 
 
 @_rcn_backward.register_fake
-def _(grad, z, mask, keep, weight, scale):
-    return empty_rcn_backward(grad, mask, weight)
+def _(grad, z, mask, keep, weight, scale, h_bias_sum=False):
+    return empty_rcn_backward(grad, mask, weight, h_bias_sum)
 
 
 def _rcn_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
-    x, h, mask, keep, weight, bias, scale, save = inputs
+    x, h, mask, keep, weight, bias, scale, save, h_bias = inputs
     ctx.save_for_backward(output[1], mask, weight)
     ctx.keep, ctx.scale = keep, scale
-    ctx.dtypes = (x.dtype, None if h is None else h.dtype, bias.dtype)
+    ctx.dtypes = (x.dtype, None if h is None else h.dtype, bias.dtype, None if h_bias is None else h_bias.dtype)
     ctx.mark_non_differentiable(output[1])
 
 
 def _rcn_grad(ctx, grad, _):
     if grad is None:
-        return (None,) * 8
+        return (None,) * 9
     z, mask, weight = ctx.saved_tensors
-    x_dtype, h_dtype, b_dtype = ctx.dtypes
+    x_dtype, h_dtype, b_dtype, hb_dtype = ctx.dtypes
+    h_bias_sum = hb_dtype is not None
     if math_backward():
-        grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, ctx.keep, weight, ctx.scale)
+        grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, ctx.keep, weight, ctx.scale, h_bias_sum)
     else:
-        grad_s, grad_h, sums = _rcn_backward(grad, z, mask, ctx.keep, weight, ctx.scale)
+        grad_s, grad_h, sums = _rcn_backward(grad, z, mask, ctx.keep, weight, ctx.scale, h_bias_sum)
     grad_h = (grad_h if mask is not None else grad_s) if h_dtype is not None else None
     return (grad_s.to(x_dtype), None if grad_h is None else grad_h.to(h_dtype), None, None,
-            sums[0].to(weight.dtype), sums[1].to(b_dtype), None, None)
+            sums[0].to(weight.dtype), sums[1].to(b_dtype), None, None, sums[2].to(hb_dtype) if h_bias_sum else None)
 
 
 torch.library.register_autograd("lipsformer::residual_center_norm", _rcn_grad, setup_context=_rcn_setup)
 
 
 def residual_center_norm(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, weight: Tensor,
-                         bias: Tensor, scale: float) -> Tensor:
-    """``CN(x + m * h)`` over the last dimension, ``m = mask / keep`` per sample (``mask`` None: ``m = 1``; ``h``
-    None: CenterNorm of ``x``), CenterNorm's affine map ``weight * scale``, ``bias``."""
-    if not fusable(x, h, mask, weight, bias):
-        return residual_center_norm_plain(x, h, mask, keep, weight, bias, scale)
-    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, h, weight, bias))
+                         bias: Tensor, scale: float, h_bias: Optional[Tensor] = None) -> Tensor:
+    """``CN(x + m * (h + h_bias))`` over the last dimension, ``m = mask / keep`` per sample (``mask`` None:
+    ``m = 1``; ``h`` None: CenterNorm of ``x``; ``h_bias`` None: no bias, else per channel, a branch's last bias
+    added here, whose gradient the backward sums with CenterNorm's own), CenterNorm's affine map ``weight * scale``,
+    ``bias``."""
+    h_bias = None if h is None else h_bias
+    if not fusable(x, h, mask, weight, bias, h_bias):
+        return residual_center_norm_plain(x, h, mask, keep, weight, bias, scale, h_bias)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, h, weight, bias, h_bias))
     h = None if h is None else h.contiguous()
-    return _rcn(x.contiguous(), h, mask, float(keep), weight, bias, float(scale), save)[0]
+    return _rcn(x.contiguous(), h, mask, float(keep), weight, bias, float(scale), save, h_bias)[0]
 
 
 # -- x + m * h, a residual's sum without a norm after it ------------------------------------------------------------
@@ -269,87 +285,102 @@ def residual_add(x: Tensor, h: Tensor, mask: Tensor, keep: float) -> Tensor:
     return _radd(x.contiguous(), h.contiguous(), mask, float(keep))
 
 
-# -- x + m * alpha * GELU(u) -----------------------------------------------------------------------------------------
-def gelu_residual_plain(x, u, alpha, mask, keep):
+# -- x + m * alpha * GELU(u + b) -------------------------------------------------------------------------------------
+def _biased(u: Tensor, u_bias: Optional[Tensor]) -> Tensor:
+    return u if u_bias is None else u + u_bias
+
+
+def gelu_residual_plain(x, u, alpha, mask, keep, u_bias=None):
     factor = drop_factor(mask, keep, x)
-    return torch.addcmul(x, F.gelu(u), alpha if factor is None else alpha * factor)
+    return torch.addcmul(x, F.gelu(_biased(u, u_bias)), alpha if factor is None else alpha * factor)
 
 
 @torch.library.custom_op("lipsformer::gelu_residual", mutates_args=())
-def _gr(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float) -> Tensor:
+def _gr(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float, u_bias: Optional[Tensor] = None
+        ) -> Tensor:
     kernels = _kernels(x)
     if kernels is not None:
-        return kernels.gelu_residual(x, u, alpha, mask, keep, empty_gelu_residual(x, u, alpha))
-    return gelu_residual_plain(x, u, alpha, mask, keep)
+        return kernels.gelu_residual(x, u, alpha, mask, keep, u_bias, empty_gelu_residual(x, u, alpha, u_bias))
+    return gelu_residual_plain(x, u, alpha, mask, keep, u_bias)
 
 
-def empty_gelu_residual(x, u, alpha):
+def empty_gelu_residual(x, u, alpha, u_bias=None):
     """The output of :func:`gelu_residual`'s op, uninitialised."""
-    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype))
+    dtype = torch.promote_types(torch.promote_types(x.dtype, u.dtype), alpha.dtype)
+    return x.new_empty(x.shape, dtype=dtype if u_bias is None else torch.promote_types(dtype, u_bias.dtype))
 
 
 @_gr.register_fake
-def _(x, u, alpha, mask, keep):
-    return empty_gelu_residual(x, u, alpha)
+def _(x, u, alpha, mask, keep, u_bias=None):
+    return empty_gelu_residual(x, u, alpha, u_bias)
 
 
-def _gr_backward_math(grad, u, alpha, mask, keep):
+def _gr_backward_math(grad, u, alpha, mask, keep, u_bias=None):
     factor = drop_factor(mask, keep, grad)
-    grad_u = torch.ops.aten.gelu_backward(grad * (alpha if factor is None else alpha * factor), u)
+    v = _biased(u, u_bias)
+    grad_u = torch.ops.aten.gelu_backward(grad * (alpha if factor is None else alpha * factor), v).to(u.dtype)
     g = grad if factor is None else grad * factor
-    return grad_u.to(u.dtype), (g * F.gelu(u)).reshape(-1, u.shape[-1]).sum(0)
+    sums = (g * F.gelu(v)).reshape(-1, u.shape[-1]).sum(0)
+    return grad_u, sums if u_bias is None else torch.stack((sums, grad_u.reshape(-1, u.shape[-1]).sum(0)))
 
 
 @torch.library.custom_op("lipsformer::gelu_residual_backward", mutates_args=())
-def _gr_backward(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float
-                 ) -> Tuple[Tensor, Tensor]:
-    """(the gradient of ``u``, alpha's summed in float32 at least)."""
+def _gr_backward(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float,
+                 u_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(the gradient of ``u``, alpha's summed in float32 at least: (C), or with ``u_bias`` (2, C), alpha's and
+    ``u_bias``'s)."""
     kernels = _kernels(grad)
     if kernels is not None:
-        return kernels.gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype(grad))
-    grad_u, grad_alpha = _gr_backward_math(grad, u, alpha, mask, keep)
-    return grad_u, grad_alpha.to(sum_dtype(grad))
+        return kernels.gelu_residual_backward(grad, u, alpha, mask, keep, u_bias, sum_dtype(grad))
+    grad_u, sums = _gr_backward_math(grad, u, alpha, mask, keep, u_bias)
+    return grad_u, sums.to(sum_dtype(grad))
 
 
 @_gr_backward.register_fake
-def _(grad, u, alpha, mask, keep):
-    return u.new_empty(u.shape), u.new_empty(u.shape[-1:], dtype=sum_dtype(grad))
+def _(grad, u, alpha, mask, keep, u_bias=None):
+    return u.new_empty(u.shape), u.new_empty((u.shape[-1],) if u_bias is None else (2, u.shape[-1]),
+                                             dtype=sum_dtype(grad))
 
 
 def _gr_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
-    x, u, alpha, mask, keep = inputs
-    ctx.save_for_backward(u, alpha, mask)
+    x, u, alpha, mask, keep, u_bias = inputs
+    ctx.save_for_backward(u, alpha, mask, u_bias)
     ctx.keep, ctx.x_dtype = keep, x.dtype
 
 
-def gelu_residual_grads(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float
-                        ) -> Tuple[Tensor, Tensor]:
-    """The gradients of ``u`` and ``alpha`` through ``x + m * alpha * GELU(u)`` (alpha's summed in float32 at
-    least): the fused backward op, or aten ops where a double backward or a transform needs them."""
+def gelu_residual_grads(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float,
+                        u_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The gradients of ``u`` and ``alpha`` through ``x + m * alpha * GELU(u + u_bias)`` (alpha's summed in float32
+    at least; with ``u_bias`` stacked with its gradient, (2, C)): the fused backward op, or aten ops where a double
+    backward or a transform needs them."""
     if math_backward():
-        return _gr_backward_math(grad, u, alpha, mask, keep)
-    return _gr_backward(grad.contiguous(), u, alpha, mask, float(keep))
+        return _gr_backward_math(grad, u, alpha, mask, keep, u_bias)
+    return _gr_backward(grad.contiguous(), u, alpha, mask, float(keep), u_bias)
 
 
 def _gr_grad(ctx, grad):
     if grad is None:
-        return (None,) * 5
-    u, alpha, mask = ctx.saved_tensors
-    grad_u, grad_alpha = gelu_residual_grads(grad, u, alpha, mask, ctx.keep)
-    return grad.to(ctx.x_dtype), grad_u, grad_alpha.to(alpha.dtype), None, None
+        return (None,) * 6
+    u, alpha, mask, u_bias = ctx.saved_tensors
+    grad_u, sums = gelu_residual_grads(grad, u, alpha, mask, ctx.keep, u_bias)
+    if u_bias is None:
+        return grad.to(ctx.x_dtype), grad_u, sums.to(alpha.dtype), None, None, None
+    return grad.to(ctx.x_dtype), grad_u, sums[0].to(alpha.dtype), None, None, sums[1].to(u_bias.dtype)
 
 
 torch.library.register_autograd("lipsformer::gelu_residual", _gr_grad, setup_context=_gr_setup)
 
 
-def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = None, keep: float = 1.0) -> Tensor:
-    """``x + m * alpha * GELU(u)``, ``alpha`` per channel (the last dimension; any other shape that broadcasts runs the
-    plain ops), ``m = mask / keep`` per sample (``mask`` None: 1); backward keeps ``u`` (and the small ``alpha`` and
-    ``mask``) only."""
-    if not fusable(x, u, alpha, mask) or alpha.shape != x.shape[-1:]:
-        return gelu_residual_plain(x, u, alpha, mask, keep)
-    return _gr(x.contiguous(), u.contiguous(), alpha, mask, float(keep))
+def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = None, keep: float = 1.0,
+                  u_bias: Optional[Tensor] = None) -> Tensor:
+    """``x + m * alpha * GELU(u + u_bias)``, ``alpha`` per channel (the last dimension; any other shape that
+    broadcasts runs the plain ops), ``m = mask / keep`` per sample (``mask`` None: 1), ``u_bias`` per channel or None
+    (the bias of the map before, added here so that backward sums its gradient with alpha's); backward keeps ``u``
+    (and the small ``alpha``, ``mask`` and ``u_bias``) only."""
+    if not fusable(x, u, alpha, mask, u_bias) or alpha.shape != x.shape[-1:]:
+        return gelu_residual_plain(x, u, alpha, mask, keep, u_bias)
+    return _gr(x.contiguous(), u.contiguous(), alpha, mask, float(keep), u_bias)
 
 
 # -- GELU(u) and grad * GELU'(u), in a backward that recomputes the GELU ---------------------------------------------

@@ -33,10 +33,10 @@ class CenterNorm(nn.Module):
         return residual_center_norm(x, None, None, 1.0, self.weight, self.bias, self.scale)
 
     def residual(self, x: torch.Tensor, h: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                 keep: float = 1.0) -> torch.Tensor:
-        """``CN(x + m * h)``, ``m = mask / keep`` per sample (a weighted residual's DropPath), as one fused op
-        (:func:`lipsformer.layers.fused.residual_center_norm`)."""
-        return residual_center_norm(x, h, mask, keep, self.weight, self.bias, self.scale)
+                 keep: float = 1.0, h_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``CN(x + m * (h + h_bias))``, ``m = mask / keep`` per sample (a weighted residual's DropPath; ``h_bias``
+        per channel, or None), as one fused op (:func:`lipsformer.layers.fused.residual_center_norm`)."""
+        return residual_center_norm(x, h, mask, keep, self.weight, self.bias, self.scale, h_bias)
 
     def extra_repr(self) -> str:
         return f"{self.dim}"

@@ -36,6 +36,10 @@ class ScaledOutput:
         """The branch's last linear map and the constant its input is multiplied by."""
         raise NotImplementedError
 
+    def out_dropout(self) -> nn.Module:
+        """The dropout on the last linear map's output (``nn.Dropout``)."""
+        raise NotImplementedError
+
 
 def _plain_linear(linear: nn.Module) -> bool:
     """``nn.Linear``'s own forward and no hooks: a map the fused forms may compute from its weight and bias."""
@@ -54,6 +58,19 @@ def fold_out_scales(branches: Sequence[Tuple[ScaledOutput, torch.Tensor]]) -> Li
         for (i, _, _), (weight, bias) in zip(maps, folded):
             out[i] = FoldedMap(weight, bias)
     return out
+
+
+def split_bias(branch: ScaledOutput, scale: OutScale) -> Tuple[OutScale, Optional[torch.Tensor]]:
+    """``scale`` as a folded map without its bias, and the bias, where a backward follows and the branch's output goes
+    straight into the residual's sum (its dropout off): the sum adds the bias (:meth:`WeightedResidual.add_scaled`)
+    and the CenterNorm after it sums the bias's gradient with its own, one op less than the map's backward; else
+    ``(scale, None)`` (without a backward the map adds its bias as cheaply)."""
+    if not torch.is_grad_enabled() or not isinstance(scale, FoldedMap) or scale.bias is None:
+        return scale, None
+    drop = branch.out_dropout()
+    if drop.training and drop.p > 0:
+        return scale, None
+    return FoldedMap(scale.weight, None), scale.bias
 
 
 def map_params(linear: nn.Linear, scale: OutScale) -> Tuple[torch.Tensor, Optional[torch.Tensor],
@@ -161,28 +178,34 @@ class WeightedResidual(DropPathDraw, nn.Module):
         self.alpha = nn.Parameter(torch.full((dim,), float(alpha_init)))
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False, draw: Optional[Draw] = None
-                ) -> torch.Tensor:
-        """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx))``.
+    def forward(self, x: torch.Tensor, fx: torch.Tensor, gelu: bool = False, draw: Optional[Draw] = None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x + DropPath(alpha * fx)``, or with ``gelu=True`` ``x + DropPath(alpha * GELU(fx + bias))``.
 
         One pass: DropPath's per-sample draw is folded into ``alpha``; with ``gelu`` one fused op
-        (:func:`lipsformer.layers.fused.gelu_residual`), whose backward recomputes the GELU rather than keep it.
+        (:func:`lipsformer.layers.fused.gelu_residual`), whose backward recomputes the GELU rather than keep it, and
+        sums ``bias``'s gradient (the map before's, left out of it) with alpha's.
         ``draw``: the draw :meth:`drop_mask` made beforehand (a compiled block takes its draws as inputs).
         """
         mask, keep = draw if draw is not None else self.drop_mask(x)
         if gelu:
-            return gelu_residual(x, fx, self.alpha, mask, keep)
+            return gelu_residual(x, fx, self.alpha, mask, keep, bias)
+        if bias is not None:
+            fx = fx + bias
         factor = drop_factor(mask, keep, x)
         return torch.addcmul(x, fx, self.alpha if factor is None else self.alpha * factor)
 
     def add_scaled(self, x: torch.Tensor, scaled_fx: torch.Tensor, norm: Optional[nn.Module] = None,
-                   draw: Optional[Draw] = None) -> torch.Tensor:
-        """``norm(x + DropPath(scaled_fx))`` for a branch output already multiplied by ``alpha`` (a
-        :class:`ScaledOutput` branch given ``out_scale=alpha``): the same sum as :meth:`forward`, with the same
-        DropPath draws; a :class:`~lipsformer.layers.norm.CenterNorm` after it in the same fused op."""
+                   draw: Optional[Draw] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``norm(x + DropPath(scaled_fx + bias))`` for a branch output already multiplied by ``alpha`` (a
+        :class:`ScaledOutput` branch given ``out_scale=alpha``; ``bias``: its last map's, scaled, where
+        :func:`split_bias` took it out of the map): the same sum as :meth:`forward`, with the same DropPath draws; a
+        :class:`~lipsformer.layers.norm.CenterNorm` after it in the same fused op."""
         mask, keep = draw if draw is not None else self.drop_mask(x)
         if isinstance(norm, CenterNorm):
-            return norm.residual(x, scaled_fx, mask, keep)
+            return norm.residual(x, scaled_fx, mask, keep, bias)
+        if bias is not None:
+            scaled_fx = scaled_fx + bias
         y = x + scaled_fx if mask is None else residual_add(x, scaled_fx, mask, keep)
         return y if norm is None else norm(y)
 

@@ -45,15 +45,17 @@ def _tile(first, cols, col_ok, R, C, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _rcn_fwd(x_ptr, h_ptr, mask_ptr, w_ptr, b_ptr, y_ptr, z_ptr, R, C, per_sample, inv_keep, scale,
-             HAS_H: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, ROWS: tl.constexpr,
-             BLOCK: tl.constexpr):
+def _rcn_fwd(x_ptr, h_ptr, hb_ptr, mask_ptr, w_ptr, b_ptr, y_ptr, z_ptr, R, C, per_sample, inv_keep, scale,
+             HAS_H: tl.constexpr, HAS_HB: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
+             ROWS: tl.constexpr, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     col_ok = cols < C
     rows, row_ok, ok, offs = _tile(tl.program_id(0) * ROWS, cols, col_ok, R, C, ROWS)
     s = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_H:
         h = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_HB:
+            h += tl.load(hb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         s += h * row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
     mean = tl.sum(s, axis=1) / C
     z = tl.where(ok, s - mean[:, None], 0.0)
@@ -66,13 +68,17 @@ def _rcn_fwd(x_ptr, h_ptr, mask_ptr, w_ptr, b_ptr, y_ptr, z_ptr, R, C, per_sampl
 
 @triton.jit
 def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows_per_program, per_sample,
-             inv_keep, scale, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+             inv_keep, scale, HAS_MASK: tl.constexpr, N_SUMS: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """``N_SUMS`` partial sums per program: the weight's and bias's gradients, and with three the gradient of a bias
+    added to ``h`` (``h``'s gradient summed)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < C
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
     sum_w = tl.zeros([BLOCK], tl.float32)
     sum_b = tl.zeros([BLOCK], tl.float32)
+    sum_hb = tl.zeros([BLOCK], tl.float32)
     first = pid * rows_per_program
     for start in range(first, first + rows_per_program, ROWS):
         rows, row_ok, ok, offs = _tile(start, cols, col_ok, R, C, ROWS)
@@ -83,11 +89,18 @@ def _rcn_bwd(g_ptr, z_ptr, mask_ptr, w_ptr, gs_ptr, gh_ptr, part_ptr, R, C, rows
         tl.store(gs_ptr + offs, gs.to(gs_ptr.dtype.element_ty), mask=ok)
         if HAS_MASK:
             f = row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
-            tl.store(gh_ptr + offs, (gs * f[:, None]).to(gh_ptr.dtype.element_ty), mask=ok)
+            gh = gs * f[:, None]
+            tl.store(gh_ptr + offs, gh.to(gh_ptr.dtype.element_ty), mask=ok)
+        else:
+            gh = gs
         sum_w += tl.sum(g * z, axis=0)
         sum_b += tl.sum(g, axis=0)
-    tl.store(part_ptr + pid * 2 * C + cols, sum_w * scale, mask=col_ok)
-    tl.store(part_ptr + pid * 2 * C + C + cols, sum_b, mask=col_ok)
+        if N_SUMS == 3:
+            sum_hb += tl.sum(gh, axis=0)
+    tl.store(part_ptr + pid * N_SUMS * C + cols, sum_w * scale, mask=col_ok)
+    tl.store(part_ptr + pid * N_SUMS * C + C + cols, sum_b, mask=col_ok)
+    if N_SUMS == 3:
+        tl.store(part_ptr + pid * N_SUMS * C + 2 * C + cols, sum_hb, mask=col_ok)
 
 
 @triton.jit
@@ -105,35 +118,49 @@ def _dropped(x_ptr, h_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_X: t
 
 
 @triton.jit
-def _gr_fwd(x_ptr, u_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_MASK: tl.constexpr,
-            ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _gr_fwd(x_ptr, u_ptr, ub_ptr, a_ptr, mask_ptr, y_ptr, R, C, per_sample, inv_keep, HAS_MASK: tl.constexpr,
+            HAS_UB: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < C
     rows, row_ok, ok, offs = _tile(tl.program_id(0) * ROWS, cols, col_ok, R, C, ROWS)
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_UB:
+        u += tl.load(ub_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     a = tl.load(a_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     f = row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)
     tl.store(y_ptr + offs, (x + gelu(u) * a[None, :] * f[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _gr_bwd(g_ptr, u_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, part_stride, R, C, rows_per_program, per_sample,
-            inv_keep, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _gr_bwd(g_ptr, u_ptr, ub_ptr, a_ptr, mask_ptr, gu_ptr, part_ptr, part_stride, R, C, rows_per_program, per_sample,
+            inv_keep, HAS_MASK: tl.constexpr, HAS_UB: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``u``'s gradient, and partial sums per program: alpha's gradient, then with ``HAS_UB`` (``u + ub`` the GELU's
+    input) ``ub``'s, ``C`` further along the row."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < C
     a = tl.load(a_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_UB:
+        ub = tl.load(ub_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     sum_a = tl.zeros([BLOCK], tl.float32)
+    sum_ub = tl.zeros([BLOCK], tl.float32)
     first = pid * rows_per_program
     for start in range(first, first + rows_per_program, ROWS):
         rows, row_ok, ok, offs = _tile(start, cols, col_ok, R, C, ROWS)
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_UB:
+            u += ub[None, :]
         gf = g * row_factor(mask_ptr, rows, row_ok, per_sample, inv_keep, HAS_MASK)[:, None]
-        tl.store(gu_ptr + offs, (gf * a[None, :] * gelu_grad(u)).to(gu_ptr.dtype.element_ty), mask=ok)
+        gu = (gf * a[None, :] * gelu_grad(u)).to(gu_ptr.dtype.element_ty)
+        tl.store(gu_ptr + offs, gu, mask=ok)
         sum_a += tl.sum(tl.where(ok, gf * gelu(u), 0.0), axis=0)
+        if HAS_UB:
+            sum_ub += tl.sum(tl.where(ok, gu.to(tl.float32), 0.0), axis=0)
     tl.store(part_ptr + pid * part_stride + cols, sum_a, mask=col_ok)
+    if HAS_UB:
+        tl.store(part_ptr + pid * part_stride + C + cols, sum_ub, mask=col_ok)
 
 
 @triton.jit
@@ -278,27 +305,31 @@ def _per_sample(x: torch.Tensor) -> int:
     return max(n, 1)
 
 
-def residual_center_norm(x, h, mask, keep, weight, bias, scale, y, z):
+def residual_center_norm(x, h, mask, keep, weight, bias, scale, h_bias, y, z):
     """Fills ``y`` and, unless it is empty, ``z`` (the op allocates them) and returns them."""
     C = x.shape[-1]
     R = x.numel() // C
     save = z.numel() > 0
     mask_ptr, inv_keep, has_mask = mask_args(mask, keep, x)
-    _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, mask_ptr, weight, bias, y, z if save else y, R, C,
-                                      _per_sample(x), inv_keep, scale, HAS_H=h is not None,
-                                      HAS_MASK=has_mask and h is not None, SAVE=save, ROWS=ROWS, BLOCK=block_size(C))
+    has_hb = h is not None and h_bias is not None
+    _rcn_fwd[(triton.cdiv(R, ROWS),)](x, h if h is not None else x, h_bias if has_hb else bias, mask_ptr, weight, bias,
+                                      y, z if save else y, R, C, _per_sample(x), inv_keep, scale, HAS_H=h is not None,
+                                      HAS_HB=has_hb, HAS_MASK=has_mask and h is not None, SAVE=save, ROWS=ROWS,
+                                      BLOCK=block_size(C))
     return y, z
 
 
 def residual_center_norm_backward(grad, z, mask, keep, weight, scale, gs, gh, sums):
-    """Fills ``gs``, ``gh`` (where a mask scales ``h``) and ``sums`` and returns them."""
+    """Fills ``gs``, ``gh`` (where a mask scales ``h``) and ``sums`` (two rows, or three with the gradient of a
+    bias added to ``h``) and returns them."""
     grad, C = grad.contiguous(), grad.shape[-1]
     R = grad.numel() // C
     P, per_program = split_rows(R, grad.device)
-    parts = torch.empty((P, 2, C), dtype=torch.float32, device=grad.device)
+    parts = torch.empty((P, sums.shape[0], C), dtype=torch.float32, device=grad.device)
     mask_ptr, inv_keep, has_mask = mask_args(mask, keep, grad)
     _rcn_bwd[(P,)](grad, z, mask_ptr, weight, gs, gh if mask is not None else gs, parts, R, C, per_program,
-                   _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block_size(C))
+                   _per_sample(grad), inv_keep, scale, HAS_MASK=has_mask, N_SUMS=sums.shape[0], ROWS=ROWS,
+                   BLOCK=block_size(C))
     if sums.dtype == parts.dtype:
         torch.sum(parts, 0, out=sums)
     else:  # float64 gradients: sums wider than the kernel's float32 partials
@@ -317,35 +348,42 @@ def dropped(x, h, mask, keep, y):
     return y
 
 
-def gelu_residual(x, u, alpha, mask, keep, y):
+def gelu_residual(x, u, alpha, mask, keep, u_bias, y):
     """Fills ``y`` (the op allocates it) and returns it."""
     C = x.shape[-1]
     R = x.numel() // C
     mask_ptr, inv_keep, has_mask = mask_args(mask, keep, x)
     block = min(block_size(C), 128)
-    _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha, mask_ptr, y, R, C, _per_sample(x), inv_keep,
-                                                           HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
+    _gr_fwd[(triton.cdiv(R, ROWS), triton.cdiv(C, block))](x, u, alpha if u_bias is None else u_bias, alpha, mask_ptr,
+                                                           y, R, C, _per_sample(x), inv_keep, HAS_MASK=has_mask,
+                                                           HAS_UB=u_bias is not None, ROWS=ROWS, BLOCK=block)
     return y
 
 
-def gelu_residual_backward(grad, u, alpha, mask, keep, sum_dtype):
-    grad = grad.contiguous()
-    parts = torch.empty((split_rows(grad.numel() // grad.shape[-1], grad.device)[0], grad.shape[-1]),
-                        dtype=torch.float32, device=grad.device)
-    return gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts), parts.sum(0).to(sum_dtype)
+def gelu_residual_backward(grad, u, alpha, mask, keep, u_bias, sum_dtype):
+    """``u``'s gradient and alpha's summed, (C), or with ``u_bias`` alpha's and ``u_bias``'s, (2, C)."""
+    grad, C = grad.contiguous(), grad.shape[-1]
+    n = 1 if u_bias is None else 2
+    parts = torch.empty((split_rows(grad.numel() // C, grad.device)[0], n * C), dtype=torch.float32,
+                        device=grad.device)
+    gu = gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts, u_bias)
+    sums = parts.sum(0).to(sum_dtype)
+    return gu, sums if u_bias is None else sums.view(2, C)
 
 
-def gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts):
-    """``u``'s gradient, returned, and alpha's partial sums, one row per program (:func:`split_rows` of the rows)
-    written into ``parts`` (rows of any stride, columns contiguous), for the caller to add."""
+def gelu_residual_grad_parts(grad, u, alpha, mask, keep, parts, u_bias=None):
+    """``u``'s gradient, returned, and alpha's partial sums (then ``u_bias``'s, where given), one row per program
+    (:func:`split_rows` of the rows) written into ``parts`` (rows of any stride, columns contiguous), for the caller
+    to add."""
     C = grad.shape[-1]
     R = grad.numel() // C
     gu = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     P, per_program = split_rows(R, grad.device)
     block = min(block_size(C), 128)
     mask_ptr, inv_keep, has_mask = mask_args(mask, keep, grad)
-    _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha, mask_ptr, gu, parts, parts.stride(0), R, C, per_program,
-                                         _per_sample(grad), inv_keep, HAS_MASK=has_mask, ROWS=ROWS, BLOCK=block)
+    _gr_bwd[(P, triton.cdiv(C, block))](grad, u, alpha if u_bias is None else u_bias, alpha, mask_ptr, gu, parts,
+                                         parts.stride(0), R, C, per_program, _per_sample(grad), inv_keep,
+                                         HAS_MASK=has_mask, HAS_UB=u_bias is not None, ROWS=ROWS, BLOCK=block)
     return gu
 
 

@@ -68,6 +68,9 @@ class CrossShapedAttention(nn.Module, ScaledOutput):
         """The projection; each branch divided by sqrt(its heads), folded into its weight."""
         return self.proj, 1.0 / math.sqrt(self.branch_heads)
 
+    def out_dropout(self) -> nn.Module:
+        return self.proj_drop
+
     def forward(self, x: torch.Tensor, out_scale: OutScale = None, skip: bool = False):
         """(B, H, W, C) -> (B, H, W, C). The stripes span the input's own H and W; a size the split does not
         divide (``strict_img_size=False``) is padded with zeros and cropped back. ``out_scale`` is folded into the

@@ -94,6 +94,9 @@ class WindowAttention(nn.Module, ScaledOutput):
     def out_map(self) -> Tuple[nn.Module, float]:
         return self.proj, 1.0
 
+    def out_dropout(self) -> nn.Module:
+        return self.proj_drop
+
     def forward(self, x: torch.Tensor, out_scale: OutScale = None, skip: bool = False):
         """(B, H, W, C) -> (B, H, W, C); a size the window does not divide (``strict_img_size=False``) is padded
         with zeros and cropped back. ``out_scale`` is folded into the projection (:class:`ScaledOutput`), which runs
