@@ -664,24 +664,29 @@ def test_residual_weights_folded_into_the_branches_change_nothing_but_what_backw
     assert folded[2] - folded_half[2] < plain[2] - plain_half[2]  # bytes kept for 4 more images
 
 
-def test_a_branchs_last_bias_leaves_its_map_only_where_no_dropout_follows_the_map():
-    """split_bias: where a backward follows, the bias goes to the residual's sum in evaluation or with the branch's
-    output dropout off; with it on the map keeps it (dropout applies to the biased output), and without a backward
-    (nothing to save)."""
+@pytest.mark.fused_only
+def test_a_branchs_last_bias_leaves_its_map_only_for_a_fused_op_that_sums_its_gradient(monkeypatch):
+    """split_bias: in a training step where the fused ops run, the bias goes to the residual's sum unless the
+    branch's output dropout is on (dropout applies to the biased output); the map keeps it without a backward,
+    with the fused ops off and under torch.compile (the plain composition gains nothing by it)."""
     from lipsformer.layers.block import GeluMlp
+    from lipsformer.layers.fused import use_fused_ops
     from lipsformer.layers.residual import FoldedMap, split_bias
-    folded = FoldedMap(torch.ones(8, 16), torch.ones(8))
+    folded, x = FoldedMap(torch.ones(8, 16), torch.ones(8)), torch.randn(2, 16)
     for mlp in (GeluMlp(16, 8, act_layer=nn.GELU).train(), GeluMlp(16, 8, act_layer=nn.GELU, drop=0.2).eval()):
-        scale, bias = split_bias(mlp, folded)
+        scale, bias = split_bias(mlp, folded, x)
         assert scale.weight is folded.weight and scale.bias is None and bias is folded.bias
-    scale, bias = split_bias(GeluMlp(16, 8, act_layer=nn.GELU, drop=0.2).train(), folded)
-    assert scale is folded and bias is None
+    mlp = GeluMlp(16, 8, act_layer=nn.GELU).train()
+    kept = [split_bias(GeluMlp(16, 8, act_layer=nn.GELU, drop=0.2).train(), folded, x)]
     with torch.no_grad():
-        scale, bias = split_bias(GeluMlp(16, 8, act_layer=nn.GELU).eval(), folded)
-    assert scale is folded and bias is None
+        kept.append(split_bias(mlp, folded, x))
+    with use_fused_ops(False):
+        kept.append(split_bias(mlp, folded, x))
     alpha = torch.ones(8)  # a scale not folded (a map with hooks): nothing to split
-    scale, bias = split_bias(GeluMlp(16, 8, act_layer=nn.GELU), alpha)
-    assert scale is alpha and bias is None
+    assert split_bias(mlp, alpha, x)[0] is alpha
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kept.append(split_bias(mlp, folded, x))
+    assert all(scale is folded and bias is None for scale, bias in kept)
 
 
 @pytest.mark.fused_only

@@ -97,7 +97,7 @@ def test_a_block_adds_its_last_maps_biases_inside_the_centernorm_op(tool, name, 
         model = timm.create_model(name, drop_path_rate=0.1)
     blocks = sum(isinstance(m, LipsBlock) for m in model.modules())
     split = tool.measure(model, 224, True).ops
-    monkeypatch.setattr(block, "split_bias", lambda branch, scale: (scale, None))
+    monkeypatch.setattr(block, "split_bias", lambda branch, scale, x: (scale, None))
     assert tool.measure(model, 224, True).ops - split == per_block * blocks
 
 

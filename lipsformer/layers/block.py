@@ -131,7 +131,7 @@ class LipsBlock(nn.Module):
         if out_scale is not None:
             bias = None
             if isinstance(norm, CenterNorm):
-                out_scale, bias = split_bias(branch, out_scale)
+                out_scale, bias = split_bias(branch, out_scale, x)
             out, x = branch(x, out_scale=out_scale, skip=True)
             return res.add_scaled(x, out, None if isinstance(norm, nn.Identity) else norm, draw, bias)
         return norm(res(x, branch(x), draw=draw))

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
-from .fused import autocast_dtype, fusable, math_backward, sum_dtype
+from .fused import autocast_dtype, defer_bias, fusable, math_backward, sum_dtype
 from .gelu import gelu_linear, records_grad
 from .groupsort import GroupSort
 from .residual import Draw, create_residual
@@ -350,8 +350,8 @@ class ConvBlocks(nn.Module):
             return self._conv_residual(self.dw1, self.res1, x, draws[0])
         u, h, x = self._dw(self.dw1, x, gelu=True)  # x as the convolution passes it on to the skip
         # the 1x1 convolution as the matmul over channels it is, fused with its GELU (computed already where h is);
-        # in a training step its bias is added by the residual's op, whose backward sums its gradient with alpha's
-        bias = self.pw.bias if torch.is_grad_enabled() else None
+        # its bias added by the residual's fused op where that sums its gradient with alpha's (fused.defer_bias)
+        bias = self.pw.bias if defer_bias(x) else None
         y = gelu_linear(u, self.pw.weight.flatten(1), None if bias is not None else self.pw.bias, h=h)
         x = self.res1(x, y, gelu=True, draw=draws[0], bias=bias)
         if self.dw2 is not None:

@@ -65,6 +65,15 @@ def fusable(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() or tensors[0].device.type != "cpu"
 
 
+def defer_bias(x: Tensor) -> bool:
+    """Whether a linear map leaves its bias to the fused op after it (``h_bias`` of :func:`residual_center_norm`,
+    ``u_bias`` of :func:`gelu_residual`), whose backward sums the bias's gradient with its own partial sums: in a
+    training step where the fused ops run for ``x``. Elsewhere the map adds it: without a backward there is nothing
+    to save, and the plain composition (``torch.compile``, the fused ops off) gains nothing by it (compiled, inductor
+    generates more kernels for it)."""
+    return torch.is_grad_enabled() and fusable(x)
+
+
 def _kernels(t: Tensor):
     """The Triton kernels for a CUDA tensor (None elsewhere, or where Triton is not installed)."""
     if t.device.type != "cuda":

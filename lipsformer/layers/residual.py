@@ -6,7 +6,7 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from .fused import drop_factor, gelu_residual, residual_add
+from .fused import defer_bias, drop_factor, gelu_residual, residual_add
 from .gelu import fused_linear, scale_rows, skip_linear
 from .norm import CenterNorm
 
@@ -60,12 +60,12 @@ def fold_out_scales(branches: Sequence[Tuple[ScaledOutput, torch.Tensor]]) -> Li
     return out
 
 
-def split_bias(branch: ScaledOutput, scale: OutScale) -> Tuple[OutScale, Optional[torch.Tensor]]:
-    """``scale`` as a folded map without its bias, and the bias, where a backward follows and the branch's output goes
-    straight into the residual's sum (its dropout off): the sum adds the bias (:meth:`WeightedResidual.add_scaled`)
-    and the CenterNorm after it sums the bias's gradient with its own, one op less than the map's backward; else
-    ``(scale, None)`` (without a backward the map adds its bias as cheaply)."""
-    if not torch.is_grad_enabled() or not isinstance(scale, FoldedMap) or scale.bias is None:
+def split_bias(branch: ScaledOutput, scale: OutScale, x: torch.Tensor) -> Tuple[OutScale, Optional[torch.Tensor]]:
+    """``scale`` as a folded map without its bias, and the bias, where the fused ops take it for the branch's input
+    ``x`` (:func:`~lipsformer.layers.fused.defer_bias`) and the branch's output goes straight into the residual's sum
+    (its dropout off): the sum adds the bias (:meth:`WeightedResidual.add_scaled`) and the CenterNorm after it sums
+    the bias's gradient with its own, one op less than the map's backward; else ``(scale, None)``."""
+    if not isinstance(scale, FoldedMap) or scale.bias is None or not defer_bias(x):
         return scale, None
     drop = branch.out_dropout()
     if drop.training and drop.p > 0:
