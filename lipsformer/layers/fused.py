@@ -4,8 +4,7 @@ aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``).
 
 - :func:`residual_center_norm`: ``CN(x + m * h)``, a weighted residual (its branch output ``h`` already scaled by
   alpha, ``m`` the per-sample DropPath factor, the branch's last bias optionally added here) with the CenterNorm
-  after it; without ``h``, CenterNorm alone. It
-  keeps the centred sum for backward, as CenterNorm's autograd does.
+  after it; without ``h``, CenterNorm alone. It keeps the centred sum for backward, as CenterNorm's autograd does.
 - :func:`gelu_residual`: ``x + m * alpha * GELU(u)``, the conv blocks' residuals, keeping only ``u`` (optionally
   adding the bias of the map before to ``u``).
 - :func:`qk_normalize`: SCSA's cosine normalisation of q and k (q times the temperature), written contiguous, keeping
@@ -112,13 +111,17 @@ def sum_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _biased(t: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``t`` with the bias a linear map left to the op after it (:func:`defer_bias`) added, or ``t``."""
+    return t if bias is None else t + bias
+
+
 # -- CN(x + m * h) ---------------------------------------------------------------------------------------------------
 def _residual_sum(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float,
                   h_bias: Optional[Tensor] = None) -> Tensor:
     if h is None:
         return x
-    if h_bias is not None:
-        h = h + h_bias
+    h = _biased(h, h_bias)
     factor = drop_factor(mask, keep, x)
     return x + h if factor is None else torch.addcmul(x, h, factor)
 
@@ -295,10 +298,6 @@ def residual_add(x: Tensor, h: Tensor, mask: Tensor, keep: float) -> Tensor:
 
 
 # -- x + m * alpha * GELU(u + b) -------------------------------------------------------------------------------------
-def _biased(u: Tensor, u_bias: Optional[Tensor]) -> Tensor:
-    return u if u_bias is None else u + u_bias
-
-
 def gelu_residual_plain(x, u, alpha, mask, keep, u_bias=None):
     factor = drop_factor(mask, keep, x)
     return torch.addcmul(x, F.gelu(_biased(u, u_bias)), alpha if factor is None else alpha * factor)
