@@ -6,6 +6,8 @@ The backward kernels that produce per-channel gradients (CenterNorm's weight and
 block of rows in registers and write one row of partial sums per block; a second launch (``torch.sum``) adds those,
 in a fixed order, so a step's gradients are the same on every run.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -292,10 +294,16 @@ def split_rows(rows: int, device: torch.device) -> tuple:
 
 
 def mask_args(mask, keep: float, x: torch.Tensor):
+    """A DropPath draw's kernel arguments: the mask's pointer, ``1 / keep`` and whether there is a mask."""
     if mask is None:
         return x, 1.0, False  # any pointer: never read
-    inv_keep = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(keep, dtype=torch.float32))
-    return mask, inv_keep, True
+    return mask, _inv_keep(keep), True
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_keep(keep: float) -> float:
+    """``1 / keep`` rounded as float32 divides, computed once per rate rather than in four host ops a launch."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(keep, dtype=torch.float32))
 
 
 def _per_sample(x: torch.Tensor) -> int:
