@@ -5,8 +5,11 @@ ops on and off.
 
 Triton decides at its import whether it interprets (its own library functions are compiled or interpreted then),
 so the kernel tests run in a process of their own started with ``TRITON_INTERPRET=1``
-(:func:`test_the_kernels_under_the_interpreter`); in any other process they are skipped."""
+(:func:`test_the_kernels_under_the_interpreter`); in any other process they are skipped. That process records each
+launch, and each kernel as launched is compiled for a GPU that is not here
+(:func:`test_every_kernel_compiles_for_a_hopper_gpu`)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,20 +21,73 @@ import torch
 from conftest import TINY, OpNames, family
 from lipsformer.layers import fused, gelu, stripes
 from lipsformer.layers.fused import use_fused_ops
+from triton_targets import SPECS_ENV, compile_for, kernels, record_launches, richest, specializations
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETING and os.environ.get(SPECS_ENV):
+    record_launches(os.environ[SPECS_ENV])
 
 
-def test_the_kernels_under_the_interpreter():
+@pytest.fixture(scope="module")
+def interpreter_run(tmp_path_factory):
+    """This file's kernel tests, run once in a process of their own under Triton's interpreter, which records each
+    launch's specialization (tests/triton_targets.py): the finished process and the file of specializations."""
     pytest.importorskip("triton")
     if INTERPRETING:
         pytest.skip("this process is the interpreter's")
+    specs = tmp_path_factory.mktemp("triton") / "launches.jsonl"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "kernels and not interpreter"], capture_output=True, text=True, cwd=Path(__file__).parent,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+                          env=dict(os.environ, TRITON_INTERPRET="1", **{SPECS_ENV: str(specs)}), timeout=600)
+    return proc, specs
+
+
+def test_the_kernels_under_the_interpreter(interpreter_run):
+    proc, _ = interpreter_run
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_every_kernel_compiles_for_a_hopper_gpu(interpreter_run):
+    """Each kernel as the interpreter launched it (the specialization with the most branches and bfloat16 pointers)
+    compiles to a cubin for sm_90 (H100, H200) with Triton's compiler and ptxas, which need no GPU: the interpreter
+    computes with numpy and runs code a GPU compiler refuses. Every ``@triton.jit`` function of the kernel modules
+    is launched by a test or called by a kernel that is."""
+    from lipsformer.layers import triton_depthwise, triton_kernels, triton_stripes
+    proc, specs = interpreter_run
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    jitted = {**kernels(triton_kernels), **kernels(triton_stripes), **kernels(triton_depthwise)}
+    specs = specializations(specs)
+    launched = {spec["name"] for spec in specs}
+    called = {name for name in jitted if any(re.search(rf"\b{name}\(", f.src) for other, f in jitted.items()
+                                             if other != name)}
+    assert set(jitted) == launched | called, set(jitted) - launched - called
+    for spec in richest(specs):
+        compiled = compile_for(spec, 90)
+        assert "cubin" in compiled.asm, spec["name"]
+
+
+def _doubled(v):
+    return v * 2
+
+
+def test_a_kernel_the_interpreter_runs_can_fail_to_compile():
+    """What the compile check above catches: a kernel calling a Python function (not ``@triton.jit``) runs under the
+    interpreter and is refused by the compiler."""
+    triton = pytest.importorskip("triton")
+    if INTERPRETING:
+        pytest.skip("this process is the interpreter's")
+    import triton.language as tl
+
+    @triton.jit
+    def doubles(x_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, _doubled(tl.load(x_ptr + i)))
+
+    spec = dict(signature={"x_ptr": "*fp32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 16}, options={})
+    with pytest.raises(Exception, match="_doubled"):
+        compile_for(spec, 90, doubles)
 
 
 @pytest.fixture(scope="module")
