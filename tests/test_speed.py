@@ -261,14 +261,16 @@ def test_eval_channels_last_scores_like_the_default(tmp_path):
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
 def test_compiled_by_region_a_training_step_has_no_graph_break_and_a_graph_per_stage(name):
     """compile_model compiles each block in place: a training step (DropPath on, rates differing from block to
-    block) traces one graph per stage shape, the stage-1 block without DropPath apart, and breaks no graph; the
-    stem, downsampling and head stay eager. Dynamo alone (backend eager): the graphs, not inductor's code."""
+    block) traces one graph per stage shape, the first block, which does not drop, sharing its stage's with factors
+    of one, and breaks no graph; the stem, downsampling and head stay eager. Dynamo alone (backend eager): the
+    graphs, not inductor's code."""
     import timm
     from torch._dynamo.utils import counters
 
     from conftest import TINY, family
     from lipsformer.layers import LipsBlock
-    model = timm.create_model(name, num_classes=5, drop_path_rate=0.3, **TINY[family(name)]).train()
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.3, **{**TINY[family(name)], "depths": (2, 1, 2, 1)})
+    model.train()
     with compiling(fx_graph_cache=False):
         counters.clear()
         compile_model(model, backend="eager")
@@ -277,4 +279,6 @@ def test_compiled_by_region_a_training_step_has_no_graph_break_and_a_graph_per_s
         for _ in range(2):
             model(torch.randn(2, 3, 32, 32)).square().mean().backward()
         assert dict(counters["graph_break"]) == {}
-        assert counters["stats"]["unique_graphs"] == 4  # stages 1 (no DropPath), 2, 3 (two blocks), 4
+        assert counters["stats"]["unique_graphs"] == 4  # stages 1 (the first block's DropPath factors 1), 2, 3, 4
+        first = next(m for m in model.modules() if isinstance(m, LipsBlock))
+        assert not first.drops() and first.compiled_unit_draws

@@ -103,14 +103,17 @@ def compile_model(model: torch.nn.Module, mode: str = "default",
         model.compile(**kwargs)
         return model
     body = torch.compile(LipsBlock.body, **kwargs)
+    dropping = {block.dim for block in blocks if block.drops()}
     for block in blocks:
         block.compiled_body = body
+        block.compiled_unit_draws = not block.drops() and block.dim in dropping
     return model
 
 
 def compile_regions(model: torch.nn.Module) -> list:
     """The regions :func:`compile_model` compiles: every LipsFormer block (``LipsBlock``) of ``model``, whose
-    :meth:`~lipsformer.layers.LipsBlock.body` one compiled function runs (the DropPath draws made eagerly, as inputs),
+    :meth:`~lipsformer.layers.LipsBlock.body` one compiled function runs (the DropPath draws made eagerly, as inputs;
+    a block that does not drop takes factors of one where blocks of its width do, ``compiled_unit_draws``),
     so that a model traces one graph per stage shape rather than one for the whole network and the stem,
     downsampling and head run eagerly, with the fused ops. A model without LipsFormer blocks is compiled whole."""
     return [m for m in model.modules() if isinstance(m, LipsBlock)]

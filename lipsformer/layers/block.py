@@ -2,7 +2,7 @@
 from typing import Tuple
 
 import torch
-from timm.layers import Mlp
+from timm.layers import DropPath, Mlp
 from torch import nn
 
 from .conv_blocks import ConvBlocks, create_act
@@ -74,6 +74,7 @@ class LipsBlock(nn.Module):
                  attn_norm: bool = True, act: str = "gelu", residual: str = "add",
                  alpha_range: Tuple[float, float] = (0.0, 1.0), mlp: str = "mlp"):
         super().__init__()
+        self.dim = dim
         self.convs = ConvBlocks(dim, conv_blocks, alpha_init, drop_path, act=act, residual=residual,
                                 alpha_range=alpha_range)
         self.attn = attn
@@ -88,7 +89,11 @@ class LipsBlock(nn.Module):
         self.res_mlp = create_residual(residual, dim, alpha_init, drop_path, alpha_range)
         self.norm2 = create_norm(norm, dim)
 
-    compiled_body = None  # torch.compile(LipsBlock.body), set by lipsformer.engine.speed.compile_model
+    # set by lipsformer.engine.speed.compile_model: torch.compile(LipsBlock.body), and whether a training step gives
+    # it factors of one where this block does not drop (a stage's first block), so that it shares the graph of the
+    # stage's blocks that do
+    compiled_body = None
+    compiled_unit_draws = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled_body is None:
@@ -99,8 +104,19 @@ class LipsBlock(nn.Module):
         """The DropPath draws of the block's four residuals for a batch ``x``, in one kernel
         (:func:`~lipsformer.layers.residual.drop_masks`); ``factors`` for a compiled :meth:`body`, which takes them
         as factors (:func:`~lipsformer.layers.residual.drawn_factor`), so that its graph has them as inputs and the
-        blocks of a stage, whose drop rates differ, share one graph."""
-        return drop_masks((self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp), x, factors)
+        blocks of a stage, whose drop rates differ, share one graph (with :attr:`compiled_unit_draws`, factors of
+        one in a training step where the block does not drop)."""
+        residuals = (self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp)
+        draws = drop_masks(residuals, x, factors)
+        if factors and self.compiled_unit_draws and self.training and all(d is None for d in draws):
+            ones = x.new_ones(len(draws), x.shape[0])
+            draws = tuple(None if r is None else (ones[i], 1.0) for i, r in enumerate(residuals))
+        return draws
+
+    def drops(self) -> bool:
+        """Whether any of the block's residuals has a DropPath rate (it draws in a training step)."""
+        return any(isinstance(getattr(r, "drop_path", None), DropPath)
+                   for r in (self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp))
 
     def body(self, x: torch.Tensor, draws: tuple) -> torch.Tensor:
         """The block, given its residuals' DropPath draws (None: each residual draws its own)."""
