@@ -49,6 +49,7 @@ def test_the_kernels_under_the_interpreter(interpreter_run):
     assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_a_hopper_gpu(interpreter_run):
     """Each kernel as the interpreter launched it (the specialization with the most branches and bfloat16 pointers)
     compiles to a cubin for sm_90 (H100, H200) with Triton's compiler and ptxas, which need no GPU: the interpreter
