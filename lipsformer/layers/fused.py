@@ -220,7 +220,7 @@ def _rcn_grad(ctx, grad, _):
     if math_backward():
         grad_s, grad_h, sums = _rcn_backward_math(grad, z, mask, ctx.keep, weight, ctx.scale, h_bias_sum)
     else:
-        grad_s, grad_h, sums = _rcn_backward(grad, z, mask, ctx.keep, weight, ctx.scale, h_bias_sum)
+        grad_s, grad_h, sums = _rcn_backward(grad.contiguous(), z, mask, ctx.keep, weight, ctx.scale, h_bias_sum)
     grad_h = (grad_h if mask is not None else grad_s) if h_dtype is not None else None
     return (grad_s.to(x_dtype), None if grad_h is None else grad_h.to(h_dtype), None, None,
             sums[0].to(weight.dtype), sums[1].to(b_dtype), None, None, sums[2].to(hb_dtype) if h_bias_sum else None)

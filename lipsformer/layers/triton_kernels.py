@@ -8,6 +8,7 @@ in a fixed order, so a step's gradients are the same on every run.
 """
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -302,8 +303,8 @@ def mask_args(mask, keep: float, x: torch.Tensor):
 
 @functools.lru_cache(maxsize=None)
 def _inv_keep(keep: float) -> float:
-    """``1 / keep`` rounded as float32 divides, computed once per rate rather than in four host ops a launch."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(keep, dtype=torch.float32))
+    """``1 / keep`` rounded as float32 divides (numpy's float32 scalars: no torch op), once per rate."""
+    return float(np.float32(1.0) / np.float32(keep))
 
 
 def _per_sample(x: torch.Tensor) -> int:
