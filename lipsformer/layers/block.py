@@ -2,7 +2,7 @@
 from typing import Tuple
 
 import torch
-from timm.layers import DropPath, Mlp
+from timm.layers import Mlp
 from torch import nn
 
 from .conv_blocks import ConvBlocks, create_act
@@ -106,17 +106,19 @@ class LipsBlock(nn.Module):
         as factors (:func:`~lipsformer.layers.residual.drawn_factor`), so that its graph has them as inputs and the
         blocks of a stage, whose drop rates differ, share one graph (with :attr:`compiled_unit_draws`, factors of
         one in a training step where the block does not drop)."""
-        residuals = (self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp)
-        draws = drop_masks(residuals, x, factors)
+        draws = drop_masks(self._residuals(), x, factors)
         if factors and self.compiled_unit_draws and self.training and all(d is None for d in draws):
             ones = x.new_ones(len(draws), x.shape[0])
-            draws = tuple(None if r is None else (ones[i], 1.0) for i, r in enumerate(residuals))
+            draws = tuple(None if r is None else (ones[i], 1.0) for i, r in enumerate(self._residuals()))
         return draws
 
     def drops(self) -> bool:
         """Whether any of the block's residuals has a DropPath rate (it draws in a training step)."""
-        return any(isinstance(getattr(r, "drop_path", None), DropPath)
-                   for r in (self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp))
+        return any(r is not None and r.drops() for r in self._residuals())
+
+    def _residuals(self) -> tuple:
+        """The block's four residuals in the order of its draws (None where the conv blocks have none)."""
+        return self.convs.res1, self.convs.res2, self.res_attn, self.res_mlp
 
     def body(self, x: torch.Tensor, draws: tuple) -> torch.Tensor:
         """The block, given its residuals' DropPath draws (None: each residual draws its own)."""

@@ -114,10 +114,14 @@ Draw = Tuple[Optional[torch.Tensor], float]
 class DropPathDraw:
     """A residual whose branch timm's DropPath (``self.drop_path``) drops per sample."""
 
+    def drops(self) -> bool:
+        """Whether the residual has a DropPath rate (it draws in training)."""
+        return isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0
+
     def drop_keep(self) -> Optional[float]:
         """The probability of keeping a sample's branch where this residual drops (training with a drop rate),
         else None."""
-        if not (self.training and isinstance(self.drop_path, DropPath) and self.drop_path.drop_prob > 0):
+        if not (self.training and self.drops()):
             return None
         return 1.0 - self.drop_path.drop_prob
 
