@@ -28,29 +28,42 @@ def _type(value) -> str:
     raise TypeError(f"a launch argument of type {type(value).__name__}")
 
 
+def wrap_launches(wrapper):
+    """A replacement for the interpreter's launch, ``GridExecutor.__call__`` (every Triton from 3.5 launches through
+    it: 3.5 from ``kernel[grid]``, later ones from ``InterpretedFunction.run``), that calls
+    ``wrapper(fn, values, launch)`` for each launch: the kernel's Python function, its arguments by name (its launch
+    options among them) and the launch itself, to call."""
+    from triton.runtime.interpreter import GridExecutor
+    call = GridExecutor.__call__
+
+    def launching(self, *args, **kwargs):
+        values = {**dict(zip(self.arg_names, args)), **kwargs}
+        return wrapper(self.fn, values, lambda: call(self, *args, **kwargs))
+
+    return launching
+
+
 def record_launches(path: str) -> None:
     """In a process under the interpreter: append every kernel launch's specialization to ``path`` (JSON lines),
     then run it."""
-    from triton.runtime.interpreter import InterpretedFunction
-    run = InterpretedFunction.run
+    from triton.runtime.interpreter import GridExecutor
 
-    def recording(self, *args, grid, warmup, **kwargs):
-        values = {**dict(zip(self.arg_names, args)), **kwargs}
+    def recording(fn, values, launch):
         signature, constexprs = {}, {}
-        for name, param in inspect.signature(self.fn).parameters.items():
+        for name, param in inspect.signature(fn).parameters.items():
             value = values.get(name, param.default)
             if "constexpr" in str(param.annotation) or value is None:
                 signature[name], constexprs[name] = "constexpr", value
             else:
                 signature[name] = _type(value)
         options = {k: values[k] for k in ("num_warps", "num_stages") if k in values}
-        spec = dict(module=self.fn.__module__, name=self.fn.__name__, signature=signature, constexprs=constexprs,
+        spec = dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs,
                     options=options)
         with open(path, "a") as f:
             f.write(json.dumps(spec, sort_keys=True) + "\n")
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return launch()
 
-    InterpretedFunction.run = recording
+    GridExecutor.__call__ = wrap_launches(recording)
 
 
 def specializations(path: Path) -> list:
