@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-floors demo finetune-demo flops clean gpu-wheels gpu-check
+.PHONY: install test test-floors test-triton demo finetune-demo flops clean gpu-wheels gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,9 @@ test: $(STAMP)
 
 # The oldest versions pyproject.toml allows, in a venv of their own, on the suite's fast subset (not part of CI,
 # which tests what pip resolves today): every test not marked slow (pyproject.toml's markers), the shipped recipes
-# among them; a new test joins it unless it is marked.
-FLOORS := torch==2.9.1 torchvision==0.24.1 timm==1.0.31 accelerate==1.15.0 pillow==10.0.0
+# among them; a new test joins it unless it is marked. torch 2.9.1 brings Triton 3.5.1, whose interpreter (the fused
+# kernels' tests) turns one-element arrays into scalars, which numpy 2.4 refuses: numpy below 2.4 there.
+FLOORS := torch==2.9.1 torchvision==0.24.1 timm==1.0.31 accelerate==1.15.0 pillow==10.0.0 "numpy<2.4"
 FLOORS_VENV := .venv-floors
 FLOORS_MARKS := not slow and not gpu
 test-floors:
@@ -39,6 +40,18 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -c "import torch, torchvision, timm, accelerate, PIL; print('floors:', torch.__version__, \
 		torchvision.__version__, timm.__version__, accelerate.__version__, PIL.__version__)"
 	$(FLOORS_VENV)/bin/python -m pytest -q -m "$(FLOORS_MARKS)"
+
+# The fused ops' Triton kernels under each Triton from the torch floor's (2.9: Triton 3.5.1) to the one before
+# today's (not part of CI, which tests today's): the kernel tests under that Triton's interpreter and the sm_90 compile
+# check (tests/test_fused.py), with it first on the path from .triton/VERSION; numpy below 2.4 for the interpreters
+# before Triton 3.7 (as in test-floors).
+TRITONS := 3.5.1 3.6.0 3.7.1 3.8.0
+test-triton: $(STAMP)
+	set -e; for v in $(TRITONS); do \
+		$(PY) -m pip install --quiet --no-deps --upgrade --target .triton/$$v triton==$$v "numpy<2.4"; \
+		echo "triton $$v"; \
+		PYTHONPATH=.triton/$$v $(PY) -m pytest -q -p no:cacheprovider tests/test_fused.py -k "interpreter or compiles"; \
+	done
 
 # The digits demo: written once as an image folder, trained from scratch (its output folder is replaced),
 # then its last weights evaluated by eval.py.
