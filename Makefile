@@ -70,18 +70,19 @@ flops: $(STAMP)
 	$(PY) -m lipsformer.flops
 
 clean:
-	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache
+	rm -rf $(VENV) $(FLOORS_VENV) .triton .pytest_cache
 
 # A GPU machine without a package registry (README GPU): `make gpu-wheels` here, where pip reaches PyPI, fills .whl/
-# with the wheels such a machine lacks (CUDA torch 2.11, torchvision, accelerate 1.15 and timm are there; fvcore
-# and its small dependencies are not; timm is a fallback should its own be older than our floor). fvcore and
-# iopath publish no wheels, so pip builds them (pure Python). Then, on the GPU machine: `make gpu-check`.
+# with the wheels such a machine lacks (CUDA torch 2.11, torchvision, accelerate 1.15, timm and pytest are there;
+# fvcore and its small dependencies and pytest-xdist are not; timm and pytest-timeout are fallbacks should its own be
+# older than our floors). fvcore and iopath publish no wheels, so pip builds them (pure Python). Then, on the GPU
+# machine: `make gpu-check`.
 GPU_WHEEL_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 gpu-wheels:
 	mkdir -p .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: $(GPU_WHEEL_PLATFORM) -d .whl \
-		timm==1.0.31 yacs==0.1.8 termcolor==3.3.0
+		timm==1.0.31 yacs==0.1.8 termcolor==3.3.0 pytest-xdist==3.8.0 execnet==2.1.2 pytest-timeout==2.4.0
 	$(PYTHON) -m pip wheel --quiet --no-deps --no-build-isolation -w .whl fvcore==0.1.5.post20221221 iopath==0.1.10
 	ls .whl
 

@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 NEVER_REPLACED = {"torch", "torchvision"}  # built for the machine's CUDA
-TEST_EXTRAS = ("pytest", "pytest-timeout", "scikit-learn")
+TEST_EXTRAS = ("pytest", "pytest-timeout", "pytest-xdist", "scikit-learn")
 
 
 def project_requirements():
@@ -102,6 +102,10 @@ def report(results: str) -> int:
     if xml.exists():
         head = re.search(r"<testsuite [^>]*>", xml.read_text())
         tests = {k: int(v) for k, v in re.findall(r'(tests|failures|errors|skipped)="(\d+)"', head.group(0))}
+        log = (out / "gpu_tests.log").read_text() if (out / "gpu_tests.log").exists() else ""
+        collected = re.search(r"workers \[(\d+) items?\]", log)  # pytest-xdist's header: the tests it was to run
+        if collected:  # those left when the step's time ran out (pytest's --session-timeout)
+            tests["not run"] = int(collected.group(1)) - tests["tests"]
         tests["sdpa_kernels"] = dict(re.findall(
             r'<testcase [^>]*name="([^"]*)"[^>]*>\s*<properties>\s*<property name="sdpa_kernels" value="([^"]*)"',
             xml.read_text()))

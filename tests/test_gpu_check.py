@@ -102,6 +102,25 @@ def test_report_tables_a_training_matrix_against_each_groups_baseline(tmp_path):
     assert "| matrix | compiled none | 256 | lipsformer_swin_t | 1.10 | 750 | 1.50 | saved_ratio | - |" in md
 
 
+def test_report_counts_the_tests_the_session_timeout_left(tmp_path):
+    """gpu.sh runs the GPU tests in pytest-xdist's workers with pytest-timeout's --session-timeout: pytest stops
+    handing out tests when the time is up and writes its XML of those that ran; the report counts the rest from the
+    log's header. Here a real run of 8 tests that each sleep a second, in 2 workers, with a session timeout of
+    two of those seconds: each worker stops after its test that ends past it, its second or third."""
+    import subprocess
+    (tmp_path / "test_sleeps.py").write_text(
+        "import time, pytest\n@pytest.mark.parametrize('i', range(8))\ndef test_sleep(i):\n    time.sleep(1)\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "--session-timeout",
+                           "2", "--junitxml", str(tmp_path / "gpu_tests.xml"), "test_sleeps.py"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    (tmp_path / "gpu_tests.log").write_text(proc.stdout)
+    gpu_check.report(str(tmp_path))
+    tests = json.loads((tmp_path / "gpu.json").read_text())["tests"]
+    assert tests["failures"] == tests["errors"] == 0
+    assert tests["not run"] == 8 - tests["tests"] >= 2, proc.stdout
+    assert f"not run {tests['not run']}" in (tmp_path / "gpu.md").read_text()
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the stop on a machine without CUDA")
 def test_gpu_sh_installs_the_project_then_stops_in_one_line_without_cuda(tmp_path):
     # the command's first step, as a GPU machine runs it (no registry: pip --no-index into a target folder), then
