@@ -12,7 +12,7 @@
 #   1. installs the project and each dependency missing or too old from .whl/ into a target folder
 #      (pip --no-index --no-deps), then checks and records every version (versions.json); starts
 #      benchmarks/step_cost.py on the CPU beside the GPU steps: the estimate for this card (step_cost.json);
-#   2. pytest -m gpu in 4 processes (gpu_tests.log, gpu_tests.xml; 135 s, then those left are not run);
+#   2. pytest -m gpu in 4 processes (gpu_tests.log, gpu_tests.xml; no test starts after 120 s, 150 s at most);
 #   3. benchmarks/throughput.py --matrix --device cuda --amp bf16 (docs/speed.md's training benchmark; 270 s at
 #      most): eager at batch 64 and 256, then compiled (by region) at batch 256 with the compiler's default:
 #      lipsformer_swin_t and lipsformer_cswin_t against swin_tiny (and the released implementation with
@@ -84,11 +84,12 @@ COST=$!
 
 if want tests; then
   # in 4 processes (pytest-xdist), 4 CPU threads each: Triton compiles each kernel specialization on its first launch,
-  # on the launching thread, and each `accelerate launch` test starts processes of its own; pytest stops handing out
-  # tests at 135 s and writes what ran (the report counts those not run), the 150 s limit is a backstop
+  # on the launching thread, and each `accelerate launch` test starts processes of its own (those come first in the
+  # file, so that they start at once); pytest starts no test after 120 s and writes what ran (the report counts those
+  # not run); the 150 s limit, which loses the XML, is a backstop for a test still running then
   stamp "GPU tests"
   OMP_NUM_THREADS=4 TORCHINDUCTOR_COMPILE_THREADS=4 timeout 150 "$PY" -m pytest -m gpu -n 4 -p no:cacheprovider \
-    --timeout 90 --session-timeout 135 --junitxml "$OUT/gpu_tests.xml" tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    --timeout 90 --session-timeout 120 --junitxml "$OUT/gpu_tests.xml" tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 
 bench() {  # bench NAME SECONDS ARGS...: one throughput.py run, its JSON and log under $OUT

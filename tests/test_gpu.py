@@ -49,6 +49,71 @@ FUSED_OPS = ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_pro
 MATH_OP = "aten::_scaled_dot_product_attention_math"
 
 
+# First in the file, so that workers sharing the tests out (benchmarks/gpu.sh: pytest-xdist) start the longest,
+# which launch training runs of their own, at once.
+def _launch(*args, cwd=ROOT):
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
+                           "--num_processes", "1", "--dynamo_backend", "no", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _gpu_config(tmp_path: Path, **overrides) -> Path:
+    model_kwargs = {k: v for k, v in GPU_TINY["lipsformer_swin_t"].items() if k != "img_size"}
+    cfg = dict(TINY_RUN, img_size=64, model_kwargs=model_kwargs, data_dir=str(make_folder(tmp_path / "data")),
+               epochs=2, checkpoint_every_steps=2, keep_last=20)
+    cfg.update(overrides)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _assert_close_weights(a_path: Path, b_path: Path, atol: float):
+    a, b = load_file(str(a_path)), load_file(str(b_path))
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst < atol, worst
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_accelerate_launch_trains_on_one_gpu_and_resumes_mid_epoch(tmp_path, precision):
+    """Two epochs of 6 steps; a second run resumed from step 8 (mid-epoch 2) ends where the first did. CUDA's
+    backward kernels add in a varying order (the bias table's scatter, the attention bias), so the weights
+    agree to rounding, not bit for bit."""
+    config = _gpu_config(tmp_path, mixed_precision=precision)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _launch("--mixed_precision", precision, "train.py", "--config", str(config), "--output-dir", str(full))
+    checkpoint = full / "checkpoints" / "step_000000008"
+    assert checkpoint.is_dir()
+    proc = _launch("--mixed_precision", precision, "train.py", "--config", str(config), "--output-dir",
+                   str(resumed), "--resume", str(checkpoint))
+    assert "(step 8: epoch 2, 2 of its batches done)" in proc.stdout
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "epoch"] == [6, 12]
+    assert all(r["skipped_steps"] == 0 for r in rows if r["kind"] == "epoch")
+    for name in ("last.safetensors", "last_ema.safetensors"):
+        _assert_close_weights(full / name, resumed / name, atol=1e-4)
+
+
+def test_fsdp2_with_ema_on_one_gpu_matches_the_plain_run(tmp_path):
+    """FSDP2 (one shard: the whole model) with the EMA over its DTensor parameters, fp32, against the same run
+    without FSDP; then resumed from its sharded checkpoint."""
+    config = _gpu_config(tmp_path, mixed_precision="no", ema_decay=0.9)
+    plain, fsdp, resumed = tmp_path / "plain", tmp_path / "fsdp", tmp_path / "fsdp_resumed"
+    _launch("--mixed_precision", "no", "train.py", "--config", str(config), "--output-dir", str(plain))
+    fsdp_args = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+                 "--fsdp_cpu_ram_efficient_loading", "false", "--mixed_precision", "no", "train.py",
+                 "--config", str(config)]
+    _launch(*fsdp_args, "--output-dir", str(fsdp))
+    _launch(*fsdp_args, "--output-dir", str(resumed), "--resume", str(fsdp / "checkpoints" / "step_000000008"))
+    for name in ("last.safetensors", "last_ema.safetensors"):
+        _assert_close_weights(plain / name, fsdp / name, atol=1e-4)
+        _assert_close_weights(fsdp / name, resumed / name, atol=1e-4)
+    ema, last = load_file(str(fsdp / "last_ema.safetensors")), load_file(str(fsdp / "last.safetensors"))
+    assert not torch.equal(ema["head.fc.weight"], last["head.fc.weight"])  # the average, not the last weights
+
+
 @pytest.fixture(autouse=True)
 def _exact_fp32():
     """fp32 comparisons need full fp32 products: cuDNN convolutions use TF32 unless told otherwise."""
@@ -271,66 +336,3 @@ def test_the_training_loop_waits_for_the_device_only_at_read_steps(tmp_path, mon
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert summary["step"] == 12 and summary["skipped_steps"] == 1
-
-
-def _launch(*args, cwd=ROOT):
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
-                           "--num_processes", "1", "--dynamo_backend", "no", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
-def _gpu_config(tmp_path: Path, **overrides) -> Path:
-    model_kwargs = {k: v for k, v in GPU_TINY["lipsformer_swin_t"].items() if k != "img_size"}
-    cfg = dict(TINY_RUN, img_size=64, model_kwargs=model_kwargs, data_dir=str(make_folder(tmp_path / "data")),
-               epochs=2, checkpoint_every_steps=2, keep_last=20)
-    cfg.update(overrides)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _assert_close_weights(a_path: Path, b_path: Path, atol: float):
-    a, b = load_file(str(a_path)), load_file(str(b_path))
-    assert a.keys() == b.keys()
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    assert worst < atol, worst
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_accelerate_launch_trains_on_one_gpu_and_resumes_mid_epoch(tmp_path, precision):
-    """Two epochs of 6 steps; a second run resumed from step 8 (mid-epoch 2) ends where the first did. CUDA's
-    backward kernels add in a varying order (the bias table's scatter, the attention bias), so the weights
-    agree to rounding, not bit for bit."""
-    config = _gpu_config(tmp_path, mixed_precision=precision)
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _launch("--mixed_precision", precision, "train.py", "--config", str(config), "--output-dir", str(full))
-    checkpoint = full / "checkpoints" / "step_000000008"
-    assert checkpoint.is_dir()
-    proc = _launch("--mixed_precision", precision, "train.py", "--config", str(config), "--output-dir",
-                   str(resumed), "--resume", str(checkpoint))
-    assert "(step 8: epoch 2, 2 of its batches done)" in proc.stdout
-    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "epoch"] == [6, 12]
-    assert all(r["skipped_steps"] == 0 for r in rows if r["kind"] == "epoch")
-    for name in ("last.safetensors", "last_ema.safetensors"):
-        _assert_close_weights(full / name, resumed / name, atol=1e-4)
-
-
-def test_fsdp2_with_ema_on_one_gpu_matches_the_plain_run(tmp_path):
-    """FSDP2 (one shard: the whole model) with the EMA over its DTensor parameters, fp32, against the same run
-    without FSDP; then resumed from its sharded checkpoint."""
-    config = _gpu_config(tmp_path, mixed_precision="no", ema_decay=0.9)
-    plain, fsdp, resumed = tmp_path / "plain", tmp_path / "fsdp", tmp_path / "fsdp_resumed"
-    _launch("--mixed_precision", "no", "train.py", "--config", str(config), "--output-dir", str(plain))
-    fsdp_args = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
-                 "--fsdp_cpu_ram_efficient_loading", "false", "--mixed_precision", "no", "train.py",
-                 "--config", str(config)]
-    _launch(*fsdp_args, "--output-dir", str(fsdp))
-    _launch(*fsdp_args, "--output-dir", str(resumed), "--resume", str(fsdp / "checkpoints" / "step_000000008"))
-    for name in ("last.safetensors", "last_ema.safetensors"):
-        _assert_close_weights(plain / name, fsdp / name, atol=1e-4)
-        _assert_close_weights(fsdp / name, resumed / name, atol=1e-4)
-    ema, last = load_file(str(fsdp / "last_ema.safetensors")), load_file(str(fsdp / "last.safetensors"))
-    assert not torch.equal(ema["head.fc.weight"], last["head.fc.weight"])  # the average, not the last weights
