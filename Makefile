@@ -29,13 +29,14 @@ test: $(STAMP)
 # The oldest versions pyproject.toml allows, in a venv of their own, on the suite's fast subset (not part of CI,
 # which tests what pip resolves today): every test not marked slow (pyproject.toml's markers), the shipped recipes
 # among them; a new test joins it unless it is marked. torch 2.9.1 brings Triton 3.5.1, whose interpreter (the fused
-# kernels' tests) turns one-element arrays into scalars, which numpy 2.4 refuses: numpy below 2.4 there.
+# kernels' tests) turns one-element arrays into scalars, which numpy 2.4 refuses: numpy below 2.4 there. setuptools
+# 68 or later, which benchmarks/gpu.sh needs to install the project (a venv of Python 3.11 starts with 65).
 FLOORS := torch==2.9.1 torchvision==0.24.1 timm==1.0.31 accelerate==1.15.0 pillow==10.0.0 "numpy<2.4"
 FLOORS_VENV := .venv-floors
 FLOORS_MARKS := not slow and not gpu
 test-floors:
 	$(PYTHON) -m venv $(FLOORS_VENV)
-	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip "setuptools>=68"
 	$(FLOORS_VENV)/bin/python -m pip install --quiet -e ".[dev]" $(FLOORS)
 	$(FLOORS_VENV)/bin/python -c "import torch, torchvision, timm, accelerate, PIL; print('floors:', torch.__version__, \
 		torchvision.__version__, timm.__version__, accelerate.__version__, PIL.__version__)"
