@@ -368,6 +368,7 @@ def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, n
         return [loss] + [p.grad.clone() for p in model.parameters()]
 
     plain = step()  # the fused ops' CPU implementation: the plain composition forward
+
     def launch(fn, values, run):
         with record_function("triton::" + fn.__name__):
             return run()

@@ -106,10 +106,11 @@ class LipsBlock(nn.Module):
         as factors (:func:`~lipsformer.layers.residual.drawn_factor`), so that its graph has them as inputs and the
         blocks of a stage, whose drop rates differ, share one graph (with :attr:`compiled_unit_draws`, factors of
         one in a training step where the block does not drop)."""
-        draws = drop_masks(self._residuals(), x, factors)
+        residuals = self._residuals()
+        draws = drop_masks(residuals, x, factors)
         if factors and self.compiled_unit_draws and self.training and all(d is None for d in draws):
             ones = x.new_ones(len(draws), x.shape[0])
-            draws = tuple(None if r is None else (ones[i], 1.0) for i, r in enumerate(self._residuals()))
+            draws = tuple(None if r is None else (ones[i], 1.0) for i, r in enumerate(residuals))
         return draws
 
     def drops(self) -> bool:
