@@ -75,6 +75,7 @@ def _aten_chain(n: int):
 def per_call(chain: int, reps: int, number: int = 20) -> dict:
     """Median seconds per fused call (forward and backward) and per aten op, interleaved."""
     kernels, fused._kernels = fused._kernels, lambda t: StubKernels  # the op's CUDA route, on CPU tensors
+    calls = StubKernels.calls
     fused_step, aten_step = _fused_chain(chain), _aten_chain(chain)
     times = {"fused_call": [], "aten_op": []}
     try:
@@ -87,6 +88,8 @@ def per_call(chain: int, reps: int, number: int = 20) -> dict:
                 times[key].append((time.perf_counter() - start) / (number * per))
     finally:
         fused._kernels = kernels
+    if StubKernels.calls == calls:  # the timing would be the plain composition's
+        raise RuntimeError("the fused op did not take its CUDA route (lipsformer.layers.fused.fusable refused it)")
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -109,7 +112,10 @@ def main(argv=None) -> int:
     if args.chain < 1 or args.reps < 1:
         parser.error("--chain and --reps take positive counts")
     torch.set_num_threads(1)
-    cost = per_call(args.chain, args.reps)
+    try:
+        cost = per_call(args.chain, args.reps)
+    except RuntimeError as e:
+        parser.exit(1, f"error: {e}\n")
     print(f"host per fused call (forward and backward): {cost['fused_call'] * 1e6:.1f} us; per aten op: "
           f"{cost['aten_op'] * 1e6:.1f} us ({cost['fused_call'] / cost['aten_op']:.1f} aten ops), this CPU")
     base = None

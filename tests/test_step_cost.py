@@ -124,11 +124,14 @@ def test_host_cost_times_the_fused_ops_cuda_route_and_splits_a_step_as_counted(r
     """benchmarks/host_cost.py: its fused op runs through the stub kernels (the CUDA route a GPU's host issues) and
     the real ones are back afterwards; a step's aten ops and fused launches add up to step_cost's ops."""
     from lipsformer.layers import fused
+    from lipsformer.layers.fused import use_fused_ops
     host = load_script("benchmarks/host_cost.py")
     kernels, calls = fused._kernels, host.StubKernels.calls
     cost = host.per_call(chain=2, reps=1, number=1)
     assert host.StubKernels.calls - calls == 2 * 2 * 2  # warm-up and timed step, forward and backward, 2 links
     assert fused._kernels is kernels and cost["fused_call"] > 0 and cost["aten_op"] > 0
+    with use_fused_ops(False), pytest.raises(RuntimeError, match="did not take its CUDA route"):
+        host.per_call(chain=2, reps=1, number=1)  # timing the plain composition instead is refused
     assert host.step_counts(BASELINE) == dict(aten_ops=rows[BASELINE, "train"]["ops"], fused_calls=0, fused_launches=0)
     c = host.step_counts("lipsformer_swin_t")
     assert c["aten_ops"] + c["fused_launches"] == rows["lipsformer_swin_t", "train"]["ops"]
