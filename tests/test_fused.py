@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -289,7 +290,9 @@ def test_scale_rows_kernels_match_the_plain_ops(interpreted, dtype, n_maps):
     lists = [list(m) for m in zip(*maps)]
     double = [[t.double() for t in ts] for ts in lists[:3]] + lists[3:]
     got = interpreted.scale_rows(*lists)
-    _close([t for t in got if t.numel()], [t for t in gelu._sr(*double) if t.numel()], dtype)
+    empty = (torch.empty(0), torch.empty(0), torch.empty(0), 1.0)
+    flat = [a.double() if isinstance(a, torch.Tensor) else a for m in maps + [empty] * (2 - n_maps) for a in m]
+    _close([t for t in got if t.numel()], [t for t in gelu._sr(*flat) if t.numel()], dtype)
     grads = [[torch.randn_like(w) for w in lists[0]], [torch.randn_like(b) for b in lists[1]]]
     got = interpreted.scale_rows_backward(*grads, *lists)
     want = gelu._sr_backward(*[[t.double() for t in ts] for ts in grads], *double)
@@ -349,9 +352,10 @@ def _launched(event) -> list:
 def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, name, monkeypatch):
     """Both families' training step (DropPath on) with every fused op running its Triton kernel, the depth-wise
     convolution's included (as on a GPU): the loss and every gradient as with the ops' plain composition, in
-    float32. Inside each op, the kernels it launches (Triton launches and aten ops that launch one, found in the
-    profiler's tree) are what ``fused.LAUNCHES`` says, which the step-cost tool counts for it; whatever else the
-    step launches is outside the ops, where the tool sees it."""
+    float32, and bit for bit alike whether eager mode calls the ops' implementations directly or the profiler sees
+    them through the dispatcher. Inside each op, the kernels it launches (Triton launches and aten ops that launch
+    one, found in the profiler's tree) are what ``fused.LAUNCHES`` says, which the step-cost tool counts for it;
+    whatever else the step launches is outside the ops, where the tool sees it."""
     from torch.profiler import profile, record_function
     from triton.runtime.interpreter import GridExecutor
 
@@ -375,15 +379,61 @@ def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, n
 
     monkeypatch.setattr(GridExecutor, "__call__", wrap_launches(launch))
     monkeypatch.setattr(fused, "_kernels", lambda t: interpreted)
-    with profile() as prof:
+    direct = step()  # each op's implementation called directly, as eager training calls it
+    with profile() as prof:  # through the dispatcher, as the profiler sees the ops
         through_kernels = step()
-    for a, b in zip(through_kernels, plain):
+    for a, b, c in zip(through_kernels, plain, direct):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
     ops = [e for e in prof.events() if e.name.startswith("lipsformer::")]
     launched = [(e.name.split("::")[1], _launched(e)) for e in ops]
     assert {"residual_center_norm_backward", "depthwise_conv", "conv_residual_backward"} <= {op for op, _ in launched}
     wrong = {op: k for op, k in launched if len(k) != fused.LAUNCHES.get(op, 1)}
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
+def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_or_the_profiler_sees_each(name, monkeypatch):
+    """Both families' training step (DropPath on, the GPU's depth-wise route): in eager mode no fused op goes
+    through the dispatcher, whose torch.library wrappers cost the host several launches a call (docs/speed.md);
+    under a dispatch mode (the step-cost tool's count) and under the profiler every one does, each seen as one op;
+    the loss and every gradient bit for bit alike."""
+    from torch.profiler import profile
+
+    from lipsformer.layers import conv_blocks
+    from lipsformer.layers.fused_op import FusedOp
+    monkeypatch.setattr(conv_blocks, "_float32_cpu", lambda x, weight: False)
+    ops = [v for m in (fused, stripes, conv_blocks, gelu) for v in vars(m).values() if isinstance(v, FusedOp)]
+    assert len(ops) == 18
+    names, dispatched = {op: op.name.removeprefix("lipsformer_") for op in ops}, Counter()
+    for op in ops:
+        monkeypatch.setattr(op, "op", lambda *a, real=op.op, short=names[op]: dispatched.update([short]) or real(*a))
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.3, init="xavier", **TINY[family(name)]).train()
+    x = torch.randn(2, 3, 32, 32)
+
+    def step():
+        model.zero_grad()
+        torch.manual_seed(5)
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    direct = step()
+    assert not dispatched
+    with OpNames() as mode:
+        moded = step()
+    assert dispatched == Counter({k: n for k, n in mode.names.items() if k in names.values()})
+    assert {"residual_center_norm", "residual_center_norm_backward", "depthwise_conv", "scale_rows"} <= set(dispatched)
+    if name == "lipsformer_cswin_t":
+        assert {"stripe_qkv", "stripe_merge_backward", "residual_add", "drop_scale"} <= set(dispatched)
+    seen, dispatched = dispatched, Counter()
+    with profile() as prof:
+        profiled = step()
+    # the profiler also sees a fused op that another's CPU implementation calls, which a dispatch mode does not
+    assert dispatched == Counter(e.name.split("::")[1] for e in prof.events() if e.name.startswith("lipsformer::"))
+    assert set(dispatched) == set(seen)
+    for a, b, c in zip(direct, moded, profiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
 def test_torch_compile_sees_each_fused_op_as_one_node():
@@ -402,7 +452,7 @@ def test_torch_compile_sees_each_fused_op_as_one_node():
         "gelu_residual": lambda: torch.ops.lipsformer.gelu_residual(x, h, w, mask, 0.5),
         "residual_add": lambda: torch.ops.lipsformer.residual_add(x, h, mask, 0.5),
         "qk_normalize": lambda: torch.ops.lipsformer.qk_normalize(q, k, 10.0, 1e-12),
-        "scale_rows": lambda: torch.ops.lipsformer.scale_rows([w.view(2, 4)], [b[:2]], [b[2:4]], [1.0]),
+        "scale_rows": lambda: torch.ops.lipsformer.scale_rows(w.view(2, 4), b[:2], b[2:4], 1.0, *[b[:0]] * 3, 1.0),
         "stripe_qkv": lambda: torch.ops.lipsformer.stripe_qkv(qkv, *lepe, [4, 2, 2, 4], 1, 12.0, 1e-12),
         "stripe_merge": lambda: torch.ops.lipsformer.stripe_merge(  # a 5x5 map's stripes, 1 wide, 1 head of 2
             o, o.view(5, 2, 5, 1), o, o.view(5, 2, 1, 5), [5, 1, 1, 5], 5, 5),

@@ -8,6 +8,7 @@ from torch import nn
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
 from .fused import autocast_dtype, defer_bias, fusable, math_backward, sum_dtype
+from .fused_op import fused_op
 from .gelu import gelu_linear, records_grad
 from .groupsort import GroupSort
 from .residual import Draw, create_residual
@@ -145,7 +146,7 @@ class Epilogue(enum.IntEnum):
     RESIDUAL = 2  # the conv block's residual x + m * alpha * GELU(u), and u
 
 
-@torch.library.custom_op("lipsformer::depthwise_conv", mutates_args=())
+@fused_op("lipsformer::depthwise_conv")
 def _dwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, alpha: Optional[torch.Tensor],
          mask: Optional[torch.Tensor], keep: float, epilogue: int, out_dtype: torch.dtype
          ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +191,7 @@ def dw_conv_grads(grad, x, weight, skip):
     return gx if skip is None else gx + skip, torch.cat((gw.flatten(), gb))
 
 
-@torch.library.custom_op("lipsformer::depthwise_conv_backward", mutates_args=())
+@fused_op("lipsformer::depthwise_conv_backward")
 def _dwc_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, skip: Optional[torch.Tensor]
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the input's gradient plus ``skip`` where given, contiguous; the weight's and bias's gradients summed in
@@ -209,7 +210,7 @@ def _(grad, x, weight, skip):
             x.new_empty(C * k * k + C, dtype=sum_dtype(grad)))
 
 
-@torch.library.custom_op("lipsformer::conv_residual_backward", mutates_args=())
+@fused_op("lipsformer::conv_residual_backward")
 def _crb(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, u: torch.Tensor, alpha: torch.Tensor,
          mask: Optional[torch.Tensor], keep: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """A conv block's residual ``x + m * alpha * GELU(dw(x))`` backward, from its output's gradient and ``u =

@@ -1,6 +1,7 @@
 """Fused ops for the passes LipsFormer adds to a transformer block, as ``torch.library`` custom ops: one op forward
 and one backward each, a Triton kernel on CUDA (:mod:`lipsformer.layers.triton_kernels`), the plain composition of
-aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``).
+aten ops elsewhere. ``torch.compile`` sees each as one node (``register_fake``); eager mode calls the same
+implementation without the dispatcher (:mod:`lipsformer.layers.fused_op`).
 
 - :func:`residual_center_norm`: ``CN(x + m * h)``, a weighted residual (its branch output ``h`` already scaled by
   alpha, ``m`` the per-sample DropPath factor, the branch's last bias optionally added here) with the CenterNorm
@@ -32,6 +33,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .fused_op import fused_op
 
 _ENABLED = [os.environ.get("LIPSFORMER_FUSED_OPS", "1") != "0"]
 # CUDA kernels each op launches (one unless listed)
@@ -133,7 +136,7 @@ def residual_center_norm_plain(x, h, mask, keep, weight, bias, scale, h_bias=Non
     return torch.addcmul(bias, z, weight * scale)
 
 
-@torch.library.custom_op("lipsformer::residual_center_norm", mutates_args=())
+@fused_op("lipsformer::residual_center_norm")
 def _rcn(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, weight: Tensor, bias: Tensor,
          scale: float, save: bool, h_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(the output, the centred sum where ``save``, else an empty tensor)."""
@@ -175,7 +178,7 @@ def _rcn_backward_math(grad, z, mask, keep, weight, scale, h_bias_sum=False):
     return grad_s, grad_h, torch.stack(sums)
 
 
-@torch.library.custom_op("lipsformer::residual_center_norm_backward", mutates_args=())
+@fused_op("lipsformer::residual_center_norm_backward")
 def _rcn_backward(grad: Tensor, z: Tensor, mask: Optional[Tensor], keep: float, weight: Tensor, scale: float,
                   h_bias_sum: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """(the gradient of the sum ``x + m * h``, that of ``h`` where a mask scales it (else an empty tensor), and the
@@ -226,7 +229,7 @@ def _rcn_grad(ctx, grad, _):
             sums[0].to(weight.dtype), sums[1].to(b_dtype), None, None, sums[2].to(hb_dtype) if h_bias_sum else None)
 
 
-torch.library.register_autograd("lipsformer::residual_center_norm", _rcn_grad, setup_context=_rcn_setup)
+_rcn.register_autograd(_rcn_grad, _rcn_setup)
 
 
 def residual_center_norm(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor], keep: float, weight: Tensor,
@@ -244,7 +247,7 @@ def residual_center_norm(x: Tensor, h: Optional[Tensor], mask: Optional[Tensor],
 
 
 # -- x + m * h, a residual's sum without a norm after it ------------------------------------------------------------
-@torch.library.custom_op("lipsformer::residual_add", mutates_args=())
+@fused_op("lipsformer::residual_add")
 def _radd(x: Tensor, h: Tensor, mask: Tensor, keep: float) -> Tensor:
     kernels = _kernels(x)
     if kernels is not None:
@@ -257,7 +260,7 @@ def _(x, h, mask, keep):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, h.dtype))
 
 
-@torch.library.custom_op("lipsformer::drop_scale", mutates_args=())
+@fused_op("lipsformer::drop_scale")
 def _drop_scale(grad: Tensor, mask: Tensor, keep: float) -> Tensor:
     """``m * grad``: the gradient of :func:`residual_add`'s ``h``."""
     kernels = _kernels(grad)
@@ -286,7 +289,7 @@ def _radd_grad(ctx, grad):
     return grad.to(ctx.dtypes[0]), grad_h.to(ctx.dtypes[1]), None, None
 
 
-torch.library.register_autograd("lipsformer::residual_add", _radd_grad, setup_context=_radd_setup)
+_radd.register_autograd(_radd_grad, _radd_setup)
 
 
 def residual_add(x: Tensor, h: Tensor, mask: Tensor, keep: float) -> Tensor:
@@ -303,7 +306,7 @@ def gelu_residual_plain(x, u, alpha, mask, keep, u_bias=None):
     return torch.addcmul(x, F.gelu(_biased(u, u_bias)), alpha if factor is None else alpha * factor)
 
 
-@torch.library.custom_op("lipsformer::gelu_residual", mutates_args=())
+@fused_op("lipsformer::gelu_residual")
 def _gr(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float, u_bias: Optional[Tensor] = None
         ) -> Tensor:
     kernels = _kernels(x)
@@ -332,7 +335,7 @@ def _gr_backward_math(grad, u, alpha, mask, keep, u_bias=None):
     return grad_u, sums if u_bias is None else torch.stack((sums, grad_u.reshape(-1, u.shape[-1]).sum(0)))
 
 
-@torch.library.custom_op("lipsformer::gelu_residual_backward", mutates_args=())
+@fused_op("lipsformer::gelu_residual_backward")
 def _gr_backward(grad: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor], keep: float,
                  u_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(the gradient of ``u``, alpha's summed in float32 at least: (C), or with ``u_bias`` (2, C), alpha's and
@@ -377,7 +380,7 @@ def _gr_grad(ctx, grad):
     return grad.to(ctx.x_dtype), grad_u, sums[0].to(alpha.dtype), None, None, sums[1].to(u_bias.dtype)
 
 
-torch.library.register_autograd("lipsformer::gelu_residual", _gr_grad, setup_context=_gr_setup)
+_gr.register_autograd(_gr_grad, _gr_setup)
 
 
 def gelu_residual(x: Tensor, u: Tensor, alpha: Tensor, mask: Optional[Tensor] = None, keep: float = 1.0,
@@ -396,7 +399,7 @@ def gelu_and_grad_plain(grad_h, u):
     return F.gelu(u), torch.ops.aten.gelu_backward(grad_h.to(u.dtype), u)
 
 
-@torch.library.custom_op("lipsformer::gelu_and_grad", mutates_args=())
+@fused_op("lipsformer::gelu_and_grad")
 def _gg(grad_h: Tensor, u: Tensor) -> Tuple[Tensor, Tensor]:
     kernels = _kernels(u)
     if kernels is not None:
@@ -425,7 +428,7 @@ def l2_normalize(x: Tensor, eps: float, scale: float = 1.0) -> Tensor:
     return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
 
 
-@torch.library.custom_op("lipsformer::qk_normalize", mutates_args=())
+@fused_op("lipsformer::qk_normalize")
 def _qkn(q: Tensor, k: Tensor, q_scale: float, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q and k normalised, contiguous, and their rows' ``1 / norm``)."""
     kernels = _kernels(q)
@@ -463,7 +466,7 @@ def qk_normalize_backward_math(grad_q, grad_k, qn, kn, rq, rk, q_scale):
     return grads[0], grads[1]
 
 
-@torch.library.custom_op("lipsformer::qk_normalize_backward", mutates_args=())
+@fused_op("lipsformer::qk_normalize_backward")
 def _qkn_backward(grad_q: Tensor, grad_k: Tensor, qn: Tensor, kn: Tensor, rq: Tensor, rk: Tensor, q_scale: float
                   ) -> Tuple[Tensor, Tensor]:
     kernels = _kernels(qn)
@@ -515,7 +518,7 @@ def _qkn_grad(ctx, grad_q, grad_k, _rq, _rk):
     return gq, gk, None, None
 
 
-torch.library.register_autograd("lipsformer::qk_normalize", _qkn_grad, setup_context=_qkn_setup)
+_qkn.register_autograd(_qkn_grad, _qkn_setup)
 
 
 def qk_normalize(q: Tensor, k: Tensor, eps: float, q_scale: float = 1.0) -> Tuple[Tensor, Tensor]:

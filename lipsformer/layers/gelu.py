@@ -19,11 +19,12 @@ from torch import Tensor
 
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
 from .fused import autocast_dtype, fusable, gelu_and_grad, math_backward
+from .fused_op import fused_op
 
 
 # -- linear maps' rows scaled ---------------------------------------------------------------------------------------
-# A map is (weight, bias, scale, input_scale); an op takes one or two (a block's two branches: one launch); a bias
-# travels as an empty tensor where the map has none.
+# A map is (weight, bias, scale, input_scale); an op takes one or two (a block's two branches: one launch), the second
+# as empty tensors where there is one; a bias travels as an empty tensor where the map has none.
 Map = Tuple[Tensor, Optional[Tensor], Tensor, float]
 
 
@@ -40,23 +41,31 @@ def _none_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
     return t if t is not None else like.new_empty(0)
 
 
-@torch.library.custom_op("lipsformer::scale_rows", mutates_args=())
-def _sr(weights: List[Tensor], biases: List[Tensor], scales: List[Tensor], input_scales: List[float]
-        ) -> List[Tensor]:
-    """For each map ``weight * scale[:, None] * input_scale`` and ``bias * scale`` (empty without a bias)."""
-    kernels = fused._kernels(weights[0])
+def _maps(w0, b0, s0, c0, w1, b1, s1, c1) -> List[Tuple[Tensor, Tensor, Tensor, float]]:
+    """The op's one or two maps, (weight, bias or empty, scale, input_scale) each."""
+    return [(w0, b0, s0, c0)] + ([(w1, b1, s1, c1)] if w1.numel() else [])
+
+
+@fused_op("lipsformer::scale_rows")
+def _sr(w0: Tensor, b0: Tensor, s0: Tensor, c0: float, w1: Tensor, b1: Tensor, s1: Tensor, c1: float
+        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """For each map ``weight * scale[:, None] * input_scale`` and ``bias * scale`` (empty without a bias; the second
+    map's empty where there is one)."""
+    maps = _maps(w0, b0, s0, c0, w1, b1, s1, c1)
+    kernels = fused._kernels(w0)
     if kernels is not None:
-        return kernels.scale_rows(weights, biases, scales, input_scales)
-    out = []
-    for w, b, s, c in zip(weights, biases, scales, input_scales):
-        w, b = _scaled_plain(w, _some(b), s, c)
-        out += [w, _none_empty(b, w)]
-    return out
+        out = kernels.scale_rows(*[list(t) for t in zip(*maps)])
+    else:
+        out = []
+        for w, b, s, c in maps:
+            w, b = _scaled_plain(w, _some(b), s, c)
+            out += [w, _none_empty(b, w)]
+    return (*out, *[w1.new_empty(0) for _ in range(4 - len(out))])  # distinct: outputs may not alias
 
 
 @_sr.register_fake
-def _(weights, biases, scales, input_scales):
-    return [t for w, b in zip(weights, biases) for t in (torch.empty_like(w), torch.empty_like(b))]
+def _(w0, b0, s0, c0, w1, b1, s1, c1):
+    return torch.empty_like(w0), torch.empty_like(b0), torch.empty_like(w1), torch.empty_like(b1)
 
 
 def _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale):
@@ -67,7 +76,7 @@ def _sr_backward_math(grad_w, grad_b, weight, bias, scale, input_scale):
     return grad_w * scale.unsqueeze(1), grad_b * scale if bias is not None else None, grad_s.to(scale.dtype)
 
 
-@torch.library.custom_op("lipsformer::scale_rows_backward", mutates_args=())
+@fused_op("lipsformer::scale_rows_backward")
 def _sr_backward(grads_w: List[Tensor], grads_b: List[Tensor], weights: List[Tensor], biases: List[Tensor],
                  scales: List[Tensor], input_scales: List[float]) -> List[Tensor]:
     """From the scaled maps' gradients, for each map: the weight's, the bias's (empty without one) and the scale's
@@ -105,19 +114,21 @@ def scale_rows_backward(grads: Sequence[Tuple[Tensor, Optional[Tensor]]], maps: 
 
 def _sr_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros for outputs nothing uses
-    weights, biases, scales, input_scales = inputs
-    ctx.save_for_backward(*weights, *biases, *scales)
-    ctx.input_scales = input_scales
+    w0, b0, s0, c0, w1, b1, s1, c1 = inputs
+    ctx.save_for_backward(w0, b0, s0, w1, b1, s1)
+    ctx.input_scales = (c0, c1)
 
 
-def _sr_grad(ctx, grads):
-    saved, n = ctx.saved_tensors, len(ctx.input_scales)
-    maps = [(w, _some(b), s, c) for w, b, s, c in zip(saved[:n], saved[n:2 * n], saved[2 * n:], ctx.input_scales)]
-    out = scale_rows_backward(list(zip(grads[0::2], grads[1::2])), maps)
-    return ([gw for gw, _, _ in out], [_none_empty(gb, gw) for gw, gb, _ in out], [gs for _, _, gs in out], None)
+def _sr_grad(ctx, gw0, gb0, gw1, gb1):
+    w0, b0, s0, w1, b1, s1 = ctx.saved_tensors
+    maps = [(w, _some(b), s, c) for w, b, s, c in _maps(w0, b0, s0, ctx.input_scales[0], w1, b1, s1,
+                                                        ctx.input_scales[1])]
+    out = scale_rows_backward([(gw0, gb0), (gw1, gb1)][:len(maps)], maps)
+    grads = [g for gw, gb, gs in out for g in (gw, gb, gs, None)]
+    return (*grads, *[None] * (8 - len(grads)))
 
 
-torch.library.register_autograd("lipsformer::scale_rows", _sr_grad, setup_context=_sr_setup)
+_sr.register_autograd(_sr_grad, _sr_setup)
 
 
 def scale_rows(maps: Sequence[Map]) -> List[Tuple[Tensor, Optional[Tensor]]]:
@@ -128,9 +139,11 @@ def scale_rows(maps: Sequence[Map]) -> List[Tuple[Tensor, Optional[Tensor]]]:
         raise ValueError(f"scale_rows takes one or two maps, got {len(maps)}")
     if not fusable(*[t for m in maps for t in m[:3]]):
         return [_scaled_plain(*m) for m in maps]
-    out = _sr([m[0] for m in maps], [_none_empty(m[1], m[0]) for m in maps], [m[2] for m in maps],
-              [float(m[3]) for m in maps])
-    return [(w, b if m[1] is not None else None) for w, b, m in zip(out[0::2], out[1::2], maps)]
+    w = maps[0][0]
+    flat = [(m[0], _none_empty(m[1], m[0]), m[2], float(m[3])) for m in maps]
+    flat += [(w.new_empty(0), w.new_empty(0), w.new_empty(0), 1.0)] * (2 - len(maps))
+    out = _sr(*[a for m in flat for a in m])
+    return [(out[2 * i], out[2 * i + 1] if m[1] is not None else None) for i, m in enumerate(maps)]
 
 
 def _gelu_grad(grad_out: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import Tensor
 from . import fused  # fused._kernels looked up on the module, where the tests replace it
 from .conv_blocks import dw_conv, dw_conv_grads
 from .fused import DifferentiableOnce, math_backward, qk_normalize_backward_math, qk_normalize_math, sum_dtype
+from .fused_op import fused_op
 from .windows import window_partition, window_reverse
 
 
@@ -51,7 +52,7 @@ def _lepe(v: Tensor, weight: Tensor, bias: Tensor, window: Tuple[int, int]) -> T
     return dw_conv(_windows_nhwc(v, window), weight.to(v.dtype), bias.to(v.dtype)).contiguous().view(v.shape)
 
 
-@torch.library.custom_op("lipsformer::stripe_qkv", mutates_args=())
+@fused_op("lipsformer::stripe_qkv")
 def _sqkv(qkv: Tensor, w0: Tensor, b0: Tensor, w1: Tensor, b1: Tensor, windows: List[int], heads: int,
           q_scale: float, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """From a (B, H, W, 3 * C) projection laid out (q, k, v) x (branches) x (heads, d): for each branch (one or two),
@@ -102,7 +103,7 @@ def _sqkv_backward_math(grads, outs, weights, norms, windows, H, W, q_scale):
     return torch.stack(parts, 4).flatten(3), torch.stack(sums)  # (B, H, W, 3 * branches * heads * d)
 
 
-@torch.library.custom_op("lipsformer::stripe_qkv_backward", mutates_args=())
+@fused_op("lipsformer::stripe_qkv_backward")
 def _sqkv_backward(gq0: Tensor, gk0: Tensor, gv0: Tensor, gl0: Tensor, gq1: Tensor, gk1: Tensor, gv1: Tensor,
                    gl1: Tensor, qn0: Tensor, kn0: Tensor, v0: Tensor, qn1: Tensor, kn1: Tensor, v1: Tensor, w0: Tensor,
                    w1: Tensor, norms: Tensor, windows: List[int], H: int, W: int, q_scale: float
@@ -161,7 +162,7 @@ def _sqkv_grad(ctx, *grads):
     return (grad, *lepe, None, None, None, None)
 
 
-torch.library.register_autograd("lipsformer::stripe_qkv", _sqkv_grad, setup_context=_sqkv_setup)
+_sqkv.register_autograd(_sqkv_grad, _sqkv_setup)
 
 
 def stripe_qkv(qkv: Tensor, lepes: List[torch.nn.Conv2d], windows: List[Tuple[int, int]], heads: int,
@@ -196,7 +197,7 @@ def _smerge_math(outs, lepes, windows, H, W):
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, -1)
 
 
-@torch.library.custom_op("lipsformer::stripe_merge", mutates_args=())
+@fused_op("lipsformer::stripe_merge")
 def _smerge(o0: Tensor, lepe0: Tensor, o1: Tensor, lepe1: Tensor, windows: List[int], H: int, W: int) -> Tensor:
     """(B, H, W, C) from each branch's attention output (windows, heads, tokens, d) plus its LePE (windows, C_b,
     wh, ww), the branches' channels side by side (an absent second branch: empty tensors)."""
@@ -216,7 +217,7 @@ def _(o0, lepe0, o1, lepe1, windows, H, W):
                         dtype=torch.promote_types(o0.dtype, lepe0.dtype))
 
 
-@torch.library.custom_op("lipsformer::stripe_merge_backward", mutates_args=())
+@fused_op("lipsformer::stripe_merge_backward")
 def _smerge_backward(grad: Tensor, windows: List[int], heads: int) -> Tuple[Tensor, Tensor]:
     """Each branch's part of the map's gradient, (windows, tokens, heads, d) contiguous (an absent second branch:
     empty): the gradient of its attention output and, viewed as a map, of its LePE."""
@@ -263,7 +264,7 @@ def _smerge_grad(ctx, grad):
     return (*out, None, None, None)
 
 
-torch.library.register_autograd("lipsformer::stripe_merge", _smerge_grad, setup_context=_smerge_setup)
+_smerge.register_autograd(_smerge_grad, _smerge_setup)
 
 
 def stripe_merge(outs: List[Tensor], lepes: List[Tensor], windows: List[Tuple[int, int]], H: int, W: int) -> Tensor:

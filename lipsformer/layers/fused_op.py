@@ -1,0 +1,68 @@
+"""How a fused op (:mod:`lipsformer.layers.fused`) is registered and called: a ``torch.library`` custom op, and in
+eager mode a direct call of the same implementation.
+
+The custom op is what the dispatcher sees: ``torch.compile`` and export (one node, ``register_fake``), dispatch
+modes (fake tensors, the step-cost tool's count, ``FlopCounterMode``) and the profiler (one named op). Calling it
+costs the host the dispatcher twice and torch.library's Python wrappers (its ``autograd.Function`` around a
+redispatch, the schema's defaults filled in, the outputs checked for aliases), forward and again backward: several
+times the kernels' own launch (``benchmarks/host_cost.py``, docs/speed.md). So where no dispatch mode is on and the
+profiler is off, :class:`FusedOp` calls the implementation itself, through a plain ``autograd.Function`` with the
+same setup and backward as the op's ``register_autograd``: one implementation, two entries.
+"""
+import inspect
+import typing
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def dispatched() -> bool:
+    """Whether fused ops go through the dispatcher: a ``TorchDispatchMode`` is on, or the profiler records (either
+    should see each op as one)."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled()
+
+
+class FusedOp:
+    """A fused op: ``op``, the ``torch.library`` custom op of ``fn`` (``register_fake`` and ``register_autograd`` as
+    the custom op's), called where :func:`dispatched`; elsewhere ``fn`` itself, differentiable through ``entry``, an
+    ``autograd.Function`` of the registered setup and backward (so a differentiable op takes no list of tensors,
+    whose tensors an ``autograd.Function`` does not see). Called with its arguments by position."""
+
+    def __init__(self, name: str, fn: Callable):
+        self.name = name.replace("::", "_")  # the entry's autograd node: lipsformer_<op>Backward
+        self.fn, self.op = fn, torch.library.custom_op(name, fn, mutates_args=())
+        params = list(inspect.signature(fn).parameters.values())
+        self.arity = len(params)
+        self.defaults = tuple(p.default for p in params if p.default is not p.empty)
+        self.entry = None  # the autograd.Function of register_autograd
+
+    def register_fake(self, fn: Callable) -> Callable:
+        return self.op.register_fake(fn)
+
+    def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
+        params = inspect.signature(self.fn).parameters.values()
+        if any(typing.get_origin(p.annotation) is list and typing.get_args(p.annotation) == (Tensor,) for p in params):
+            raise TypeError(f"{self.name}: an autograd.Function does not see the tensors in a list; give a "
+                            "differentiable fused op its tensors one by one")
+        self.op.register_autograd(backward, setup_context=setup_context)
+        fn = self.fn
+
+        def forward(ctx, *inputs):
+            output = fn(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+        self.entry = type(self.name, (torch.autograd.Function,),
+                          {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        if dispatched():
+            return self.op(*args)
+        if len(args) < self.arity:  # the defaults, which setup_context reads
+            args += self.defaults[len(self.defaults) - (self.arity - len(args)):]
+        return self.entry.apply(*args) if self.entry is not None and torch.is_grad_enabled() else self.fn(*args)
+
+
+def fused_op(name: str) -> Callable[[Callable], FusedOp]:
+    """``@fused_op("lipsformer::name")`` over the implementation: a :class:`FusedOp` (no input mutated)."""
+    return lambda fn: FusedOp(name, fn)
