@@ -1,7 +1,8 @@
 """A tool (docs/speed.md): what the host spends issuing a training step's ops, measured on the CPU. A GPU runs a step
 no faster than its host issues the kernels, so at small batches the host's time per step bounds img/s; the step-cost
-tool (benchmarks/step_cost.py) charges every op one launch cost alike, while a fused ``lipsformer::`` op is a
-``torch.library`` custom op whose call goes through the dispatcher and torch.library's autograd wrapper in Python.
+tool (benchmarks/step_cost.py) charges every op one launch cost alike, while a fused ``lipsformer::`` op is Python:
+eager mode calls its implementation through a plain ``autograd.Function``, and where a dispatch mode or the profiler
+is on it goes through the dispatcher as a ``torch.library`` custom op (:mod:`lipsformer.layers.fused_op`).
 
     python benchmarks/host_cost.py [--models lipsformer_swin_t lipsformer_cswin_t]
         [--baseline swin_tiny_patch4_window7_224] [--chain 20] [--reps 7]
@@ -9,10 +10,11 @@ tool (benchmarks/step_cost.py) charges every op one launch cost alike, while a f
 Measured in one process, interleaved, medians: a chain of ``--chain`` calls of one fused op (the residual's
 CenterNorm with a DropPath mask, ``lipsformer::residual_center_norm``; its Triton kernels replaced by stubs that
 return its outputs unwritten, so that the op takes its CUDA route on CPU tensors as a GPU's host runs it, less
-Triton's launcher) forward and then backward, against a chain of as many aten ``mul`` (one op forward, two
-backward), on tiny tensors (the host's cost does not depend on their size): microseconds per fused call (forward and
-backward) and per aten op. Then, per model, one training step's aten ops and fused calls (step_cost's count, on the
-meta device) at those costs: the host's milliseconds per step on this CPU, and their ratio to the baseline's.
+Triton's launcher) forward and then backward, as eager mode calls it and through the dispatcher, against a chain of
+as many aten ``mul`` (one op forward, two backward), on tiny tensors (the host's cost does not depend on their
+size): microseconds per fused call (forward and backward) and per aten op. Then, per model, one training step's aten
+ops and fused calls (step_cost's count, on the meta device) at eager mode's costs: the host's milliseconds per step
+on this CPU, and their ratio to the baseline's; and the milliseconds with every fused call through the dispatcher.
 """
 import argparse
 import statistics
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lipsformer  # noqa: E402,F401  (registers the models)
 import step_cost  # noqa: E402
-from lipsformer.layers import fused  # noqa: E402
+from lipsformer.layers import fused, fused_op  # noqa: E402
 
 
 class StubKernels:
@@ -72,15 +74,29 @@ def _aten_chain(n: int):
     return step
 
 
+def _dispatched(step):
+    """``step`` with the fused ops called through the dispatcher, as under a dispatch mode or the profiler."""
+    def run():
+        direct, fused_op.dispatched = fused_op.dispatched, lambda: True
+        try:
+            step()
+        finally:
+            fused_op.dispatched = direct
+    return run
+
+
 def per_call(chain: int, reps: int, number: int = 20) -> dict:
-    """Median seconds per fused call (forward and backward) and per aten op, interleaved."""
+    """Median seconds per fused call (forward and backward) as eager mode calls it (``fused_call``) and through the
+    dispatcher (``dispatched_call``), and per aten op, interleaved."""
     kernels, fused._kernels = fused._kernels, lambda t: StubKernels  # the op's CUDA route, on CPU tensors
     calls = StubKernels.calls
     fused_step, aten_step = _fused_chain(chain), _aten_chain(chain)
-    times = {"fused_call": [], "aten_op": []}
+    runs = (("fused_call", fused_step, chain), ("dispatched_call", _dispatched(fused_step), chain),
+            ("aten_op", aten_step, 3 * chain))
+    times = {key: [] for key, _, _ in runs}
     try:
         for _ in range(reps):
-            for key, step, per in (("fused_call", fused_step, chain), ("aten_op", aten_step, 3 * chain)):
+            for key, step, per in runs:
                 step()
                 start = time.perf_counter()
                 for _ in range(number):
@@ -116,15 +132,18 @@ def main(argv=None) -> int:
         cost = per_call(args.chain, args.reps)
     except RuntimeError as e:
         parser.exit(1, f"error: {e}\n")
-    print(f"host per fused call (forward and backward): {cost['fused_call'] * 1e6:.1f} us; per aten op: "
-          f"{cost['aten_op'] * 1e6:.1f} us ({cost['fused_call'] / cost['aten_op']:.1f} aten ops), this CPU")
+    aten = cost["aten_op"]
+    print(f"host per fused call (forward and backward): {cost['fused_call'] * 1e6:.1f} us "
+          f"({cost['fused_call'] / aten:.1f} aten ops), through the dispatcher {cost['dispatched_call'] * 1e6:.1f} us "
+          f"({cost['dispatched_call'] / aten:.1f}); per aten op: {aten * 1e6:.1f} us, this CPU")
     base = None
-    print(f"{'model':30} {'aten ops':>8} {'fused calls':>11} {'host ms':>8} {'ratio':>6}")
+    print(f"{'model':30} {'aten ops':>8} {'fused calls':>11} {'host ms':>8} {'ratio':>6} {'dispatched ms':>13}")
     for name in [args.baseline] + args.models:
         c = step_counts(name)
-        ms = (c["aten_ops"] * cost["aten_op"] + c["fused_calls"] / 2 * cost["fused_call"]) * 1e3
+        ms, via = ((c["aten_ops"] * aten + c["fused_calls"] / 2 * cost[key]) * 1e3
+                   for key in ("fused_call", "dispatched_call"))
         base = base or ms
-        print(f"{name:30} {c['aten_ops']:8d} {c['fused_calls']:11d} {ms:8.1f} {ms / base:6.2f}")
+        print(f"{name:30} {c['aten_ops']:8d} {c['fused_calls']:11d} {ms:8.1f} {ms / base:6.2f} {via:13.1f}")
     return 0
 
 

@@ -120,16 +120,22 @@ def test_a_training_step_of_the_conv_blocks_launches_one_op_for_each_pass(tool):
         "lipsformer.depthwise_conv_backward", "lipsformer.depthwise_conv_backward.sum"]
 
 
-def test_host_cost_times_the_fused_ops_cuda_route_and_splits_a_step_as_counted(rows):
-    """benchmarks/host_cost.py: its fused op runs through the stub kernels (the CUDA route a GPU's host issues) and
-    the real ones are back afterwards; a step's aten ops and fused launches add up to step_cost's ops."""
-    from lipsformer.layers import fused
+def test_host_cost_times_the_fused_ops_cuda_route_and_splits_a_step_as_counted(rows, monkeypatch):
+    """benchmarks/host_cost.py: its fused op runs through the stub kernels (the CUDA route a GPU's host issues),
+    called directly and then through the dispatcher, and the real kernels are back afterwards; a step's aten ops and
+    fused launches add up to step_cost's ops."""
+    from lipsformer.layers import fused, fused_op
     from lipsformer.layers.fused import use_fused_ops
     host = load_script("benchmarks/host_cost.py")
-    kernels, calls = fused._kernels, host.StubKernels.calls
+    dispatched = []
+    for op in (fused._rcn, fused._rcn_backward):
+        monkeypatch.setattr(op, "op", lambda *a, op=op.op: dispatched.append(op) or op(*a))
+    kernels, calls, direct = fused._kernels, host.StubKernels.calls, fused_op.dispatched
     cost = host.per_call(chain=2, reps=1, number=1)
-    assert host.StubKernels.calls - calls == 2 * 2 * 2  # warm-up and timed step, forward and backward, 2 links
-    assert fused._kernels is kernels and cost["fused_call"] > 0 and cost["aten_op"] > 0
+    # each route: warm-up and timed step, forward and backward, 2 links; the second route's through the dispatcher
+    assert host.StubKernels.calls - calls == 2 * 2 * 2 * 2 and len(dispatched) == 2 * 2 * 2
+    assert fused._kernels is kernels and fused_op.dispatched is direct
+    assert cost["fused_call"] > 0 and cost["dispatched_call"] > 0 and cost["aten_op"] > 0
     with use_fused_ops(False), pytest.raises(RuntimeError, match="did not take its CUDA route"):
         host.per_call(chain=2, reps=1, number=1)  # timing the plain composition instead is refused
     assert host.step_counts(BASELINE) == dict(aten_ops=rows[BASELINE, "train"]["ops"], fused_calls=0, fused_launches=0)
