@@ -4,10 +4,11 @@ eager mode a direct call of the same implementation.
 The custom op is what the dispatcher sees: ``torch.compile`` and export (one node, ``register_fake``), dispatch
 modes (fake tensors, the step-cost tool's count, ``FlopCounterMode``) and the profiler (one named op). Calling it
 costs the host the dispatcher twice and torch.library's Python wrappers (its ``autograd.Function`` around a
-redispatch, the schema's defaults filled in, the outputs checked for aliases), forward and again backward: several
-times the kernels' own launch (``benchmarks/host_cost.py``, docs/speed.md). So where no dispatch mode is on and the
-profiler is off, :class:`FusedOp` calls the implementation itself, through a plain ``autograd.Function`` with the
-same setup and backward as the op's ``register_autograd``: one implementation, two entries.
+redispatch, the schema's defaults filled in, the outputs checked for aliases), forward and again backward: more than
+twice what a direct call of the implementation costs (``benchmarks/host_cost.py``, docs/speed.md). So where no
+dispatch mode is on and the profiler is off, :class:`FusedOp` calls the implementation itself, through a plain
+``autograd.Function`` with the same setup and backward as the op's ``register_autograd``: one implementation, two
+entries.
 """
 import inspect
 import typing

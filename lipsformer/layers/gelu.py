@@ -24,7 +24,7 @@ from .fused_op import fused_op
 
 # -- linear maps' rows scaled ---------------------------------------------------------------------------------------
 # A map is (weight, bias, scale, input_scale); an op takes one or two (a block's two branches: one launch), the second
-# as empty tensors where there is one; a bias travels as an empty tensor where the map has none.
+# as empty tensors where it takes one; a bias travels as an empty tensor where the map has none.
 Map = Tuple[Tensor, Optional[Tensor], Tensor, float]
 
 
@@ -50,7 +50,7 @@ def _maps(w0, b0, s0, c0, w1, b1, s1, c1) -> List[Tuple[Tensor, Tensor, Tensor, 
 def _sr(w0: Tensor, b0: Tensor, s0: Tensor, c0: float, w1: Tensor, b1: Tensor, s1: Tensor, c1: float
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """For each map ``weight * scale[:, None] * input_scale`` and ``bias * scale`` (empty without a bias; the second
-    map's empty where there is one)."""
+    map's outputs empty where the op takes one map)."""
     maps = _maps(w0, b0, s0, c0, w1, b1, s1, c1)
     kernels = fused._kernels(w0)
     if kernels is not None:
