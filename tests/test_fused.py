@@ -436,6 +436,21 @@ def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_or_the_prof
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
+def test_a_differentiable_fused_op_refuses_a_list_of_tensors():
+    """An ``autograd.Function`` does not see the tensors in a list, so eager mode's entry could not differentiate
+    them: registering autograd on such an op says so."""
+    from typing import List
+
+    from lipsformer.layers.fused_op import fused_op
+
+    @fused_op("lipsformer_tests::listed")
+    def listed(ts: List[torch.Tensor]) -> torch.Tensor:
+        return ts[0].clone()
+
+    with pytest.raises(TypeError, match="does not see the tensors in a list"):
+        listed.register_autograd(lambda ctx, grad: None, lambda ctx, inputs, output: None)
+
+
 def test_torch_compile_sees_each_fused_op_as_one_node():
     seen = []
 
