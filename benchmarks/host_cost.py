@@ -1,8 +1,8 @@
 """A tool (docs/speed.md): what the host spends issuing a training step's ops, measured on the CPU. A GPU runs a step
 no faster than its host issues the kernels, so at small batches the host's time per step bounds img/s; the step-cost
 tool (benchmarks/step_cost.py) charges every op one launch cost alike, while a fused ``lipsformer::`` op is Python:
-eager mode calls its implementation through a plain ``autograd.Function``, and where a dispatch mode or the profiler
-is on it goes through the dispatcher as a ``torch.library`` custom op (:mod:`lipsformer.layers.fused_op`).
+eager mode calls its implementation through a plain ``autograd.Function``, and where a dispatch mode is on it goes
+through the dispatcher as a ``torch.library`` custom op (:mod:`lipsformer.layers.fused_op`).
 
     python benchmarks/host_cost.py [--models lipsformer_swin_t lipsformer_cswin_t]
         [--baseline swin_tiny_patch4_window7_224] [--chain 20] [--reps 7]
@@ -75,7 +75,7 @@ def _aten_chain(n: int):
 
 
 def _dispatched(step):
-    """``step`` with the fused ops called through the dispatcher, as under a dispatch mode or the profiler."""
+    """``step`` with the fused ops called through the dispatcher, as under a dispatch mode."""
     def run():
         direct, fused_op.dispatched = fused_op.dispatched, lambda: True
         try:

@@ -343,7 +343,7 @@ def _launched(event) -> list:
     it calls on the CPU); inside ops that launch none, what they call."""
     if event.name.startswith("triton::"):
         return [event.name]
-    if event.name in _NO_KERNEL or event.name.startswith(("lipsformer::", "GeneratedBackwardFor")):
+    if event.name in _NO_KERNEL or event.name.startswith("lipsformer::"):
         return [k for child in event.cpu_children for k in _launched(child)]
     return [event.name]
 
@@ -352,10 +352,9 @@ def _launched(event) -> list:
 def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, name, monkeypatch):
     """Both families' training step (DropPath on) with every fused op running its Triton kernel, the depth-wise
     convolution's included (as on a GPU): the loss and every gradient as with the ops' plain composition, in
-    float32, and bit for bit alike whether eager mode calls the ops' implementations directly or the profiler sees
-    them through the dispatcher. Inside each op, the kernels it launches (Triton launches and aten ops that launch
-    one, found in the profiler's tree) are what ``fused.LAUNCHES`` says, which the step-cost tool counts for it;
-    whatever else the step launches is outside the ops, where the tool sees it."""
+    float32. Inside each op (a profiler range named as the op), the kernels it launches (Triton launches and aten
+    ops that launch one, found in the profiler's tree) are what ``fused.LAUNCHES`` says, which the step-cost tool
+    counts for it; whatever else the step launches is outside the ops, where the tool sees it."""
     from torch.profiler import profile, record_function
     from triton.runtime.interpreter import GridExecutor
 
@@ -379,12 +378,10 @@ def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, n
 
     monkeypatch.setattr(GridExecutor, "__call__", wrap_launches(launch))
     monkeypatch.setattr(fused, "_kernels", lambda t: interpreted)
-    direct = step()  # each op's implementation called directly, as eager training calls it
-    with profile() as prof:  # through the dispatcher, as the profiler sees the ops
+    with profile() as prof:
         through_kernels = step()
-    for a, b, c in zip(through_kernels, plain, direct):
+    for a, b in zip(through_kernels, plain):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(c, a, rtol=0, atol=0)
     ops = [e for e in prof.events() if e.name.startswith("lipsformer::")]
     launched = [(e.name.split("::")[1], _launched(e)) for e in ops]
     assert {"residual_center_norm_backward", "depthwise_conv", "conv_residual_backward"} <= {op for op, _ in launched}
@@ -393,11 +390,11 @@ def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, n
 
 
 @pytest.mark.parametrize("name", ["lipsformer_swin_t", "lipsformer_cswin_t"])
-def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_or_the_profiler_sees_each(name, monkeypatch):
+def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_sees_each(name, monkeypatch):
     """Both families' training step (DropPath on, the GPU's depth-wise route): in eager mode no fused op goes
-    through the dispatcher, whose torch.library wrappers cost the host several launches a call (docs/speed.md);
-    under a dispatch mode (the step-cost tool's count) and under the profiler every one does, each seen as one op;
-    the loss and every gradient bit for bit alike."""
+    through the dispatcher, whose torch.library wrappers cost the host more than twice a direct call (docs/speed.md),
+    and the profiler sees each call as a range named as the op; under a dispatch mode (the step-cost tool's count)
+    every one does, each seen as one op; the loss and every gradient bit for bit alike."""
     from torch.profiler import profile
 
     from lipsformer.layers import conv_blocks
@@ -428,9 +425,10 @@ def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_or_the_prof
     seen, dispatched = dispatched, Counter()
     with profile() as prof:
         profiled = step()
-    # the profiler also sees a fused op that another's CPU implementation calls, which a dispatch mode does not
-    assert dispatched == Counter(e.name.split("::")[1] for e in prof.events() if e.name.startswith("lipsformer::"))
-    assert set(dispatched) == set(seen)
+    assert not dispatched
+    ranges = Counter(e.name.split("::")[1] for e in prof.events() if e.name.startswith("lipsformer::"))
+    # and a fused op that another's CPU implementation calls, which a dispatch mode does not see
+    assert set(ranges) == set(seen) and all(ranges[op] >= n for op, n in seen.items())
     for a, b, c in zip(direct, moded, profiled):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         torch.testing.assert_close(c, a, rtol=0, atol=0)

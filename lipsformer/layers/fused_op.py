@@ -1,14 +1,14 @@
 """How a fused op (:mod:`lipsformer.layers.fused`) is registered and called: a ``torch.library`` custom op, and in
 eager mode a direct call of the same implementation.
 
-The custom op is what the dispatcher sees: ``torch.compile`` and export (one node, ``register_fake``), dispatch
-modes (fake tensors, the step-cost tool's count, ``FlopCounterMode``) and the profiler (one named op). Calling it
-costs the host the dispatcher twice and torch.library's Python wrappers (its ``autograd.Function`` around a
-redispatch, the schema's defaults filled in, the outputs checked for aliases), forward and again backward: more than
-twice what a direct call of the implementation costs (``benchmarks/host_cost.py``, docs/speed.md). So where no
-dispatch mode is on and the profiler is off, :class:`FusedOp` calls the implementation itself, through a plain
-``autograd.Function`` with the same setup and backward as the op's ``register_autograd``: one implementation, two
-entries.
+The custom op is what the dispatcher sees: ``torch.compile`` and export (one node, ``register_fake``) and dispatch
+modes (fake tensors, the step-cost tool's count, ``FlopCounterMode``). Calling it costs the host the dispatcher twice
+and torch.library's Python wrappers (its ``autograd.Function`` around a redispatch, the schema's defaults filled in,
+the outputs checked for aliases), forward and again backward: more than twice what a direct call of the
+implementation costs (``benchmarks/host_cost.py``, docs/speed.md). So where no dispatch mode is on,
+:class:`FusedOp` calls the implementation itself, through a plain ``autograd.Function`` with the same setup and
+backward as the op's ``register_autograd``: one implementation, two entries. The profiler sees each direct call as a
+range named as the op (``lipsformer::name``), at the host cost eager mode pays.
 """
 import inspect
 import typing
@@ -19,19 +19,19 @@ from torch import Tensor
 
 
 def dispatched() -> bool:
-    """Whether fused ops go through the dispatcher: a ``TorchDispatchMode`` is on, or the profiler records (either
-    should see each op as one)."""
-    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled()
+    """Whether fused ops go through the dispatcher: a ``TorchDispatchMode`` is on, which should see each as one op."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 class FusedOp:
     """A fused op: ``op``, the ``torch.library`` custom op of ``fn`` (``register_fake`` and ``register_autograd`` as
     the custom op's), called where :func:`dispatched`; elsewhere ``fn`` itself, differentiable through ``entry``, an
     ``autograd.Function`` of the registered setup and backward (so a differentiable op takes no list of tensors,
-    whose tensors an ``autograd.Function`` does not see). Called with its arguments by position."""
+    whose tensors an ``autograd.Function`` does not see), in a profiler range named ``qualname`` where the profiler
+    records. Called with its arguments by position."""
 
     def __init__(self, name: str, fn: Callable):
-        self.name = name.replace("::", "_")  # the entry's autograd node: lipsformer_<op>Backward
+        self.qualname, self.name = name, name.replace("::", "_")  # the entry's autograd node: lipsformer_<op>Backward
         self.fn, self.op = fn, torch.library.custom_op(name, fn, mutates_args=())
         params = list(inspect.signature(fn).parameters.values())
         self.arity = len(params)
@@ -61,7 +61,11 @@ class FusedOp:
             return self.op(*args)
         if len(args) < self.arity:  # the defaults, which setup_context reads
             args += self.defaults[len(self.defaults) - (self.arity - len(args)):]
-        return self.entry.apply(*args) if self.entry is not None and torch.is_grad_enabled() else self.fn(*args)
+        call = self.entry.apply if self.entry is not None and torch.is_grad_enabled() else self.fn
+        if not torch._C._autograd._profiler_enabled():
+            return call(*args)
+        with torch.profiler.record_function(self.qualname):
+            return call(*args)
 
 
 def fused_op(name: str) -> Callable[[Callable], FusedOp]:
