@@ -340,10 +340,11 @@ _NO_KERNEL = {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty
 
 def _launched(event) -> list:
     """The kernels a profiler event launches: a Triton launch, or an aten op that launches (one kernel, whatever
-    it calls on the CPU); inside ops that launch none, what they call."""
+    it calls on the CPU); inside ops that launch none (a fused op's range, its eager entry's ``autograd.Function``
+    ``lipsformer_<op>``), what they call."""
     if event.name.startswith("triton::"):
         return [event.name]
-    if event.name in _NO_KERNEL or event.name.startswith("lipsformer::"):
+    if event.name in _NO_KERNEL or event.name.startswith(("lipsformer::", "lipsformer_")):
         return [k for child in event.cpu_children for k in _launched(child)]
     return [event.name]
 
@@ -352,9 +353,10 @@ def _launched(event) -> list:
 def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, name, monkeypatch):
     """Both families' training step (DropPath on) with every fused op running its Triton kernel, the depth-wise
     convolution's included (as on a GPU): the loss and every gradient as with the ops' plain composition, in
-    float32. Inside each op (a profiler range named as the op), the kernels it launches (Triton launches and aten
-    ops that launch one, found in the profiler's tree) are what ``fused.LAUNCHES`` says, which the step-cost tool
-    counts for it; whatever else the step launches is outside the ops, where the tool sees it."""
+    float32, and alike through the custom ops (a dispatch mode). Inside each op (a profiler range named as the op),
+    the kernels it launches (Triton launches and aten ops that launch one, found in the profiler's tree) are what
+    ``fused.LAUNCHES`` says, which the step-cost tool counts for it; whatever else the step launches is outside the
+    ops, where the tool sees it."""
     from torch.profiler import profile, record_function
     from triton.runtime.interpreter import GridExecutor
 
@@ -380,8 +382,11 @@ def test_a_training_step_through_the_kernels_equals_the_plain_ops(interpreted, n
     monkeypatch.setattr(fused, "_kernels", lambda t: interpreted)
     with profile() as prof:
         through_kernels = step()
-    for a, b in zip(through_kernels, plain):
+    with OpNames():  # through the custom ops, which refuse outputs that alias inputs
+        dispatched = step()
+    for a, b, c in zip(through_kernels, plain, dispatched):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
     ops = [e for e in prof.events() if e.name.startswith("lipsformer::")]
     launched = [(e.name.split("::")[1], _launched(e)) for e in ops]
     assert {"residual_center_norm_backward", "depthwise_conv", "conv_residual_backward"} <= {op for op, _ in launched}
@@ -434,19 +439,32 @@ def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_sees_each(n
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
-def test_a_differentiable_fused_op_refuses_a_list_of_tensors():
+@pytest.mark.parametrize("form", ["List[Tensor]", "Sequence[Tensor]", "Optional[List[Tensor]]",
+                                  "List[Optional[Tensor]]", "list[Tensor] | None"])
+def test_a_differentiable_fused_op_refuses_a_list_of_tensors(form):
     """An ``autograd.Function`` does not see the tensors in a list, so eager mode's entry could not differentiate
-    them: registering autograd on such an op says so."""
-    from typing import List
+    them: registering autograd on such an op says so, in each form an op's schema takes a list of tensors."""
+    from typing import List, Optional, Sequence  # noqa: F401  (the forms' names)
+
+    from torch import Tensor  # noqa: F401
 
     from lipsformer.layers.fused_op import fused_op
 
-    @fused_op("lipsformer_tests::listed")
-    def listed(ts: List[torch.Tensor]) -> torch.Tensor:
-        return ts[0].clone()
-
+    def listed(ts, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+    listed.__annotations__["ts"] = eval(form)
+    op = fused_op(f"lipsformer_tests::listed_{abs(hash(form))}")(listed)
     with pytest.raises(TypeError, match="does not see the tensors in a list"):
-        listed.register_autograd(lambda ctx, grad: None, lambda ctx, inputs, output: None)
+        op.register_autograd(lambda ctx, grad: None, lambda ctx, inputs, output: None)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's loop over an op without a batching rule
+def test_a_torch_func_transform_takes_the_custom_op():
+    """Under ``torch.func.vmap`` a fused op goes through the dispatcher, whose custom op batches (eager mode's
+    ``autograd.Function`` takes no transform)."""
+    x, h, mask = torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.tensor([1.0, 0.0])
+    got = torch.func.vmap(lambda a, b: fused._radd(a, b, mask, 0.5))(x, h)
+    torch.testing.assert_close(got, torch.stack([torch.addcmul(a, b, (mask / 0.5).view(2, 1)) for a, b in zip(x, h)]))
 
 
 def test_torch_compile_sees_each_fused_op_as_one_node():

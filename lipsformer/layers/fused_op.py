@@ -10,7 +10,9 @@ implementation costs (``benchmarks/host_cost.py``, docs/speed.md). So where no d
 backward as the op's ``register_autograd``: one implementation, two entries. The profiler sees each direct call as a
 range named as the op (``lipsformer::name``), at the host cost eager mode pays.
 """
+import collections.abc
 import inspect
+import types
 import typing
 from typing import Callable
 
@@ -19,8 +21,21 @@ from torch import Tensor
 
 
 def dispatched() -> bool:
-    """Whether fused ops go through the dispatcher: a ``TorchDispatchMode`` is on, which should see each as one op."""
-    return torch._C._len_torch_dispatch_stack() > 0
+    """Whether fused ops go through the dispatcher: a ``TorchDispatchMode`` is on, which should see each as one op,
+    or a ``torch.func`` transform, which an ``autograd.Function`` without ``setup_context`` does not take."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
+
+
+_UNIONS = (typing.Union, types.UnionType)  # Optional[T], T | None
+
+
+def _holds_tensors(annotation) -> bool:
+    """Whether an argument's annotation is a list or sequence of tensors (optional ones included), or optionally
+    one: tensors an ``autograd.Function`` does not see."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, collections.abc.Sequence):
+        return any(a is Tensor or typing.get_origin(a) in _UNIONS and Tensor in typing.get_args(a) for a in args)
+    return origin in _UNIONS and any(_holds_tensors(a) for a in args)
 
 
 class FusedOp:
@@ -42,8 +57,7 @@ class FusedOp:
         return self.op.register_fake(fn)
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
-        params = inspect.signature(self.fn).parameters.values()
-        if any(typing.get_origin(p.annotation) is list and typing.get_args(p.annotation) == (Tensor,) for p in params):
+        if any(_holds_tensors(p.annotation) for p in inspect.signature(self.fn).parameters.values()):
             raise TypeError(f"{self.name}: an autograd.Function does not see the tensors in a list; give a "
                             "differentiable fused op its tensors one by one")
         self.op.register_autograd(backward, setup_context=setup_context)
