@@ -14,10 +14,12 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import List, Optional, Sequence
 
 import pytest
 import timm
 import torch
+from torch import Tensor
 
 from conftest import TINY, OpNames, family
 from lipsformer.layers import fused, gelu, stripes
@@ -439,21 +441,19 @@ def test_eager_mode_calls_the_fused_ops_directly_and_a_dispatch_mode_sees_each(n
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("form", ["List[Tensor]", "Sequence[Tensor]", "Optional[List[Tensor]]",
-                                  "List[Optional[Tensor]]", "list[Tensor] | None"])
-def test_a_differentiable_fused_op_refuses_a_list_of_tensors(form):
+LISTS = [List[Tensor], Sequence[Tensor], Optional[List[Tensor]], List[Optional[Tensor]], list[Tensor] | None]
+
+
+@pytest.mark.parametrize("i", range(len(LISTS)), ids=[str(a) for a in LISTS])
+def test_a_differentiable_fused_op_refuses_a_list_of_tensors(i):
     """An ``autograd.Function`` does not see the tensors in a list, so eager mode's entry could not differentiate
     them: registering autograd on such an op says so, in each form an op's schema takes a list of tensors."""
-    from typing import List, Optional, Sequence  # noqa: F401  (the forms' names)
-
-    from torch import Tensor  # noqa: F401
-
     from lipsformer.layers.fused_op import fused_op
 
     def listed(ts, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
-    listed.__annotations__["ts"] = eval(form)
-    op = fused_op(f"lipsformer_tests::listed_{abs(hash(form))}")(listed)
+    listed.__annotations__["ts"] = LISTS[i]
+    op = fused_op(f"lipsformer_tests::listed_{i}")(listed)
     with pytest.raises(TypeError, match="does not see the tensors in a list"):
         op.register_autograd(lambda ctx, grad: None, lambda ctx, inputs, output: None)
 
